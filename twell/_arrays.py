@@ -1,0 +1,86 @@
+"""Array-library plumbing shared by the formats, the reference and the dispatcher.
+
+twell's containers hold NumPy or CuPy arrays; the public ops also take PyTorch tensors.
+Nothing here imports CuPy or torch eagerly: a library is only touched when an array of
+it is seen.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Floating dtypes the public ops accept (by ``np.dtype``).
+FLOAT_DTYPES = (bfloat16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def library_of(array: Any) -> str:
+    """Name the array library of ``array``: ``"numpy"``, ``"cupy"`` or ``"torch"``.
+
+    Raises:
+        TypeError: ``array`` is none of the three.
+    """
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    module = type(array).__module__.split(".")[0]
+    if module in ("cupy", "torch"):
+        return module
+    raise TypeError(
+        f"expected a numpy.ndarray, cupy.ndarray or torch.Tensor, got {type(array).__name__}"
+    )
+
+
+def xp_of(array: Any) -> ModuleType:
+    """The NumPy-like module (``numpy`` or ``cupy``) that operates on ``array``."""
+    if isinstance(array, np.ndarray):
+        return np
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    raise TypeError(f"expected a numpy or cupy array, got {type(array).__name__}")
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """Copy a NumPy/CuPy array to host memory (NumPy arrays pass through)."""
+    if isinstance(array, np.ndarray):
+        return array
+    return array.get()
+
+
+def bf16_bits(values: Any) -> Any:
+    """Round to bfloat16 (nearest, ties to even, from float32) and return the bit patterns.
+
+    Works on NumPy and CuPy arrays alike, so the reference and the GPU containers share
+    one definition of the rounding. NaN stays NaN (quiet, sign kept); ±Inf stays ±Inf.
+
+    Returns:
+        uint32 array of the same shape with the 16 bf16 bits in its low half.
+    """
+    xp = xp_of(values)
+    bits = xp.ascontiguousarray(values, dtype=xp.float32).view(xp.uint32)
+    rounded = (bits + (xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1)))) >> 16
+    is_nan = (bits & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
+    quiet_nan = (bits >> 16) | xp.uint32(0x0040)
+    return xp.where(is_nan, quiet_nan, rounded).astype(xp.uint32)
+
+
+def bf16_values(bits: Any) -> Any:
+    """Decode bf16 bit patterns (low 16 bits of each element) to float32."""
+    xp = xp_of(bits)
+    return ((bits.astype(xp.uint32) & xp.uint32(0xFFFF)) << 16).view(xp.float32)
+
+
+def round_bf16(values: Any) -> Any:
+    """``values`` rounded to the nearest bfloat16, returned as float32."""
+    return bf16_values(bf16_bits(values))
+
+
+def as_float(array: np.ndarray, dtype: Any = np.float64) -> np.ndarray:
+    """Upcast a NumPy array (ml_dtypes bf16 included) to a float dtype for the reference."""
+    return np.asarray(array).astype(dtype, copy=False)

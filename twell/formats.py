@@ -1,0 +1,488 @@
+"""TwELL (tile-wise ELLPACK) and Hybrid (TwELL plus a dense backup for heavy rows).
+
+Both containers hold NumPy or CuPy arrays and never copy what they are given; every
+method runs on the array library of the data it holds. The layouts are those of
+SPEC.md §2–3 and docs/format.md:
+
+- ``TwELL.packed`` is ``uint32 [M, (N / tile) * slots]``. Row ``m``, tile ``j`` owns the
+  ``slots`` words from ``j * slots``: word 0 is the true number ``c`` of nonzeros of
+  ``h[m, j*tile:(j+1)*tile]``; when ``c <= slots - 1`` words ``1..c`` each hold one entry
+  (low 16 bits: global column, high 16 bits: bf16 value). A tile with ``c > slots - 1``
+  has *overflowed*: its payload is unspecified and its row must be read elsewhere.
+- ``Hybrid`` adds ``dense_rows`` (sorted unique int32 row ids) and ``dense`` (``[R, N]``):
+  those rows are read from ``dense``; every other row from ``ell``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from twell._arrays import bf16_bits, bf16_values, to_numpy, xp_of
+
+DEFAULT_TILE = 256
+DEFAULT_SLOTS = 32
+MAX_COLUMNS = 65536  # column indices are 16 bits
+
+
+def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, int]:
+    """Validate a TwELL geometry and return ``(M, N)`` as Python ints.
+
+    Raises:
+        ValueError: ``tile``/``slots`` out of range or not powers of two, ``N % tile``,
+            ``N > 65536``, or a negative dimension.
+        TypeError: a parameter is not an integer.
+    """
+    for name, value in (("tile", tile), ("slots", slots)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    tile, slots = int(tile), int(slots)
+    if not (32 <= tile <= 256) or tile & (tile - 1):
+        raise ValueError(f"tile: expected a power of two in [32, 256], got {tile}")
+    if not (2 <= slots <= tile) or slots & (slots - 1):
+        raise ValueError(f"slots: expected a power of two in [2, tile={tile}], got {slots}")
+    if len(shape) != 2:
+        raise ValueError(f"shape: expected (M, N), got {shape!r}")
+    rows, columns = (int(d) for d in shape)
+    if rows < 0 or columns < 0:
+        raise ValueError(f"shape: dimensions must be >= 0, got {shape!r}")
+    if columns % tile:
+        raise ValueError(f"shape: N={columns} is not a multiple of tile={tile}")
+    if columns > MAX_COLUMNS:
+        raise ValueError(f"shape: N={columns} exceeds {MAX_COLUMNS} (16-bit column indices)")
+    return rows, columns
+
+
+class TwELL:
+    """A matrix ``[M, N]`` in tile-wise ELLPACK form (SPEC.md §2).
+
+    Args:
+        packed: ``uint32 [M, (N / tile) * slots]`` words, NumPy or CuPy; not copied.
+        shape: ``(M, N)`` of the matrix it encodes.
+        tile: columns per tile, a power of two in [32, 256].
+        slots: 32-bit words per row-tile including the count word, a power of two in
+            [2, tile]; a tile holds at most ``slots - 1`` entries.
+
+    The constructor checks shapes and dtypes only (cheap); :meth:`validate` checks the
+    contents of a buffer that came from outside.
+    """
+
+    def __init__(
+        self,
+        packed: Any,
+        shape: tuple[int, int],
+        tile: int = DEFAULT_TILE,
+        slots: int = DEFAULT_SLOTS,
+    ) -> None:
+        rows, columns = check_layout(tuple(shape), tile, slots)
+        xp_of(packed)  # raises TypeError for anything but numpy/cupy
+        if packed.dtype != np.uint32:
+            raise TypeError(f"packed: expected dtype uint32, got {packed.dtype}")
+        width = columns // tile * slots
+        if packed.shape != (rows, width):
+            raise ValueError(
+                f"packed: expected shape ({rows}, {width}) for shape={shape!r}, "
+                f"tile={tile}, slots={slots}; got {tuple(packed.shape)}"
+            )
+        self.packed = packed
+        self.shape = (rows, columns)
+        self.tile = int(tile)
+        self.slots = int(slots)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_dense(cls, h: Any, tile: int = DEFAULT_TILE, slots: int = DEFAULT_SLOTS) -> TwELL:
+        """Pack a dense ``[M, N]`` matrix (NumPy or CuPy, any float dtype).
+
+        Values are rounded to bfloat16 (nearest even, from float32). Entries that are zero
+        after rounding are not stored. NaN counts as a nonzero and is stored. Overflowed
+        tiles keep their true count and the first ``slots - 1`` entries.
+        """
+        xp = xp_of(h)
+        if h.ndim != 2:
+            raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
+        rows, columns = check_layout(h.shape, tile, slots)
+        tiles = columns // tile
+        nonzero = h != 0  # NaN counts as a nonzero
+        m, n = xp.nonzero(nonzero)
+        bits = bf16_bits(h[m, n])
+        rounds_to_zero = (bits & xp.uint32(0x7FFF)) == 0  # tiny values: ±0 in bf16
+        if bool(rounds_to_zero.any()):
+            nonzero[m[rounds_to_zero], n[rounds_to_zero]] = False
+            m, n, bits = m[~rounds_to_zero], n[~rounds_to_zero], bits[~rounds_to_zero]
+        counts = nonzero.reshape(rows, tiles, tile).sum(axis=2, dtype=xp.int32)
+        packed = xp.zeros((rows, tiles * slots), dtype=xp.uint32)
+        packed[:, ::slots] = counts.astype(xp.uint32)
+        if m.size:
+            # Entries come in row-major order, so each row-tile's entries are contiguous:
+            # an entry's rank in its row-tile is its position minus the group's start.
+            group = m * tiles + n // tile
+            flat_counts = counts.reshape(-1)
+            starts = xp.cumsum(flat_counts) - flat_counts
+            rank = xp.arange(m.size) - starts[group]
+            keep = rank < slots - 1
+            m, n, bits, rank = m[keep], n[keep], bits[keep], rank[keep]
+            word = (n // tile) * slots + 1 + rank
+            packed[m, word] = n.astype(xp.uint32) | (bits << 16)
+        return cls(packed, (rows, columns), tile, slots)
+
+    # ----------------------------------------------------------------- statistics
+    @property
+    def xp(self):  # noqa: ANN201 - numpy or cupy module
+        """The array module (``numpy`` or ``cupy``) holding the data."""
+        return xp_of(self.packed)
+
+    @property
+    def tiles(self) -> int:
+        """Tiles per row, ``N / tile``."""
+        return self.shape[1] // self.tile
+
+    def _words(self) -> Any:
+        return self.packed.reshape(self.shape[0], self.tiles, self.slots)
+
+    def counts(self) -> Any:
+        """True nonzero count of every row-tile, ``int32 [M, N / tile]``."""
+        return self._words()[:, :, 0].astype(self.xp.int32)
+
+    @property
+    def nnz(self) -> int:
+        """Nonzeros of the encoded matrix (true counts, overflowed tiles included)."""
+        return int(self.counts().sum())
+
+    def overflow_rows(self) -> Any:
+        """Sorted row ids (int32) with at least one overflowed tile."""
+        xp = self.xp
+        return xp.nonzero((self.counts() > self.slots - 1).any(axis=1))[0].astype(xp.int32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed buffer."""
+        return int(self.packed.nbytes)
+
+    def __repr__(self) -> str:
+        return (
+            f"<TwELL shape={self.shape} tile={self.tile} slots={self.slots} "
+            f"nnz={self.nnz} overflow_rows={int(self.overflow_rows().size)} "
+            f"bytes={self.nbytes} ({type(self.packed).__module__.split('.')[0]})>"
+        )
+
+    # ----------------------------------------------------------------- decoding
+    def _live(self, rows: Any = None) -> Any:
+        """Boolean ``[M, tiles, slots - 1]``: payload words that hold an entry."""
+        xp = self.xp
+        counts = self._words()[:, :, 0].astype(xp.int32)
+        live = counts[:, :, None] > xp.arange(self.slots - 1, dtype=xp.int32)
+        live &= (counts <= self.slots - 1)[:, :, None]
+        if rows is not None:
+            live &= rows[:, None, None]
+        return live
+
+    def _stored(self, rows: Any = None) -> tuple[Any, Any, Any, Any]:
+        """``(row, tile, slot, word)`` of every stored entry (slot counts from 1)."""
+        m, j, s = self.xp.nonzero(self._live(rows))
+        return m, j, s + 1, self._words()[m, j, s + 1]
+
+    def entries(self, rows: Any = None) -> tuple[Any, Any, Any]:
+        """Stored entries of non-overflowed tiles as ``(row, column, float32 value)``.
+
+        Args:
+            rows: optional boolean mask ``[M]`` selecting the rows to decode.
+
+        Entries come in row-major tile order, slot order inside a tile.
+        """
+        xp = self.xp
+        m, _, _, word = self._stored(rows)
+        column = (word & xp.uint32(0xFFFF)).astype(xp.int32)
+        return m.astype(xp.int32), column, bf16_values(word >> 16)
+
+    def to_dense(self, dtype: Any = np.float32) -> Any:
+        """Decode to a dense ``[M, N]`` array.
+
+        Raises:
+            ValueError: a tile overflowed (its row is not in this object: wrap it in a
+                :class:`Hybrid`, whose dense part holds such rows).
+        """
+        heavy = self.overflow_rows()
+        if heavy.size:
+            raise ValueError(
+                f"TwELL: {int(heavy.size)} row(s) overflowed a tile (first: row "
+                f"{int(heavy[0])}); their entries are not stored here — use a Hybrid"
+            )
+        xp = self.xp
+        out = xp.zeros(self.shape, dtype=dtype)
+        m, n, v = self.entries()
+        out[m, n] = v.astype(dtype)
+        return out
+
+    def to_csr(self):  # noqa: ANN201 - scipy/cupyx csr_matrix
+        """The matrix as a SciPy (or cupyx) CSR matrix with float32 values."""
+        return _csr(self.entries(), self.shape, self.xp)
+
+    # ----------------------------------------------------------------- validation
+    def validate(self, rows: Any = None) -> TwELL:
+        """Check the packed buffer's contents; return ``self`` if valid.
+
+        Checks, for every row-tile: count ≤ tile; and where the tile did not overflow,
+        each stored column lies inside its tile, columns are distinct, and no stored value
+        is ±0.
+
+        Args:
+            rows: optional boolean mask ``[M]``; payloads of other rows are not checked
+                (a :class:`Hybrid` reads them from its dense part).
+
+        Raises:
+            ValueError: naming the first bad row, tile and slot.
+        """
+        xp = self.xp
+        counts = self.counts()
+        too_many = counts > self.tile
+        if bool(too_many.any()):
+            m, j = (int(i) for i in xp.argwhere(too_many)[0])
+            raise ValueError(
+                f"packed: row {m}, tile {j}: count {int(counts[m, j])} exceeds the tile "
+                f"width {self.tile}"
+            )
+        m, j, slot, word = self._stored(rows)
+        if not m.size:
+            return self
+        column = (word & xp.uint32(0xFFFF)).astype(xp.int32)
+
+        def fail(bad: Any, what: str) -> None:
+            i = int(xp.argmax(bad))
+            raise ValueError(
+                f"packed: row {int(m[i])}, tile {int(j[i])}, slot {int(slot[i])}: "
+                + what.format(
+                    column=int(column[i]),
+                    start=int(j[i]) * self.tile,
+                    end=(int(j[i]) + 1) * self.tile,
+                )
+            )
+
+        outside = (column // self.tile) != j
+        if bool(outside.any()):
+            fail(outside, "column {column} lies outside the tile [{start}, {end})")
+        zero = ((word >> 16) & xp.uint32(0x7FFF)) == 0
+        if bool(zero.any()):
+            fail(zero, "stores a zero value at column {column} (zeros are never stored)")
+        # Duplicates: sort (row, column) keys; equal neighbours are duplicates.
+        key = m.astype(xp.int64) * self.shape[1] + column
+        order = xp.argsort(key, kind="stable")
+        duplicate = xp.zeros(m.shape, dtype=bool)
+        duplicate[order[1:]] = key[order[1:]] == key[order[:-1]]
+        if bool(duplicate.any()):
+            fail(duplicate, "column {column} is stored twice in this tile")
+        return self
+
+    check_format = validate
+
+
+class Hybrid:
+    """TwELL for light rows plus a dense backup for heavy rows (SPEC.md §3).
+
+    Args:
+        ell: the :class:`TwELL` part, shape ``[M, N]``.
+        dense_rows: sorted, unique int32 row ids ``[R]`` read from ``dense``.
+        dense: ``[R, N]`` values of those rows (any float dtype).
+
+    Row ``m`` is ``dense[i]`` where ``dense_rows[i] == m``, else row ``m`` of ``ell``.
+    """
+
+    def __init__(self, ell: TwELL, dense_rows: Any, dense: Any) -> None:
+        if not isinstance(ell, TwELL):
+            raise TypeError(f"ell: expected a TwELL, got {type(ell).__name__}")
+        xp = ell.xp
+        for name, array in (("dense_rows", dense_rows), ("dense", dense)):
+            if xp_of(array) is not xp:
+                raise TypeError(
+                    f"{name}: expected a {xp.__name__} array like ell.packed, "
+                    f"got {type(array).__module__}.{type(array).__name__}"
+                )
+        if dense_rows.dtype != np.int32 or dense_rows.ndim != 1:
+            raise TypeError(
+                f"dense_rows: expected a 1-D int32 array, got {dense_rows.dtype} "
+                f"with shape {tuple(dense_rows.shape)}"
+            )
+        if dense.shape != (dense_rows.shape[0], ell.shape[1]):
+            raise ValueError(
+                f"dense: expected shape ({dense_rows.shape[0]}, {ell.shape[1]}), "
+                f"got {tuple(dense.shape)}"
+            )
+        self.ell = ell
+        self.dense_rows = dense_rows
+        self.dense = dense
+
+    @classmethod
+    def from_dense(
+        cls,
+        h: Any,
+        tile: int = DEFAULT_TILE,
+        slots: int = DEFAULT_SLOTS,
+        *,
+        max_row_nnz: int | None = None,
+    ) -> Hybrid:
+        """Split a dense ``[M, N]`` matrix into TwELL and a dense backup.
+
+        A row goes to the dense part when one of its tiles overflows or it holds a
+        non-finite value; with ``max_row_nnz`` also when it has more nonzeros than that.
+        The dense part keeps ``h``'s values and dtype; the TwELL part holds bf16 values.
+        """
+        xp = xp_of(h)
+        ell = TwELL.from_dense(h, tile, slots)
+        heavy = (ell.counts() > slots - 1).any(axis=1)
+        heavy |= ~xp.isfinite(h).all(axis=1)
+        if max_row_nnz is not None:
+            heavy |= ell.counts().sum(axis=1) > max_row_nnz
+        rows = xp.nonzero(heavy)[0].astype(xp.int32)
+        return cls(ell, rows, h[rows])
+
+    # ----------------------------------------------------------------- statistics
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(M, N)``."""
+        return self.ell.shape
+
+    @property
+    def tile(self) -> int:
+        """Tile width of the TwELL part."""
+        return self.ell.tile
+
+    @property
+    def slots(self) -> int:
+        """Slots per row-tile of the TwELL part."""
+        return self.ell.slots
+
+    @property
+    def packed(self) -> Any:
+        """The TwELL part's packed words."""
+        return self.ell.packed
+
+    @property
+    def xp(self):  # noqa: ANN201
+        """The array module (``numpy`` or ``cupy``) holding the data."""
+        return self.ell.xp
+
+    def light_mask(self) -> Any:
+        """Boolean ``[M]``: rows read from the TwELL part."""
+        xp = self.xp
+        mask = xp.ones(self.shape[0], dtype=bool)
+        mask[self.dense_rows] = False
+        return mask
+
+    def counts(self) -> Any:
+        """Nonzeros per row-tile, ``int32 [M, N / tile]`` (dense rows counted exactly)."""
+        xp = self.xp
+        counts = self.ell.counts()
+        if self.dense_rows.size:
+            tiles = self.dense.reshape(self.dense.shape[0], self.ell.tiles, self.tile)
+            counts[self.dense_rows] = (tiles != 0).sum(axis=2, dtype=xp.int32)
+        return counts
+
+    @property
+    def nnz(self) -> int:
+        """Nonzeros of the whole matrix."""
+        return int(self.counts().sum())
+
+    def overflow_rows(self) -> Any:
+        """Rows whose TwELL tiles overflowed (all of them are among ``dense_rows``)."""
+        return self.ell.overflow_rows()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three parts together."""
+        return int(self.ell.nbytes + self.dense_rows.nbytes + self.dense.nbytes)
+
+    def __repr__(self) -> str:
+        rows = self.shape[0]
+        heavy = int(self.dense_rows.size)
+        share = f"{100 * heavy / rows:.2f}%" if rows else "-"
+        return (
+            f"<Hybrid shape={self.shape} tile={self.tile} slots={self.slots} nnz={self.nnz} "
+            f"dense_rows={heavy} ({share}) bytes={self.nbytes} "
+            f"({type(self.packed).__module__.split('.')[0]})>"
+        )
+
+    # ----------------------------------------------------------------- decoding
+    def to_dense(self, dtype: Any = np.float32) -> Any:
+        """Decode to a dense ``[M, N]`` array."""
+        xp = self.xp
+        out = xp.zeros(self.shape, dtype=dtype)
+        m, n, v = self.ell.entries(self.light_mask())
+        out[m, n] = v.astype(dtype)
+        out[self.dense_rows] = self.dense.astype(dtype)
+        return out
+
+    def entries(self) -> tuple[Any, Any, Any]:
+        """All nonzeros as ``(row, column, float32 value)``, light and dense rows."""
+        xp = self.xp
+        m, n, v = self.ell.entries(self.light_mask())
+        dm, dn = xp.nonzero(self.dense != 0)
+        dv = self.dense[dm, dn].astype(xp.float32)
+        return (
+            xp.concatenate([m, self.dense_rows[dm]]),
+            xp.concatenate([n, dn.astype(xp.int32)]),
+            xp.concatenate([v, dv]),
+        )
+
+    def to_csr(self):  # noqa: ANN201
+        """The matrix as a SciPy (or cupyx) CSR matrix with float32 values."""
+        return _csr(self.entries(), self.shape, self.xp)
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> Hybrid:
+        """Check both parts and the routing rule; return ``self`` if valid.
+
+        Raises:
+            ValueError: ``dense_rows`` not sorted, unique or in range; a row that
+                overflowed a tile or holds a non-finite TwELL value has no dense backup;
+                or any :meth:`TwELL.validate` failure on the light rows.
+        """
+        xp = self.xp
+        rows = self.dense_rows
+        if rows.size:
+            if bool((rows[1:] <= rows[:-1]).any()):
+                raise ValueError("dense_rows: expected sorted, unique row ids")
+            if int(rows[0]) < 0 or int(rows[-1]) >= self.shape[0]:
+                raise ValueError(
+                    f"dense_rows: row ids must lie in [0, {self.shape[0]}), got "
+                    f"[{int(rows[0])}, {int(rows[-1])}]"
+                )
+        light = self.light_mask()
+        overflow = self.ell.overflow_rows()
+        orphan = overflow[light[overflow]]
+        if orphan.size:
+            raise ValueError(
+                f"dense_rows: row {int(orphan[0])} overflowed a tile but has no dense backup"
+            )
+        self.ell.validate(light)
+        m, _, v = self.ell.entries(light)
+        bad = ~xp.isfinite(v)
+        if bool(bad.any()):
+            raise ValueError(
+                f"dense_rows: row {int(m[int(xp.argmax(bad))])} holds a non-finite value "
+                "but has no dense backup"
+            )
+        return self
+
+    check_format = validate
+
+
+def _csr(entries: tuple[Any, Any, Any], shape: tuple[int, int], xp: Any):  # noqa: ANN202
+    m, n, v = entries
+    if xp is np:
+        import scipy.sparse
+
+        matrix = scipy.sparse.csr_matrix((v, (m, n)), shape=shape, dtype=np.float32)
+    else:
+        import cupyx.scipy.sparse
+
+        matrix = cupyx.scipy.sparse.coo_matrix((v, (m, n)), shape=shape).tocsr()
+    matrix.sum_duplicates()
+    return matrix
+
+
+def to_host(matrix: TwELL | Hybrid) -> TwELL | Hybrid:
+    """A NumPy copy of a (possibly CuPy-backed) TwELL or Hybrid."""
+    if isinstance(matrix, Hybrid):
+        return Hybrid(to_host(matrix.ell), to_numpy(matrix.dense_rows), to_numpy(matrix.dense))
+    return TwELL(to_numpy(matrix.packed), matrix.shape, matrix.tile, matrix.slots)

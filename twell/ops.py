@@ -1,0 +1,280 @@
+"""The public ops: validate, dispatch, restore the caller's array type.
+
+NumPy arrays run the reference (``twell.reference``) on the CPU and return float64
+NumPy arrays. CuPy arrays and PyTorch CUDA tensors run the GPU kernels
+(``twell.kernels``) zero-copy through DLPack, on the caller's current stream, and return
+the caller's type. Every check happens here, before anything is launched; the reference
+and the kernels receive clean 2-D inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from twell import reference
+from twell._arrays import FLOAT_DTYPES, library_of
+from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE, Hybrid, check_layout
+
+_TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
+
+
+@dataclass
+class _Inputs:
+    """Validated inputs of one call: the library, flat 2-D arrays, the output shape."""
+
+    library: str
+    arrays: dict[str, Any]
+    batch_shape: tuple[int, ...]
+
+
+def _library(named: dict[str, Any]) -> str:
+    """The one array library of all non-None arguments (TypeError if mixed)."""
+    libraries = {name: library_of(a) for name, a in named.items() if a is not None}
+    if len(set(libraries.values())) > 1:
+        listed = ", ".join(f"{name} is {lib}" for name, lib in libraries.items())
+        raise TypeError(f"mixed array types: {listed}; pass arrays of one library")
+    return next(iter(libraries.values()))
+
+
+def _check_dtype(name: str, array: Any, library: str) -> None:
+    if library == "torch":
+        dtype = str(array.dtype).removeprefix("torch.")
+        if dtype not in _TORCH_FLOATS:
+            raise TypeError(f"{name}: expected a floating dtype {_TORCH_FLOATS}, got {dtype}")
+        if array.device.type != "cuda":
+            raise TypeError(
+                f"{name}: torch tensors must live on a CUDA device (got {array.device}); "
+                "pass NumPy arrays to run the CPU reference"
+            )
+        return
+    if np.dtype(array.dtype) not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected a floating dtype (bfloat16, float16, float32, float64), "
+            f"got {array.dtype}"
+        )
+
+
+def _check_matrix(name: str, array: Any, rows: int | None, columns: int | None) -> None:
+    if array.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D matrix, got shape {tuple(array.shape)}")
+    for axis, (want, got) in enumerate(zip((rows, columns), array.shape, strict=True)):
+        if want is not None and want != got:
+            raise ValueError(
+                f"{name}: expected shape {(rows, columns)} (axis {axis} = {want}), "
+                f"got {tuple(array.shape)}"
+            )
+
+
+def _validate(
+    *,
+    x: Any = None,
+    hidden: Hybrid | None = None,
+    weights: dict[str, tuple[Any, str]],
+    tile: int | None = None,
+    slots: int | None = None,
+) -> _Inputs:
+    """Check every argument of an op; return them flattened to 2-D.
+
+    Args:
+        x: the ``[..., K]`` input, or None for ops without one.
+        hidden: a :class:`Hybrid` argument (its N and M constrain the rest).
+        weights: name → (array or None, layout) with layout ``"NK"`` or ``"KN"``.
+        tile, slots: the TwELL geometry to check, when the op produces a TwELL.
+    """
+    named = {"x": x, **{name: array for name, (array, _) in weights.items()}}
+    library = _library(named)
+    if hidden is not None:
+        if not isinstance(hidden, Hybrid):
+            raise TypeError(f"h: expected a twell.Hybrid, got {type(hidden).__name__}")
+        on_gpu = library in ("cupy", "torch")
+        if (hidden.xp is np) == on_gpu:
+            where = "GPU (CuPy)" if on_gpu else "NumPy"
+            raise TypeError(f"h: expected a Hybrid holding {where} arrays like the others")
+    for name, array in named.items():
+        if array is not None:
+            _check_dtype(name, array, library)
+
+    k = n = None
+    batch_shape: tuple[int, ...] = ()
+    flat: dict[str, Any] = {}
+    if x is not None:
+        if x.ndim < 1:
+            raise ValueError(f"x: expected shape [..., K], got {tuple(x.shape)}")
+        k = int(x.shape[-1])
+        batch_shape = tuple(int(d) for d in x.shape[:-1])
+        rows = math.prod(batch_shape)
+        if rows < 1 or k < 1:
+            raise ValueError(f"x: expected at least one token and K >= 1, got {tuple(x.shape)}")
+        flat["x"] = x.reshape(rows, k)
+    if hidden is not None:
+        n = hidden.shape[1]
+        if x is not None and hidden.shape[0] != flat["x"].shape[0]:
+            raise ValueError(
+                f"h: expected {flat['x'].shape[0]} rows (one per token of x), got {hidden.shape[0]}"
+            )
+    for name, (array, layout) in weights.items():
+        if array is None:
+            continue
+        if layout == "NK":
+            _check_matrix(name, array, n, k)
+            n, k = int(array.shape[0]), int(array.shape[1])
+        else:
+            _check_matrix(name, array, k, n)
+            k, n = int(array.shape[0]), int(array.shape[1])
+        flat[name] = array
+    if tile is not None:
+        check_layout((1, n), tile, slots)
+    if library != "numpy":
+        _check_gpu_arrays(flat, hidden)
+    if hidden is None and x is None:
+        raise ValueError("nothing to compute")
+    return _Inputs(library, flat, batch_shape)
+
+
+def _check_gpu_arrays(arrays: dict[str, Any], hidden: Hybrid | None) -> None:
+    """Kernels ignore strides and run on one device: check contiguity and devices."""
+    devices = {}
+    for name, array in arrays.items():
+        contiguous = (
+            array.is_contiguous() if hasattr(array, "is_contiguous") else array.flags.c_contiguous
+        )
+        if not contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array (call .contiguous())")
+        devices[name] = _device_id(array)
+    if hidden is not None:
+        devices["h"] = hidden.packed.device.id
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{name} on GPU {dev}" for name, dev in devices.items())
+        raise ValueError(f"arrays on different devices: {listed}")
+
+
+def _device_id(array: Any) -> int:
+    device = array.device
+    return int(device.index if hasattr(device, "index") else device.id)
+
+
+# ---------------------------------------------------------------------- GPU plumbing
+@contextlib.contextmanager
+def _on_gpu(inputs: _Inputs) -> Iterator[dict[str, Any]]:
+    """CuPy views of the inputs, on their device and the caller's current stream."""
+    try:
+        import cupy
+    except ImportError as error:  # pragma: no cover - depends on the installation
+        raise RuntimeError(
+            "twell's GPU ops need CuPy: pip install 'twell[cuda12]' or 'twell[cuda13]'"
+        ) from error
+    arrays = inputs.arrays
+    if inputs.library == "torch":
+        import torch
+
+        first = next(iter(arrays.values()))
+        stream = cupy.cuda.ExternalStream(
+            torch.cuda.current_stream(first.device).cuda_stream, first.device.index
+        )
+        device = cupy.cuda.Device(first.device.index)
+        arrays = {name: cupy.from_dlpack(a.detach()) for name, a in arrays.items()}
+    else:
+        device = next(iter(arrays.values())).device
+        stream = cupy.cuda.get_current_stream()
+    with device, stream:
+        yield arrays
+
+
+def _kernels():  # noqa: ANN202 - the twell.kernels module
+    from twell import kernels
+
+    return kernels
+
+
+def _restore(result: Any, inputs: _Inputs) -> Any:
+    """Give ``result`` the caller's array type and batch shape."""
+    if inputs.batch_shape != (result.shape[0],):
+        result = result.reshape(*inputs.batch_shape, result.shape[-1])
+    if inputs.library == "torch":
+        import torch
+
+        return torch.from_dlpack(result)
+    return result
+
+
+# ---------------------------------------------------------------------- public ops
+def gate(x: Any, w_gate: Any, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_SLOTS) -> Hybrid:
+    """``relu(x @ w_gate.T)`` packed as a :class:`Hybrid` (TwELL + dense heavy rows).
+
+    Args:
+        x: ``[..., K]`` tokens (leading dimensions are flattened into M rows).
+        w_gate: ``[N, K]`` gate weights (``torch.nn.Linear`` layout).
+        tile: TwELL tile width; ``slots``: words per row-tile (SPEC.md §2).
+
+    Returns:
+        A Hybrid of shape ``[M, N]`` holding NumPy arrays for NumPy input, CuPy arrays
+        for CuPy or torch input (the GPU path synchronises once to size ``dense_rows``).
+    """
+    inputs = _validate(x=x, weights={"w_gate": (w_gate, "NK")}, tile=tile, slots=slots)
+    a = inputs.arrays
+    if inputs.library == "numpy":
+        return reference.gate(a["x"], a["w_gate"], tile=tile, slots=slots)
+    with _on_gpu(inputs) as g:
+        return _kernels().gate(g["x"], g["w_gate"], tile=tile, slots=slots)
+
+
+def down(h: Hybrid, w_down: Any) -> Any:
+    """``h @ w_down.T`` for a Hybrid ``h`` ``[M, N]`` and ``w_down`` ``[K, N]``."""
+    inputs = _validate(hidden=h, weights={"w_down": (w_down, "KN")})
+    inputs.batch_shape = (h.shape[0],)
+    if inputs.library == "numpy":
+        return reference.down(h, inputs.arrays["w_down"])
+    with _on_gpu(inputs) as g:
+        return _restore(_kernels().down(h, g["w_down"]), inputs)
+
+
+def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any) -> Any:
+    """``(g * (x @ w_up.T)) @ w_down.T``, forming ``x · w_up`` only where ``g != 0``."""
+    inputs = _validate(x=x, hidden=g, weights={"w_up": (w_up, "NK"), "w_down": (w_down, "KN")})
+    a = inputs.arrays
+    if inputs.library == "numpy":
+        return _restore(reference.gated_down(a["x"], g, a["w_up"], a["w_down"]), inputs)
+    with _on_gpu(inputs) as d:
+        return _restore(_kernels().gated_down(d["x"], g, d["w_up"], d["w_down"]), inputs)
+
+
+def ffn(
+    x: Any,
+    w_gate: Any | None,
+    w_up: Any,
+    w_down: Any,
+    *,
+    tile: int = DEFAULT_TILE,
+    slots: int = DEFAULT_SLOTS,
+) -> Any:
+    """The whole FFN block: ``(relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``.
+
+    With ``w_gate=None`` the non-gated block ``relu(x @ w_up.T) @ w_down.T``.
+
+    Args:
+        x: ``[..., K]`` tokens.
+        w_gate, w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout).
+        tile, slots: TwELL geometry used for the hidden activation.
+
+    Returns:
+        ``[..., K]``: float64 NumPy for NumPy input; the caller's GPU type and dtype else.
+    """
+    inputs = _validate(
+        x=x,
+        weights={"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")},
+        tile=tile,
+        slots=slots,
+    )
+    a = inputs.arrays
+    if inputs.library == "numpy":
+        y = reference.ffn(a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=tile, slots=slots)
+        return _restore(y, inputs)
+    with _on_gpu(inputs) as d:
+        y = _kernels().ffn(d["x"], d.get("w_gate"), d["w_up"], d["w_down"], tile=tile, slots=slots)
+        return _restore(y, inputs)

@@ -1,0 +1,139 @@
+"""Backward of the FFN block, the L1 penalty and the L0 statistic, in NumPy/SciPy.
+
+Gated block, with ``a = x Wgᵀ``, ``g = relu(a)``, ``u = x Wuᵀ``, ``h = g ⊙ u``,
+``y = h Wdᵀ`` and loss ``L = <dy, y> + l1_coeff · R(h)``:
+
+    dh  = dy Wd + l1_coeff · sign(h) · c       (c = 1/(M·N) for "mean", 1/M for "per_token")
+    dWd = dyᵀ h          da = dh ⊙ u ⊙ [a > 0]        du = dh ⊙ g
+    dWg = daᵀ x          dWu = duᵀ x                  dx = da Wg + du Wu
+
+Non-gated (``h = relu(a)``, ``a = x Wuᵀ``): ``da = dh ⊙ [a > 0]``, ``dWu = daᵀ x``,
+``dx = da Wu``. Everything is exact float64 math (no bf16 rounding); the sparse path
+touches only the active units and is used whenever the gate is finite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import scipy.sparse
+
+from twell.formats import Hybrid, TwELL
+from twell.reference.forward import relu, rowwise_dot, upcast
+
+REDUCTIONS = ("mean", "per_token")
+
+
+def _l1_scale(reduction: str, rows: int, columns: int) -> float:
+    if reduction == "mean":
+        return 1.0 / max(1, rows * columns)
+    if reduction == "per_token":
+        return 1.0 / max(1, rows)
+    raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+
+
+def l1_loss(h: Any, reduction: str = "mean") -> float:
+    """The L1 penalty of activations ``h`` (dense array, :class:`TwELL` or :class:`Hybrid`).
+
+    ``"mean"``: mean of ``|h|`` over all M·N entries. ``"per_token"``: mean over tokens of
+    the sum over units (N times larger; the public reference code's convention).
+    """
+    if isinstance(h, (TwELL, Hybrid)):
+        rows, columns = h.shape
+        total = float(np.abs(h.to_csr().data.astype(np.float64)).sum())
+    else:
+        dense = upcast(h)
+        rows, columns = dense.shape[0], int(np.prod(dense.shape[1:]))
+        total = float(np.abs(dense).sum())
+    return total * _l1_scale(reduction, rows, columns)
+
+
+def l0(h: Any) -> float:
+    """Mean number of nonzeros per token (row): a metric, not differentiable."""
+    if isinstance(h, (TwELL, Hybrid)):
+        return h.nnz / max(1, h.shape[0])
+    dense = np.asarray(h)
+    return float(np.count_nonzero(dense)) / max(1, dense.shape[0])
+
+
+def ffn_backward(
+    x: Any,
+    w_gate: Any | None,
+    w_up: Any,
+    w_down: Any,
+    dy: Any,
+    l1_coeff: float = 0.0,
+    *,
+    reduction: str = "mean",
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
+    """Gradients of ``<dy, ffn(x)> + l1_coeff · l1_loss(h, reduction)`` in float64.
+
+    Args:
+        x: ``[..., K]`` inputs (leading dimensions are flattened and restored in ``dx``).
+        w_gate: ``[N, K]``, or ``None`` for the non-gated block.
+        w_up: ``[N, K]``.
+        w_down: ``[K, N]``.
+        dy: upstream gradient, shaped like the output ``[..., K]``.
+        l1_coeff: weight of the L1 penalty on the hidden activation ``h``.
+        reduction: ``"mean"`` or ``"per_token"`` (see :func:`l1_loss`).
+
+    Returns:
+        ``(dx, dw_gate, dw_up, dw_down)``; ``dw_gate`` is ``None`` for the non-gated block.
+    """
+    xf = upcast(x)
+    shape = xf.shape
+    xf = xf.reshape(-1, shape[-1])
+    dyf = upcast(dy).reshape(xf.shape[0], -1)
+    wg = None if w_gate is None else upcast(w_gate)
+    wu, wd = upcast(w_up), upcast(w_down)
+    scale = l1_coeff * _l1_scale(reduction, xf.shape[0], wu.shape[0])
+    a = xf @ (wu if wg is None else wg).T
+    if np.isfinite(a).all() and np.isfinite(xf).all():
+        grads = _sparse(xf, wg, wu, wd, dyf, a, scale)
+    else:
+        grads = _dense(xf, wg, wu, wd, dyf, a, scale)
+    dx, dwg, dwu, dwd = grads
+    return dx.reshape(shape), dwg, dwu, dwd
+
+
+def _dense(xf, wg, wu, wd, dyf, a, scale):  # noqa: ANN001, ANN202
+    """Plain dense math (also right for non-finite inputs)."""
+    dh_base = dyf @ wd
+    if wg is None:
+        h = relu(a)
+        dh = dh_base + scale * np.sign(h)
+        da = dh * (a > 0)
+        return da @ wu, None, da.T @ xf, dyf.T @ h
+    u = xf @ wu.T
+    g = relu(a)
+    h = g * u
+    dh = dh_base + scale * np.sign(h)
+    da = dh * u * (a > 0)
+    du = dh * g
+    return da @ wg + du @ wu, da.T @ xf, du.T @ xf, dyf.T @ h
+
+
+def _sparse(xf, wg, wu, wd, dyf, a, scale):  # noqa: ANN001, ANN202
+    """Touches only the active units ``a > 0`` (finite inputs)."""
+    rows, columns = a.shape
+    m, n = np.nonzero(a > 0)
+    wd_t = np.ascontiguousarray(wd.T)  # [N, K]: unit n's down column is row n
+
+    def csr(values: np.ndarray) -> Any:
+        return scipy.sparse.csr_matrix((values, (m, n)), shape=(rows, columns))
+
+    active = a[m, n]
+    if wg is None:
+        hidden = active
+    else:
+        up = rowwise_dot(xf, m, wu, n)
+        hidden = active * up
+    dh = rowwise_dot(dyf, m, wd_t, n) + scale * np.sign(hidden)
+    dwd = np.asarray(csr(hidden).T @ dyf).T
+    if wg is None:
+        da = csr(dh)
+        return np.asarray(da @ wu), None, np.asarray(da.T @ xf), dwd
+    da, du = csr(dh * up), csr(dh * active)
+    dx = np.asarray(da @ wg) + np.asarray(du @ wu)
+    return dx, np.asarray(da.T @ xf), np.asarray(du.T @ xf), dwd
