@@ -1,0 +1,441 @@
+"""GPU launchers of the FFN ops: gate, down, gated_down, ffn, and the prepared SparseFFN.
+
+Inputs are CuPy arrays on the current device, 2-D and C-contiguous (``twell.ops``
+validates them). Every launch goes to CuPy's current stream (``twell.ops`` sets it to
+torch's stream for torch callers). Computation is bf16 with fp32 accumulation; other
+float dtypes are converted to bf16 on entry and the output is returned in ``x``'s dtype.
+
+Pipeline of :func:`ffn` (no host synchronisation, so it can be captured in a CUDA graph):
+
+1. ``pre = x @ w_gate.T`` — cuBLAS bf16 GEMM (``gemmEx``, fp32 accumulation) into a bf16
+   buffer (``w_up`` instead for the non-gated block).
+2. ``twell_pack_rows`` — relu, TwELL words and a heavy flag per row (pack.cu).
+3. ``twell_compact_rows`` — heavy row ids in ascending order and their count, on the
+   device (a prefix sum: deterministic).
+4. ``twell_sparse_rows`` — light rows: gathered up/down per active unit (sparse_ffn.cu).
+5. ``twell_dense_rows`` — heavy rows: tensor-core dense math, grid sized for the worst
+   case, reading the count on the device (dense_rows.cu).
+
+Same inputs give the same output bits: no step uses atomics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from twell.kernels.compile import device_info, kernel
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+#: Largest model width K the sparse kernel supports (x row and y accumulators in registers
+#: or shared memory of one warp).
+MAX_K = 4096
+
+_CUDA_R_16BF = 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_OP_N = 0
+_CUBLAS_OP_T = 1
+
+_PACK_WARPS = 8  # must match pack.cu
+_SPARSE_WARPS = 4  # must match sparse_ffn.cu
+_DENSE_ROWS_PER_ITEM = 16  # must match dense_rows.cu
+_DENSE_COLS_PER_ITEM = 32
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+# ---------------------------------------------------------------------- array helpers
+def _empty_bf16(shape: tuple[int, ...]) -> Any:
+    cp = _cupy()
+    return cp.empty(shape, dtype=cp.uint16).view(BF16)
+
+
+def _u16(array: Any) -> Any:
+    """The bf16 array's bits as uint16 (a view, no copy)."""
+    return array.view(_cupy().uint16)
+
+
+_TO_BF16 = {
+    np.dtype(np.float32): "twell_f32_to_bf16",
+    np.dtype(np.float64): "twell_f64_to_bf16",
+    np.dtype(np.float16): "twell_f16_to_bf16",
+}
+_FROM_BF16 = {
+    np.dtype(np.float32): "twell_bf16_to_f32",
+    np.dtype(np.float64): "twell_bf16_to_f64",
+    np.dtype(np.float16): "twell_bf16_to_f16",
+}
+
+
+def _grid_1d(n: int, block: int = 256) -> int:
+    return max(1, min(math.ceil(n / block), device_info().multiprocessors * 32))
+
+
+def as_bf16(array: Any) -> Any:
+    """``array`` as a C-contiguous, 16-byte aligned bf16 CuPy array (copy only if needed).
+
+    Other float dtypes are rounded to bf16 (nearest even).
+    """
+    cp = _cupy()
+    dtype = np.dtype(array.dtype)
+    if dtype == BF16:
+        if array.flags.c_contiguous and array.data.ptr % 16 == 0:
+            return array
+        out = _empty_bf16(array.shape)
+        _u16(out)[...] = _u16(array)
+        return out
+    if dtype not in _TO_BF16:
+        raise TypeError(f"expected a floating array (bf16/fp16/fp32/fp64), got {dtype}")
+    source = cp.ascontiguousarray(array)
+    out = _empty_bf16(array.shape)
+    n = source.size
+    if n:
+        kernel("convert.cu", _TO_BF16[dtype])(
+            (_grid_1d(n),), (256,), (source, _u16(out), np.int64(n))
+        )
+    return out
+
+
+def from_bf16(array: Any, dtype: Any) -> Any:
+    """A bf16 CuPy array converted to ``dtype`` (returned as is when it is bf16)."""
+    dtype = np.dtype(dtype)
+    if dtype == BF16:
+        return array
+    if dtype not in _FROM_BF16:
+        raise TypeError(f"cannot return results as {dtype}")
+    out = _cupy().empty(array.shape, dtype=dtype)
+    n = array.size
+    if n:
+        kernel("convert.cu", _FROM_BF16[dtype])(
+            (_grid_1d(n),), (256,), (_u16(array), out, np.int64(n))
+        )
+    return out
+
+
+def transpose(matrix: Any) -> Any:
+    """A bf16 ``[R, C]`` matrix transposed into a new C-contiguous ``[C, R]`` array."""
+    rows, cols = matrix.shape
+    out = _empty_bf16((cols, rows))
+    if matrix.size:
+        grid = (math.ceil(cols / 32), math.ceil(rows / 32))
+        kernel("convert.cu", "twell_transpose_u16")(
+            grid, (32, 8), (_u16(matrix), _u16(out), np.int32(rows), np.int32(cols))
+        )
+    return out
+
+
+# ---------------------------------------------------------------------- launchers
+def gemm_nt(x: Any, w: Any, out: Any | None = None) -> Any:
+    """``out[M, N] = x[M, K] @ w[N, K].T`` in bf16 with fp32 accumulation (cuBLAS)."""
+    from cupy_backends.cuda.libs import cublas
+
+    cp = _cupy()
+    m, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = _empty_bf16((m, n))
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        _u16(out)[...] = 0
+        return out
+    handle = cp.cuda.device.get_cublas_handle()
+    one = np.ones(1, np.float32)
+    zero = np.zeros(1, np.float32)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        # Column-major view: out^T [N, M] = w [N, K] (op T of a K x N matrix) @ x^T [K, M].
+        cublas.gemmEx(
+            handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k,
+            one.ctypes.data, w.data.ptr, _CUDA_R_16BF, k,
+            x.data.ptr, _CUDA_R_16BF, k,
+            zero.ctypes.data, out.data.ptr, _CUDA_R_16BF, n,
+            _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
+        )  # fmt: skip
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out
+
+
+def pack(pre: Any, tile: int, slots: int) -> tuple[Any, Any]:
+    """relu + TwELL packing of a bf16 pre-activation ``[M, N]``.
+
+    Returns:
+        ``(packed uint32 [M, N/tile*slots], heavy uint8 [M])``.
+    """
+    cp = _cupy()
+    m, n = pre.shape
+    packed = cp.empty((m, n // tile * slots), dtype=cp.uint32)
+    heavy = cp.empty((m,), dtype=cp.uint8)
+    if m:
+        kernel("pack.cu", "twell_pack_rows", {"TILE": tile, "SLOTS": slots})(
+            (math.ceil(m / _PACK_WARPS),), (_PACK_WARPS * 32,),
+            (_u16(pre), packed, heavy, np.int32(m), np.int32(n)),
+        )  # fmt: skip
+    return packed, heavy
+
+
+def compact_rows(heavy: Any) -> tuple[Any, Any]:
+    """Ascending ids of the rows with ``heavy != 0`` (``ids[:count]``) and the count,
+    both on the device."""
+    cp = _cupy()
+    m = heavy.shape[0]
+    ids = cp.empty((max(m, 1),), dtype=cp.int32)
+    count = cp.zeros((1,), dtype=cp.int32)
+    if m:
+        kernel("pack.cu", "twell_compact_rows", {"TILE": 256, "SLOTS": 32})(
+            (1,), (1024,), (heavy, np.int32(m), ids, count)
+        )
+    return ids, count
+
+
+def mark_rows(rows: Any, m: int) -> Any:
+    """uint8 ``[m]`` flags, 1 at ``rows`` (an int32 device vector)."""
+    cp = _cupy()
+    heavy = cp.zeros((m,), dtype=cp.uint8)
+    r = rows.shape[0]
+    if r:
+        kernel("pack.cu", "twell_mark_rows", {"TILE": 256, "SLOTS": 32})(
+            (math.ceil(r / 256),), (256,), (rows, np.int32(r), heavy)
+        )
+    return heavy
+
+
+def sparse_rows(
+    x: Any | None,
+    packed: Any,
+    heavy: Any,
+    w_up: Any | None,
+    w_down_t: Any,
+    y: Any,
+    *,
+    tile: int,
+    slots: int,
+    min_blocks: int | None = None,
+) -> None:
+    """Light rows of ``y``: gated if ``w_up`` is given, else ``y = h @ w_down``."""
+    m, k = y.shape
+    n = w_down_t.shape[0]
+    if m == 0:
+        return
+    gated = w_up is not None
+    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
+    if min_blocks is not None:
+        params["MIN_BLOCKS"] = min_blocks
+    null = np.uint64(0)
+    kernel("sparse_ffn.cu", "twell_sparse_rows", params)(
+        (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
+        (
+            _u16(x) if gated else null, packed, heavy,
+            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
+            np.int32(m), np.int32(n),
+        ),
+    )  # fmt: skip
+
+
+def dense_rows(
+    a: Any,
+    b: Any,
+    out: Any,
+    ids: Any,
+    count: Any,
+    max_rows: int,
+    *,
+    a_by_id: bool,
+    out_by_id: bool,
+    relu_a: bool = False,
+    gate: Any | None = None,
+    gate_by_id: bool = False,
+    relu_gate: bool = False,
+) -> None:
+    """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
+
+    ``a`` is ``[*, RED]``, ``b`` ``[OUTC, RED]``, ``out`` and ``gate`` ``[*, OUTC]``, all bf16.
+    ``count`` is a device int32 scalar array of at most ``max_rows`` (sizes the grid).
+    """
+    outc, red = b.shape
+    if max_rows == 0 or outc == 0:
+        return
+    items = math.ceil(max_rows / _DENSE_ROWS_PER_ITEM) * math.ceil(outc / _DENSE_COLS_PER_ITEM)
+    grid = max(1, min(items, device_info().multiprocessors * 8))
+    kernel("dense_rows.cu", "twell_dense_rows")(
+        (grid,), (128,),
+        (
+            _u16(a), np.int32(a_by_id), np.int32(relu_a),
+            _u16(b), np.int32(outc), np.int32(red),
+            ids, count,
+            _u16(gate) if gate is not None else np.uint64(0),
+            np.int32(gate_by_id), np.int32(relu_gate),
+            _u16(out), np.int32(out_by_id),
+        ),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the ops
+def _check_width(k: int) -> None:
+    if k % 8:
+        raise ValueError(f"x: K={k} must be a multiple of 8 for the GPU kernels")
+    if k > MAX_K:
+        raise ValueError(f"x: K={k} exceeds the GPU kernels' limit of {MAX_K}")
+
+
+def gate(x: Any, w_gate: Any, *, tile: int = 256, slots: int = 32) -> Any:
+    """``relu(x @ w_gate.T)`` as a CuPy-backed :class:`twell.formats.Hybrid`.
+
+    Synchronises once (to read the number of heavy rows, which sizes ``dense_rows``).
+    The dense part holds bf16 values (relu applied, NaN kept).
+    """
+    from twell.formats import Hybrid, TwELL
+
+    xb, wb = as_bf16(x), as_bf16(w_gate)
+    m, n = xb.shape[0], wb.shape[0]
+    pre = gemm_nt(xb, wb)
+    packed, heavy = pack(pre, tile, slots)
+    ids, count = compact_rows(heavy)
+    r = int(count.get()[0])
+    rows = ids[:r].copy()
+    dense = _empty_bf16((r, n))
+    if r:
+        kernel("pack.cu", "twell_gather_relu_rows", {"TILE": tile, "SLOTS": slots})(
+            (_grid_1d(r * n),), (256,), (_u16(pre), rows, np.int32(r), np.int32(n), _u16(dense))
+        )
+    return Hybrid(TwELL(packed, (m, n), tile, slots), rows, dense)
+
+
+def _hybrid_parts(h: Any) -> tuple[Any, Any, Any, int]:
+    """(packed, heavy flags, dense rows as bf16, R) of a CuPy Hybrid."""
+    cp = _cupy()
+    packed = h.ell.packed
+    if not packed.flags.c_contiguous:
+        packed = cp.ascontiguousarray(packed)
+    rows = h.dense_rows
+    if rows.dtype != cp.int32 or not rows.flags.c_contiguous:
+        rows = cp.ascontiguousarray(rows, dtype=cp.int32)
+    r = int(rows.shape[0])
+    heavy = mark_rows(rows, h.shape[0])
+    dense = as_bf16(h.dense) if r else None
+    return packed, heavy, dense, r
+
+
+def down(h: Any, w_down: Any) -> Any:
+    """``h @ w_down.T`` for a CuPy Hybrid ``h [M, N]``; bf16 ``[M, K]`` out."""
+    cp = _cupy()
+    wd = as_bf16(w_down)
+    m, n = h.shape
+    k = wd.shape[0]
+    _check_width(k)
+    packed, heavy, dense, r = _hybrid_parts(h)
+    y = _empty_bf16((m, k))
+    sparse_rows(None, packed, heavy, None, transpose(wd), y, tile=h.tile, slots=h.slots)
+    if r:
+        count = cp.full((1,), r, dtype=cp.int32)
+        rows = cp.ascontiguousarray(h.dense_rows, dtype=cp.int32)
+        dense_rows(dense, wd, y, rows, count, r, a_by_id=False, out_by_id=True)
+    return y
+
+
+def gated_down(x: Any, g: Any, w_up: Any, w_down: Any) -> Any:
+    """``(g * (x @ w_up.T)) @ w_down.T`` for a CuPy Hybrid ``g``; ``x``'s dtype out."""
+    cp = _cupy()
+    xb, wu, wd = as_bf16(x), as_bf16(w_up), as_bf16(w_down)
+    m, k = xb.shape
+    n = wu.shape[0]
+    _check_width(k)
+    packed, heavy, dense, r = _hybrid_parts(g)
+    y = _empty_bf16((m, k))
+    sparse_rows(xb, packed, heavy, wu, transpose(wd), y, tile=g.tile, slots=g.slots)
+    if r:
+        count = cp.full((1,), r, dtype=cp.int32)
+        rows = cp.ascontiguousarray(g.dense_rows, dtype=cp.int32)
+        hidden = _empty_bf16((r, n))
+        dense_rows(xb, wu, hidden, rows, count, r, a_by_id=True, out_by_id=False,
+                   gate=dense, gate_by_id=False)  # fmt: skip
+        dense_rows(hidden, wd, y, rows, count, r, a_by_id=False, out_by_id=True)
+    return from_bf16(y, x.dtype)
+
+
+class SparseFFN:
+    """A gated (or non-gated) ReLU FFN block prepared for the GPU kernels.
+
+    Holds the weights as bf16 plus ``w_down_t`` (``w_down`` transposed to ``[N, K]``, so
+    each unit's down column is contiguous), built once here and never assumed elsewhere.
+
+    Args:
+        w_gate: ``[N, K]`` or None (non-gated block ``relu(x @ w_up.T) @ w_down.T``).
+        w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout), CuPy arrays.
+        tile, slots: TwELL geometry of the hidden activation.
+    """
+
+    def __init__(
+        self, w_gate: Any | None, w_up: Any, w_down: Any, tile: int = 256, slots: int = 32
+    ) -> None:
+        self.w_gate = None if w_gate is None else as_bf16(w_gate)
+        self.w_up = as_bf16(w_up)
+        self.w_down = as_bf16(w_down)
+        n, k = self.w_up.shape
+        if self.w_down.shape != (k, n):
+            raise ValueError(f"w_down: expected shape ({k}, {n}), got {self.w_down.shape}")
+        if self.w_gate is not None and self.w_gate.shape != (n, k):
+            raise ValueError(f"w_gate: expected shape ({n}, {k}), got {self.w_gate.shape}")
+        if n % tile:
+            raise ValueError(f"w_up: N={n} is not a multiple of tile={tile}")
+        _check_width(k)
+        self.tile = int(tile)
+        self.slots = int(slots)
+        self.w_down_t = transpose(self.w_down)
+
+    def __call__(self, x: Any) -> Any:
+        """The block's output for ``x [M, K]`` (``x``'s dtype)."""
+        return self.forward(x)
+
+    def forward(self, x: Any) -> Any:
+        """The block's output for ``x [M, K]`` (``x``'s dtype); no host synchronisation."""
+        xb = as_bf16(x)
+        return from_bf16(_ffn(xb, self), x.dtype)
+
+
+def _ffn(xb: Any, prepared: SparseFFN) -> Any:
+    m, k = xb.shape
+    if k != prepared.w_up.shape[1]:
+        raise ValueError(f"x: expected K={prepared.w_up.shape[1]}, got {k}")
+    y = _empty_bf16((m, k))
+    if m == 0:
+        return y
+    gated = prepared.w_gate is not None
+    pre = gemm_nt(xb, prepared.w_gate if gated else prepared.w_up)
+    packed, heavy = pack(pre, prepared.tile, prepared.slots)
+    ids, count = compact_rows(heavy)
+    sparse_rows(
+        xb if gated else None, packed, heavy, prepared.w_up if gated else None,
+        prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
+    )  # fmt: skip
+    if gated:
+        # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
+        dense_rows(xb, prepared.w_up, pre, ids, count, m, a_by_id=True, out_by_id=True,
+                   gate=pre, gate_by_id=True, relu_gate=True)  # fmt: skip
+        dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True)
+    else:
+        dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True,
+                   relu_a=True)  # fmt: skip
+    return y
+
+
+def ffn(
+    x: Any, w_gate: Any | None, w_up: Any, w_down: Any, *, tile: int = 256, slots: int = 32
+) -> Any:
+    """The whole FFN block (``w_gate=None``: non-gated); ``x``'s dtype out.
+
+    Prepares ``w_down``'s transpose on every call: hold a :class:`SparseFFN` to pay that
+    once. No host synchronisation.
+    """
+    return SparseFFN(w_gate, w_up, w_down, tile, slots).forward(x)
