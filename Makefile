@@ -1,0 +1,54 @@
+# twell developer tasks. Everything runs inside .venv, built from scratch by `make venv`.
+#
+#   make venv   .venv with torch (CPU build, installed first), twell[test] (editable), ruff
+#   make test   ruff check, then pytest
+#   make lint   ruff check + ruff format --check
+#   make demo   python -m twell demo (needs only the core dependencies)
+#   make clean  remove .venv, caches and build outputs
+
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch lies on this machine's disk (pip's find-links); the torch tests
+# compare against autograd. Installed before anything else so nothing pulls a CUDA build.
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CORE_STAMP := $(VENV)/.stamp-core
+TEST_STAMP := $(VENV)/.stamp-test
+LINT_DIRS := $(wildcard twell tests bench)
+
+.PHONY: venv test lint demo clean
+
+venv: $(TEST_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Core dependencies only (enough for the demo and the NumPy reference).
+$(CORE_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -e .
+	touch $@
+
+# Everything the test suite needs. torch goes in first, then twell[test], then ruff.
+$(TEST_STAMP): pyproject.toml | $(PY)
+	$(PIP) install "$(TORCH)"
+	$(PIP) install -e '.[test]'
+	$(PIP) install ruff
+	touch $(CORE_STAMP) $@
+
+test: $(TEST_STAMP)
+	$(if $(LINT_DIRS),$(VENV)/bin/ruff check $(LINT_DIRS))
+	@$(PY) -m pytest -q $(PYTEST_ARGS) || { rc=$$?; echo "pytest exited with code $$rc"; exit $$rc; }
+
+lint: $(TEST_STAMP)
+	$(if $(LINT_DIRS),$(VENV)/bin/ruff check $(LINT_DIRS))
+	$(if $(LINT_DIRS),$(VENV)/bin/ruff format --check $(LINT_DIRS))
+
+demo: $(CORE_STAMP)
+	$(PY) -m twell demo
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
