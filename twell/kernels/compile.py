@@ -38,6 +38,7 @@ OPTIONS = ("--std=c++17", f"--gpu-architecture={ARCH}", "-ftz=true")
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
+_kernels: dict[tuple[int, str, tuple[tuple[str, int], ...], str], Any] = {}
 
 
 @functools.cache
@@ -86,17 +87,31 @@ def device_info() -> DeviceInfo:
     """The current CuPy device, checked to be a Hopper GPU (compute capability 9.0)."""
     cupy = _require_cupy()
     try:
-        device = cupy.cuda.Device()
+        device_id = int(cupy.cuda.runtime.getDevice())
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+        raise RuntimeError(f"twell's GPU kernels need a CUDA GPU; CUDA says: {error}") from error
+    return _device_info(device_id)
+
+
+@functools.cache
+def _device_info(device_id: int) -> DeviceInfo:
+    cupy = _require_cupy()
+    try:
+        device = cupy.cuda.Device(device_id)
         major, minor = (int(c) for c in device.compute_capability)
-        sms = int(device.attributes["MultiProcessorCount"])
+        sms = int(
+            cupy.cuda.runtime.deviceGetAttribute(
+                cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id
+            )
+        )
     except cupy.cuda.runtime.CUDARuntimeError as error:
         raise RuntimeError(f"twell's GPU kernels need a CUDA GPU; CUDA says: {error}") from error
     if (major, minor) != (9, 0):
         raise RuntimeError(
             f"twell's kernels are built for Hopper ({ARCH}, compute capability 9.0); "
-            f"device {device.id} has compute capability {major}.{minor}"
+            f"device {device_id} has compute capability {major}.{minor}"
         )
-    return DeviceInfo(int(device.id), sms, (major, minor))
+    return DeviceInfo(device_id, sms, (major, minor))
 
 
 def module(name: str, params: Mapping[str, int] | None = None) -> Any:
@@ -129,8 +144,16 @@ def module(name: str, params: Mapping[str, int] | None = None) -> Any:
 
 
 def kernel(name: str, function: str, params: Mapping[str, int] | None = None) -> Any:
-    """One ``cupy.RawKernel`` (``function``, an ``extern "C"`` name) of source ``name``."""
-    return module(name, params).get_function(function)
+    """One ``cupy.RawKernel`` (``function``, an ``extern "C"`` name) of source ``name``,
+    for the current device; cached like :func:`module`."""
+    frozen = tuple(sorted((str(k), int(v)) for k, v in (params or {}).items()))
+    key = (device_info().id, name, frozen, function)
+    found = _kernels.get(key)
+    if found is None:
+        found = module(name, dict(frozen)).get_function(function)
+        with _lock:
+            _kernels[key] = found
+    return found
 
 
 # ------------------------------------------------------------------ CPU-side NVRTC

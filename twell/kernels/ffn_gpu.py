@@ -54,9 +54,14 @@ def _cupy() -> Any:
 
 
 # ---------------------------------------------------------------------- array helpers
+def _alloc(shape: tuple[int, ...], dtype: Any) -> Any:
+    """Every output and scratch buffer of the launchers comes from here (uninitialised;
+    the GPU tests replace this function by one that fills buffers with 0xFF)."""
+    return _cupy().empty(shape, dtype=dtype)
+
+
 def _empty_bf16(shape: tuple[int, ...]) -> Any:
-    cp = _cupy()
-    return cp.empty(shape, dtype=cp.uint16).view(BF16)
+    return _alloc(shape, np.uint16).view(BF16)
 
 
 def _u16(array: Any) -> Any:
@@ -112,7 +117,7 @@ def from_bf16(array: Any, dtype: Any) -> Any:
         return array
     if dtype not in _FROM_BF16:
         raise TypeError(f"cannot return results as {dtype}")
-    out = _cupy().empty(array.shape, dtype=dtype)
+    out = _alloc(array.shape, dtype)
     n = array.size
     if n:
         kernel("convert.cu", _FROM_BF16[dtype])(
@@ -175,8 +180,8 @@ def pack(pre: Any, tile: int, slots: int) -> tuple[Any, Any]:
     """
     cp = _cupy()
     m, n = pre.shape
-    packed = cp.empty((m, n // tile * slots), dtype=cp.uint32)
-    heavy = cp.empty((m,), dtype=cp.uint8)
+    packed = _alloc((m, n // tile * slots), cp.uint32)
+    heavy = _alloc((m,), cp.uint8)
     if m:
         kernel("pack.cu", "twell_pack_rows", {"TILE": tile, "SLOTS": slots})(
             (math.ceil(m / _PACK_WARPS),), (_PACK_WARPS * 32,),
@@ -190,12 +195,14 @@ def compact_rows(heavy: Any) -> tuple[Any, Any]:
     both on the device."""
     cp = _cupy()
     m = heavy.shape[0]
-    ids = cp.empty((max(m, 1),), dtype=cp.int32)
-    count = cp.zeros((1,), dtype=cp.int32)
+    ids = _alloc((max(m, 1),), cp.int32)
+    count = _alloc((1,), cp.int32)
     if m:
         kernel("pack.cu", "twell_compact_rows", {"TILE": 256, "SLOTS": 32})(
             (1,), (1024,), (heavy, np.int32(m), ids, count)
         )
+    else:
+        count[...] = 0
     return ids, count
 
 

@@ -1,0 +1,251 @@
+"""GPU kernels against the NumPy reference and float64 dense math (skipped without a GPU).
+
+Every output buffer the launchers allocate is poisoned (0xFF bytes: NaN in bf16) before
+the kernels run, so an unwritten element fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from twell import reference, workloads
+from twell.formats import Hybrid, TwELL, to_host
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpu_reason() -> str | None:
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        major = int(cupy.cuda.Device().compute_capability[0])
+    except Exception as error:  # no driver, no device
+        return f"no usable CUDA device: {error}"
+    if major != 9:
+        return "twell's kernels need a Hopper GPU (compute capability 9.0)"
+    return None
+
+
+_REASON = _gpu_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+
+from twell.kernels import ffn_gpu  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
+        out = cp.empty(shape, dtype=dtype)
+        out.view(cp.uint8)[...] = 0xFF
+        return out
+
+    monkeypatch.setattr(ffn_gpu, "_alloc", poisoned)
+
+
+def to_gpu(a: np.ndarray | None) -> object:
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a)
+    if a.dtype == BF16:
+        return cp.asarray(a.view(np.uint16)).view(BF16)
+    return cp.asarray(a)
+
+
+def to_f64(a: object) -> np.ndarray:
+    if np.dtype(a.dtype) == BF16:
+        return a.view(cp.uint16).get().view(BF16).astype(np.float64)
+    return cp.asnumpy(a).astype(np.float64)
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_close(y: np.ndarray, ref: np.ndarray, tol: float = 1e-2) -> None:
+    """Finite where ref is finite (and the same non-finite pattern), rel. error <= tol."""
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(np.isfinite(y), finite)
+    rows = finite.all(axis=1)
+    err = rel_err(y[rows], ref[rows])
+    assert err <= tol, f"relative error {err:.3e} > {tol}"
+
+
+def problem(kind: str, m: int, k: int, n: int, seed: int = 0) -> workloads.Problem:
+    if kind == "uniform":
+        return workloads.uniform(m, k, n, p=0.02, seed=seed)
+    if kind == "heavy":
+        return workloads.heavy(m, k, n, p=0.02, frac=0.05, seed=seed)
+    if kind == "dense":  # p = 0.3: most rows overflow at slots=32
+        return workloads.uniform(m, k, n, p=0.3, seed=seed)
+    raise ValueError(kind)
+
+
+def with_special_rows(p: workloads.Problem) -> workloads.Problem:
+    """Rows 0: all zero; 1: NaN; 2: +Inf; 3: every unit active (when M allows)."""
+    x = p.x.astype(np.float32)
+    m = x.shape[0]
+    if m > 3:
+        x[0] = 0
+        x[1, 5] = np.nan
+        x[2, 7] = np.inf
+        x[3, 0] = -30.0  # w_gate[:, 0] = -z < 0: every gate pre-activation turns positive
+    return dataclasses.replace(p, x=x.astype(BF16))
+
+
+CASES = [
+    # (workload, M, K, N, slots)
+    ("uniform", 1, 256, 512, 32),
+    ("uniform", 129, 264, 512, 32),
+    ("heavy", 300, 512, 1024, 32),
+    ("heavy", 1000, 2048, 1024, 64),
+    ("dense", 257, 256, 512, 32),
+    ("uniform", 777, 1024, 768, 128),
+    ("heavy", 64, 4096, 512, 32),
+]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES)
+def test_ffn_matches_dense_float64(kind: str, m: int, k: int, n: int, slots: int, gated: bool):
+    p = with_special_rows(problem(kind, m, k, n, seed=m + k))
+    w_gate = p.w_gate if gated else None
+    args = [to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down)]
+    y = ffn_gpu.ffn(*args, tile=256, slots=slots)
+    assert y.shape == (m, k) and np.dtype(y.dtype) == BF16
+    oracle = reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down)
+    y64 = to_f64(y)
+    assert_close(y64, oracle)
+    if m > 3:
+        assert np.all(y64[0] == 0)
+    again = ffn_gpu.ffn(*args, tile=256, slots=slots)
+    assert cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)), "not deterministic"
+
+
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES[:5])
+def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots: int):
+    p = with_special_rows(problem(kind, m, k, n, seed=7 + m))
+    x, wg = to_gpu(p.x), to_gpu(p.w_gate)
+    h = ffn_gpu.gate(x, wg, tile=256, slots=slots)
+    assert isinstance(h, Hybrid)
+    h.validate()
+    pre = p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T
+    ref = reference.forward.relu(pre)
+    got = to_f64(h.to_dense(np.float32))
+    # Away from the ReLU threshold, the same pattern and the same values (bf16 rounding).
+    tol = 0.05
+    clear = np.abs(pre) > tol
+    clear &= np.isfinite(pre)
+    np.testing.assert_array_equal(got[clear] != 0, ref[clear] != 0)
+    close = np.abs(got[clear] - ref[clear]) <= 1e-2 * np.abs(ref[clear]) + 1e-6
+    assert close.all()
+    near = ~clear & np.isfinite(pre)
+    assert np.all((got[near] >= 0) & (got[near] <= 2 * tol))
+    # Non-finite rows and overflowing rows are dense; the count words are the true counts.
+    rows = set(to_f64(h.dense_rows).astype(int).tolist())
+    nonfinite = set(np.nonzero(~np.isfinite(pre).all(axis=1))[0].tolist())
+    assert nonfinite <= rows
+    counts = to_f64(h.ell.counts()).astype(int)
+    dense_gpu = got != 0
+    true_counts = dense_gpu.reshape(m, n // 256, 256).sum(axis=2)
+    light = np.array([i not in rows for i in range(m)])
+    np.testing.assert_array_equal(counts[light], true_counts[light])
+    overflow = (true_counts > slots - 1).any(axis=1)
+    assert set(np.nonzero(overflow)[0].tolist()) <= rows
+    assert rows <= set(np.nonzero(overflow)[0].tolist()) | nonfinite
+    # Deterministic bits.
+    again = ffn_gpu.gate(x, wg, tile=256, slots=slots)
+    assert cp.array_equal(h.packed, again.packed)
+    assert cp.array_equal(h.dense.view(cp.uint16), again.dense.view(cp.uint16))
+
+
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES[1:5])
+def test_down_and_gated_down_match_the_reference(kind: str, m: int, k: int, n: int, slots: int):
+    p = with_special_rows(problem(kind, m, k, n, seed=3 + m))
+    x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
+    g = ffn_gpu.gate(x, wg, tile=256, slots=slots)
+    g_host = to_host(g)
+    y = to_f64(ffn_gpu.gated_down(x, g, wu, wd))
+    assert_close(y, reference.gated_down(p.x, g_host, p.w_up, p.w_down))
+    y = to_f64(ffn_gpu.down(g, wd))
+    assert_close(y, reference.down(g_host, p.w_down))
+
+
+def test_down_of_a_float32_hybrid_from_dense():
+    rng = np.random.default_rng(1)
+    m, n, k = 200, 512, 256
+    h = np.maximum(rng.standard_normal((m, n)) - 2.0, 0).astype(np.float32)
+    h[5] = np.abs(rng.standard_normal(n))  # a dense row
+    w_down = (rng.standard_normal((k, n)) / np.sqrt(n)).astype(BF16)
+    hg = Hybrid.from_dense(cp.asarray(h), 256, 32)
+    assert 5 in cp.asnumpy(hg.dense_rows).tolist()
+    y = to_f64(ffn_gpu.down(hg, to_gpu(w_down)))
+    assert_close(y, reference.down(to_host(hg), w_down))
+
+
+def test_prepared_block_equals_functional_ffn():
+    p = problem("heavy", 513, 512, 1024, seed=5)
+    args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
+    block = ffn_gpu.SparseFFN(args[1], args[2], args[3], tile=256, slots=32)
+    a = block(args[0])
+    b = ffn_gpu.ffn(*args, tile=256, slots=32)
+    assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_other_input_dtypes_round_trip(dtype: type):
+    p = problem("uniform", 100, 256, 512, seed=9)
+    x = cp.asarray(p.x.astype(dtype))
+    y = ffn_gpu.ffn(x, to_gpu(p.w_gate), to_gpu(p.w_up), to_gpu(p.w_down))
+    assert y.dtype == np.dtype(dtype)
+    assert_close(to_f64(y), reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
+
+
+def test_large_m_not_multiple_of_anything():
+    m, k, n = 131072 + 37, 256, 512
+    rng = np.random.default_rng(2)
+    # Built on the GPU (the CPU workload generator is slow at this size).
+    x = cp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    x[:, 0] = 1
+    wg = cp.asarray(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+    wg[:, 0] = -2.3
+    wu = cp.asarray(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
+    wd = cp.asarray(rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(n))
+    x[1000] *= 6  # a heavy row
+    xb, wgb, wub, wdb = (ffn_gpu.as_bf16(a) for a in (x, wg, wu, wd))
+    y = to_f64(ffn_gpu.ffn(xb, wgb, wub, wdb))
+    rows = np.r_[0:64, 1000, m - 64 : m]
+    ref = reference.forward.ffn_dense(to_f64(xb)[rows], to_f64(wgb), to_f64(wub), to_f64(wdb))
+    assert_close(y[rows], ref)
+
+
+def test_public_ops_with_cupy_and_torch():
+    import twell
+
+    p = with_special_rows(problem("heavy", 300, 512, 1024, seed=11))
+    args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
+    oracle = reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    assert_close(to_f64(twell.ffn(*args)), oracle)
+    torch = pytest.importorskip("torch")
+    tensors = [torch.from_dlpack(a) for a in args]
+    y = twell.ffn(*tensors)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    assert_close(y.float().cpu().numpy().astype(np.float64), oracle)
+
+
+def test_twell_object_is_a_cupy_twell():
+    p = problem("uniform", 50, 256, 512)
+    h = ffn_gpu.gate(to_gpu(p.x), to_gpu(p.w_gate))
+    assert isinstance(h.ell, TwELL) and isinstance(h.ell.packed, cp.ndarray)
