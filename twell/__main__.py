@@ -1,0 +1,263 @@
+"""Command line: ``python -m twell {demo,check,bench}``.
+
+- ``demo``: the main job on an embedded default workload (``paperlike`` at the paper's
+  shape, K=2048, N=5632): sparsity statistics, the packed format's size, and a check that
+  the sparse block equals the dense block. Runs the GPU kernels when a GPU is usable,
+  the NumPy reference otherwise.
+- ``check``: cross-checks every op against the float64 oracle on every workload and
+  prints a verdict table; exits 1 if anything fails.
+- ``bench``: the benchmark of BENCH.md (needs a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import twell
+from twell import workloads
+from twell.reference.forward import ffn_dense
+from twell.testing.asserts import relative_error
+
+TOLERANCE = 1e-2  # SPEC.md §5: ‖y − y_ref‖ / ‖y_ref‖
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees a CUDA device of compute capability 9.x."""
+    try:
+        import cupy
+
+        return (
+            cupy.cuda.runtime.getDeviceCount() > 0
+            and cupy.cuda.Device().compute_capability.startswith("9")
+        )
+    except Exception:  # noqa: BLE001 - any failure means "no usable GPU"
+        return False
+
+
+class Steps:
+    """A rich progress display whose steps report their own duration."""
+
+    def __init__(self, console: Console) -> None:
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+
+    def __enter__(self) -> Steps:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def run(self, description: str, work: Callable[[], Any]) -> Any:
+        task = self.progress.add_task(description, total=1)
+        result = work()
+        self.progress.update(task, completed=1)
+        return result
+
+
+def _count_histogram(counts: np.ndarray, slots: int) -> list[tuple[str, int, float]]:
+    """Row-tiles per count bucket: 0, 1, 2–3, 4–7, … up to slots − 1, then overflow."""
+    edges = [(0, 0)]
+    low = 1
+    while low <= slots - 1:
+        edges.append((low, min(2 * low - 1, slots - 1)))
+        low *= 2
+    edges.append((slots, int(counts.max(initial=slots))))
+    rows = []
+    for low, high in edges:
+        n = int(((counts >= low) & (counts <= high)).sum())
+        label = f"{low}" if low == high else f"{low}–{high}"
+        if low >= slots:
+            label = f"≥ {slots} (overflow: dense row)"
+        rows.append((label, n, 100.0 * n / max(1, counts.size)))
+    return rows
+
+
+def demo(args: argparse.Namespace) -> int:
+    console = Console()
+    on_gpu = gpu_available() and not args.cpu
+    M, K, N = args.tokens, 2048, 5632  # noqa: N806
+    console.rule(
+        f"twell demo — paperlike workload, M={M} K={K} N={N} "
+        f"({'GPU kernels' if on_gpu else 'NumPy reference, CPU'})"
+    )
+    with Steps(console) as steps:
+        problem = steps.run(
+            "build the paperlike workload", lambda: workloads.paperlike(M, K, N, seed=args.seed)
+        )
+        x, w_gate, w_up, w_down = problem.arrays()
+        if on_gpu:
+            from twell.kernels import demo_gpu
+
+            report = steps.run(
+                "run the kernels and time them against cuBLAS", lambda: demo_gpu(problem)
+            )
+            h = report.pop("hybrid")
+        else:
+            start = time.perf_counter()
+            h = steps.run(
+                "gate: relu(x @ w_gate.T) packed into TwELL + dense backup",
+                lambda: twell.gate(x, w_gate),
+            )
+            y = steps.run(
+                "sparse up/down over the active units only",
+                lambda: twell.gated_down(x, h, w_up, w_down),
+            )
+            t_sparse = time.perf_counter() - start
+            start = time.perf_counter()
+            y_dense = steps.run(
+                "dense block in float64 (the oracle)", lambda: ffn_dense(x, w_gate, w_up, w_down)
+            )
+            t_dense = time.perf_counter() - start
+            report = {
+                "rel. error": relative_error(y, y_dense),
+                "sparse path, CPU (s)": t_sparse,
+                "dense float64, CPU (s)": t_dense,
+            }
+    h = twell.formats.to_host(h)
+    counts = h.counts()
+    nnz = int(counts.sum())
+    heavy = int(h.dense_rows.size)
+    dense_bytes = M * N * 2
+    stats = Table(title="activation h = relu(x @ w_gate.T)", show_header=False)
+    stats.add_row("L0 (active units per token)", f"{nnz / M:.1f} of {N}")
+    stats.add_row("sparsity", f"{100 * (1 - nnz / (M * N)):.3f}%")
+    stats.add_row("heavy rows (dense backup)", f"{heavy} ({100 * heavy / M:.3f}%)")
+    stats.add_row(
+        "TwELL packed", f"{h.ell.nbytes / 2**20:.1f} MiB (tile {h.tile}, slots {h.slots})"
+    )
+    stats.add_row("dense backup", f"{(h.dense.size * 2) / 2**20:.2f} MiB as bf16")
+    stats.add_row(
+        "h dense in bf16",
+        f"{dense_bytes / 2**20:.1f} MiB "
+        f"({dense_bytes / (h.ell.nbytes + h.dense.size * 2):.1f}× the hybrid)",
+    )
+    console.print(stats)
+    histogram = Table(title=f"nonzeros per {h.tile}-column tile")
+    histogram.add_column("count", justify="right")
+    histogram.add_column("row-tiles", justify="right")
+    histogram.add_column("share", justify="right")
+    for label, n, share in _count_histogram(counts, h.slots):
+        histogram.add_row(label, f"{n}", f"{share:.3f}%")
+    console.print(histogram)
+    verdict = Table(title="sparse block against the dense block")
+    for key in report:
+        verdict.add_column(key, justify="right")
+    verdict.add_column("verdict")
+    ok = report["rel. error"] <= TOLERANCE
+    verdict.add_row(
+        *(f"{v:.3g}" for v in report.values()), "[green]PASS[/]" if ok else "[red]FAIL[/]"
+    )
+    console.print(verdict)
+    return 0 if ok else 1
+
+
+def check(args: argparse.Namespace) -> int:
+    console = Console()
+    on_gpu = gpu_available() and not args.cpu
+    table = Table(
+        title=f"twell check — {'GPU kernels' if on_gpu else 'NumPy reference'} "
+        f"against float64 dense math, K={args.width} N={args.ffn}, tolerance {TOLERANCE:g}"
+    )
+    for column in ("workload", "block", "M", "slots", "heavy", "rel. error", "verdict"):
+        table.add_column(column, justify="right")
+    if on_gpu:
+        from twell.kernels import to_device
+    else:
+
+        def to_device(a: Any) -> Any:
+            return a
+
+    cases = [("uniform", {}), ("heavy", {}), ("paperlike", {}), ("density", {"p": 0.05})]
+    failures = 0
+    with Steps(console) as steps:
+        for name, kw in cases:
+            for M in args.tokens:  # noqa: N806
+                problem = workloads.make(name, M, args.width, args.ffn, seed=args.seed, **kw)
+                for gated in (True, False):
+                    p = problem if gated else problem.as_nongated()
+                    for slots in (32, 128) if name == "heavy" else (32,):
+
+                        def run(p: workloads.Problem = p, slots: int = slots) -> tuple:
+                            x, wg, wu, wd = (
+                                None if a is None else to_device(a) for a in p.arrays()
+                            )
+                            y = twell.ffn(x, wg, wu, wd, slots=slots)
+                            y = y.get() if hasattr(y, "get") else np.asarray(y)
+                            h = twell.reference.gate(
+                                p.x, p.w_gate if p.gated else p.w_up, slots=slots
+                            )
+                            return relative_error(y, ffn_dense(*p.arrays())), h.dense_rows.size
+
+                        err, heavy = steps.run(
+                            f"{name} {'gated' if gated else 'non-gated'} M={M} slots={slots}", run
+                        )
+                        ok = err <= TOLERANCE
+                        failures += not ok
+                        table.add_row(
+                            name,
+                            "gated" if gated else "non-gated",
+                            f"{M}",
+                            f"{slots}",
+                            f"{heavy}",
+                            f"{err:.2e}",
+                            "[green]PASS[/]" if ok else "[red]FAIL[/]",
+                        )
+    console.print(table)
+    console.print(
+        "[green]all checks passed[/]" if not failures else f"[red]{failures} check(s) failed[/]"
+    )
+    return 1 if failures else 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    if not gpu_available():
+        print(
+            "twell bench needs a Hopper GPU with CuPy (none usable here); "
+            "the reference has nothing worth timing",
+            file=sys.stderr,
+        )
+        return 2
+    from twell.benchmark import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m twell", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("demo", help="sparsity report and sparse-vs-dense check")
+    p.add_argument("--tokens", type=int, default=4096, help="M (default 4096)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="use the NumPy reference even on a GPU")
+    p.set_defaults(run=demo)
+    p = commands.add_parser("check", help="cross-check every op and workload, verdict table")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 257])
+    p.add_argument("--width", type=int, default=512, help="K (default 512)")
+    p.add_argument("--ffn", type=int, default=1536, help="N (default 1536)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="check the NumPy reference only")
+    p.set_defaults(run=check)
+    p = commands.add_parser("bench", help="BENCH.md protocol on the GPU")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p.set_defaults(run=bench)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
