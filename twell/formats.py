@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from twell._arrays import bf16_bits, bf16_values, to_numpy, xp_of
+from twell._arrays import FLOAT_DTYPES, bf16_bits, bf16_values, to_numpy, xp_of
 
 DEFAULT_TILE = 256
 DEFAULT_SLOTS = 32
@@ -76,7 +76,10 @@ class TwELL:
         slots: int = DEFAULT_SLOTS,
     ) -> None:
         rows, columns = check_layout(tuple(shape), tile, slots)
-        xp_of(packed)  # raises TypeError for anything but numpy/cupy
+        try:
+            xp_of(packed)  # raises TypeError for anything but numpy/cupy
+        except TypeError as error:
+            raise TypeError(f"packed: {error}") from None
         if packed.dtype != np.uint32:
             raise TypeError(f"packed: expected dtype uint32, got {packed.dtype}")
         width = columns // tile * slots
@@ -99,7 +102,15 @@ class TwELL:
         after rounding are not stored. NaN counts as a nonzero and is stored. Overflowed
         tiles keep their true count and the first ``slots - 1`` entries.
         """
-        xp = xp_of(h)
+        try:
+            xp = xp_of(h)
+        except TypeError as error:
+            raise TypeError(f"h: {error}") from None
+        if np.dtype(h.dtype) not in FLOAT_DTYPES:
+            raise TypeError(
+                f"h: expected a floating dtype (bfloat16, float16, float32, float64), "
+                f"got {h.dtype}"
+            )
         if h.ndim != 2:
             raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
         rows, columns = check_layout(h.shape, tile, slots)
@@ -235,7 +246,7 @@ class TwELL:
             ValueError: naming the first bad row, tile and slot.
         """
         xp = self.xp
-        counts = self.counts()
+        counts = self._words()[:, :, 0]  # uint32: counts() would wrap words >= 2**31
         too_many = counts > self.tile
         if bool(too_many.any()):
             m, j = (int(i) for i in xp.argwhere(too_many)[0])
@@ -293,7 +304,11 @@ class Hybrid:
             raise TypeError(f"ell: expected a TwELL, got {type(ell).__name__}")
         xp = ell.xp
         for name, array in (("dense_rows", dense_rows), ("dense", dense)):
-            if xp_of(array) is not xp:
+            try:
+                library = xp_of(array)
+            except TypeError as error:
+                raise TypeError(f"{name}: {error}") from None
+            if library is not xp:
                 raise TypeError(
                     f"{name}: expected a {xp.__name__} array like ell.packed, "
                     f"got {type(array).__module__}.{type(array).__name__}"
@@ -302,6 +317,11 @@ class Hybrid:
             raise TypeError(
                 f"dense_rows: expected a 1-D int32 array, got {dense_rows.dtype} "
                 f"with shape {tuple(dense_rows.shape)}"
+            )
+        if np.dtype(dense.dtype) not in FLOAT_DTYPES:
+            raise TypeError(
+                f"dense: expected a floating dtype (bfloat16, float16, float32, float64), "
+                f"got {dense.dtype}"
             )
         if dense.shape != (dense_rows.shape[0], ell.shape[1]):
             raise ValueError(
@@ -327,8 +347,8 @@ class Hybrid:
         non-finite value; with ``max_row_nnz`` also when it has more nonzeros than that.
         The dense part keeps ``h``'s values and dtype; the TwELL part holds bf16 values.
         """
-        xp = xp_of(h)
-        ell = TwELL.from_dense(h, tile, slots)
+        ell = TwELL.from_dense(h, tile, slots)  # checks h first
+        xp = ell.xp
         heavy = (ell.counts() > slots - 1).any(axis=1)
         heavy |= ~xp.isfinite(h).all(axis=1)
         if max_row_nnz is not None:

@@ -35,7 +35,13 @@ class _Inputs:
 
 def _library(named: dict[str, Any]) -> str:
     """The one array library of all non-None arguments (TypeError if mixed)."""
-    libraries = {name: library_of(a) for name, a in named.items() if a is not None}
+    libraries = {}
+    for name, array in named.items():
+        if array is not None:
+            try:
+                libraries[name] = library_of(array)
+            except TypeError as error:
+                raise TypeError(f"{name}: {error}") from None
     if len(set(libraries.values())) > 1:
         listed = ", ".join(f"{name} is {lib}" for name, lib in libraries.items())
         raise TypeError(f"mixed array types: {listed}; pass arrays of one library")
@@ -75,6 +81,7 @@ def _validate(
     *,
     x: Any = None,
     hidden: Hybrid | None = None,
+    hidden_name: str | None = None,
     weights: dict[str, tuple[Any, str]],
     tile: int | None = None,
     slots: int | None = None,
@@ -84,18 +91,22 @@ def _validate(
     Args:
         x: the ``[..., K]`` input, or None for ops without one.
         hidden: a :class:`Hybrid` argument (its N and M constrain the rest).
+        hidden_name: the name of that argument in the public op; set by the ops that
+            take one (so that ``None`` passed for it is rejected too).
         weights: name → (array or None, layout) with layout ``"NK"`` or ``"KN"``.
         tile, slots: the TwELL geometry to check, when the op produces a TwELL.
     """
     named = {"x": x, **{name: array for name, (array, _) in weights.items()}}
     library = _library(named)
-    if hidden is not None:
+    if hidden_name is not None:
         if not isinstance(hidden, Hybrid):
-            raise TypeError(f"h: expected a twell.Hybrid, got {type(hidden).__name__}")
+            raise TypeError(f"{hidden_name}: expected a twell.Hybrid, got {type(hidden).__name__}")
         on_gpu = library in ("cupy", "torch")
         if (hidden.xp is np) == on_gpu:
             where = "GPU (CuPy)" if on_gpu else "NumPy"
-            raise TypeError(f"h: expected a Hybrid holding {where} arrays like the others")
+            raise TypeError(
+                f"{hidden_name}: expected a Hybrid holding {where} arrays like the others"
+            )
     for name, array in named.items():
         if array is not None:
             _check_dtype(name, array, library)
@@ -116,11 +127,15 @@ def _validate(
         n = hidden.shape[1]
         if x is not None and hidden.shape[0] != flat["x"].shape[0]:
             raise ValueError(
-                f"h: expected {flat['x'].shape[0]} rows (one per token of x), got {hidden.shape[0]}"
+                f"{hidden_name}: expected {flat['x'].shape[0]} rows (one per token of x), "
+                f"got {hidden.shape[0]}"
             )
+    n_name = "h"
     for name, (array, layout) in weights.items():
         if array is None:
             continue
+        if n is None:
+            n_name = name
         if layout == "NK":
             _check_matrix(name, array, n, k)
             n, k = int(array.shape[0]), int(array.shape[1])
@@ -129,7 +144,11 @@ def _validate(
             k, n = int(array.shape[0]), int(array.shape[1])
         flat[name] = array
     if tile is not None:
-        check_layout((1, n), tile, slots)
+        try:
+            check_layout((1, n), tile, slots)
+        except ValueError as error:
+            # check_layout names its own ``shape``; here N comes from a weight.
+            raise ValueError(str(error).replace("shape: ", f"{n_name}: ", 1)) from None
     if library != "numpy":
         _check_gpu_arrays(flat, hidden)
     if hidden is None and x is None:
@@ -226,7 +245,7 @@ def gate(x: Any, w_gate: Any, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_
 
 def down(h: Hybrid, w_down: Any) -> Any:
     """``h @ w_down.T`` for a Hybrid ``h`` ``[M, N]`` and ``w_down`` ``[K, N]``."""
-    inputs = _validate(hidden=h, weights={"w_down": (w_down, "KN")})
+    inputs = _validate(hidden=h, hidden_name="h", weights={"w_down": (w_down, "KN")})
     inputs.batch_shape = (h.shape[0],)
     if inputs.library == "numpy":
         return reference.down(h, inputs.arrays["w_down"])
@@ -236,7 +255,9 @@ def down(h: Hybrid, w_down: Any) -> Any:
 
 def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any) -> Any:
     """``(g * (x @ w_up.T)) @ w_down.T``, forming ``x · w_up`` only where ``g != 0``."""
-    inputs = _validate(x=x, hidden=g, weights={"w_up": (w_up, "NK"), "w_down": (w_down, "KN")})
+    inputs = _validate(
+        x=x, hidden=g, hidden_name="g", weights={"w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
+    )
     a = inputs.arrays
     if inputs.library == "numpy":
         return _restore(reference.gated_down(a["x"], g, a["w_up"], a["w_down"]), inputs)

@@ -44,7 +44,7 @@ def l1_loss(h: Any, reduction: str = "mean") -> float:
         total = float(np.abs(h.to_csr().data.astype(np.float64)).sum())
     else:
         dense = upcast(h)
-        rows, columns = dense.shape[0], int(np.prod(dense.shape[1:]))
+        rows, columns = int(np.prod(dense.shape[:-1])), dense.shape[-1]  # tokens × units
         total = float(np.abs(dense).sum())
     return total * _l1_scale(reduction, rows, columns)
 
@@ -54,7 +54,7 @@ def l0(h: Any) -> float:
     if isinstance(h, (TwELL, Hybrid)):
         return h.nnz / max(1, h.shape[0])
     dense = np.asarray(h)
-    return float(np.count_nonzero(dense)) / max(1, dense.shape[0])
+    return float(np.count_nonzero(dense)) / max(1, int(np.prod(dense.shape[:-1])))
 
 
 def ffn_backward(

@@ -1,0 +1,30 @@
+"""Test support for twell and for code built on it: Hypothesis strategies, assertions, profiles.
+
+- :mod:`twell.testing.strategies`: activations with controlled per-tile counts, valid and
+  corrupt TwELL/Hybrid objects, whole FFN problems (needs ``hypothesis``).
+- :mod:`twell.testing.asserts`: :func:`assert_same_matrix` (compares TwELL, Hybrid,
+  sparse and dense matrices through decoding) and :func:`relative_error`.
+- :mod:`twell.testing.profiles`: the ``dev``/``ci``/``deep`` Hypothesis profiles and
+  :func:`~twell.testing.profiles.load_profile`.
+
+The assertions are imported here; the strategies and profiles need Hypothesis and are
+imported from their modules.
+"""
+
+from twell.testing.asserts import (
+    as_host,
+    assert_relative_error,
+    assert_same_matrix,
+    assert_same_nonfinite,
+    matrix_entries,
+    relative_error,
+)
+
+__all__ = [
+    "as_host",
+    "assert_relative_error",
+    "assert_same_matrix",
+    "assert_same_nonfinite",
+    "matrix_entries",
+    "relative_error",
+]
