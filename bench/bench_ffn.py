@@ -6,7 +6,7 @@ torch dense baseline (``F.linear`` + ``relu`` + ``*`` + ``F.linear``) on the sam
 in the same process, rel. error of every timed configuration against float64 dense math
 (rows subsampled), JSON records under ``bench/results/<gpu>_<date>.json``.
 
-    PYTHONPATH=. python bench/bench_ffn.py --quick            # uniform M=16384 K=2048 N=5632
+    PYTHONPATH=. python bench/bench_ffn.py                    # uniform M=16384 K=2048 N=5632
     PYTHONPATH=. python bench/bench_ffn.py --workloads uniform heavy paperlike --M 4096 16384
 """
 
@@ -97,7 +97,8 @@ def bench_config(
     seed: int = 0,
     stages: bool = False,
     check_rows: int = 256,
-) -> dict[str, Any]:
+    paths: tuple[str, ...] = ("fused",),
+) -> list[dict[str, Any]]:
     import cupy as cp
     import torch
     import torch.nn.functional as F  # noqa: N812
@@ -116,14 +117,14 @@ def bench_config(
         x = upload(problem.x)
         wg, wu, wd = upload(w_gate), upload(problem.w_up), upload(problem.w_down)
         xs.append(x)
-        blocks.append(ffn_gpu.SparseFFN(wg, wu, wd, tile, slots))
+        blocks.append({p: ffn_gpu.SparseFFN(wg, wu, wd, tile, slots, path=p) for p in paths})
         tw = [None if a is None else torch.from_dlpack(a) for a in (wg, wu, wd)]
         dense_w.append(tw)
         del s
     xt = [torch.from_dlpack(x) for x in xs]
 
-    def ours(i: int) -> Any:
-        return blocks[i](xs[i])
+    def ours(i: int, path: str = paths[0]) -> Any:
+        return blocks[i][path](xs[i])
 
     def dense(i: int) -> Any:
         wg, wu, wd = dense_w[i]
@@ -136,13 +137,13 @@ def bench_config(
         return F.linear(xt[i], wu if wg is None else wg)
 
     torch.cuda.synchronize()
-    t_ours = time_ms(ours, sets)
+    t_paths = {p: time_ms(lambda i, p=p: ours(i, p), sets) for p in paths}
     t_dense = time_ms(dense, sets)
     t_gemm = time_ms(gate_gemm, sets)
 
     record: dict[str, Any] = {}
     if stages:  # time the pipeline's parts (differences, no counters)
-        b = blocks[0]
+        b = blocks[0][paths[0]]
         w_first = b.w_gate if gated else b.w_up
         pre = ffn_gpu.gemm_nt(xs[0], w_first)
         packed, heavy = ffn_gpu.pack(pre, tile, slots)
@@ -156,45 +157,58 @@ def bench_config(
             1,
         )  # fmt: skip
         record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
+        record["t_fused_rows_ms"] = time_ms(
+            lambda i: ffn_gpu.fused_rows(
+                xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
+                b.w_down_t, y, tile=tile, slots=slots,
+            ),
+            1,
+        )  # fmt: skip
 
-    # Correctness of this configuration: float64 dense math on a row sample.
-    y = ours(0)
+    # Correctness: float64 dense math on a row sample, for every timed path.
     rows = np.unique(np.r_[np.linspace(0, m - 1, min(m, check_rows)).astype(int)])
     heavy_ids = problem.params.get("heavy_rows")
     if heavy_ids is not None:
         rows = np.unique(np.r_[rows, np.asarray(heavy_ids)[:64]])
     oracle = reference.forward.ffn_dense(problem.x[rows], w_gate, problem.w_up, problem.w_down)
-    got = y[cp.asarray(rows)].view(cp.uint16).get().view(BF16).astype(np.float64)
-    rel_err = float(np.linalg.norm(got - oracle) / np.linalg.norm(oracle))
     # L0 and heavy rows from the packed gate.
-    b = blocks[0]
+    b = blocks[0][paths[0]]
     pre = ffn_gpu.gemm_nt(xs[0], b.w_gate if gated else b.w_up)
     packed, heavy = ffn_gpu.pack(pre, tile, slots)
     l0 = float(packed[:, ::slots].astype(cp.float64).sum().get() / m)
     heavy_rows = int(heavy.astype(cp.int64).sum().get())
     gemm_flops = 2.0 * m * n * k
-    record.update(
-        gpu=gpu_name(),
-        op="ffn_forward" if gated else "ffn_forward_nongated",
-        workload=workload,
-        M=m,
-        K=k,
-        N=n,
-        tile=tile,
-        slots=slots,
-        t_ms=t_ours,
-        t_dense_ms=t_dense,
-        speedup=t_dense / t_ours,
-        t_gate_gemm_ms=t_gemm,
-        floor_ratio=t_ours / t_gemm,
-        gate_gemm_tflops=gemm_flops / t_gemm / 1e9,
-        rel_err=rel_err,
-        l0=l0,
-        heavy_rows=heavy_rows,
-        rotation_sets=sets,
-        **versions(),
-    )
-    return record
+    records = []
+    for path in paths:
+        y = ours(0, path)
+        got = y[cp.asarray(rows)].view(cp.uint16).get().view(BF16).astype(np.float64)
+        rel_err = float(np.linalg.norm(got - oracle) / np.linalg.norm(oracle))
+        t_ours = t_paths[path]
+        r = dict(record)
+        r.update(
+            gpu=gpu_name(),
+            op="ffn_forward" if gated else "ffn_forward_nongated",
+            workload=workload,
+            path=path,
+            M=m,
+            K=k,
+            N=n,
+            tile=tile,
+            slots=slots,
+            t_ms=t_ours,
+            t_dense_ms=t_dense,
+            speedup=t_dense / t_ours,
+            t_gate_gemm_ms=t_gemm,
+            floor_ratio=t_ours / t_gemm,
+            gate_gemm_tflops=gemm_flops / t_gemm / 1e9,
+            rel_err=rel_err,
+            l0=l0,
+            heavy_rows=heavy_rows,
+            rotation_sets=sets,
+            **versions(),
+        )
+        records.append(r)
+    return records
 
 
 def write_records(records: list[dict[str, Any]], directory: str) -> str:
@@ -212,11 +226,14 @@ def write_records(records: list[dict[str, Any]], directory: str) -> str:
 
 
 def print_table(records: list[dict[str, Any]]) -> None:
-    head = f"{'op':<22}{'workload':<12}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
+    head = (
+        f"{'op':<22}{'workload':<12}{'path':<6}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
+    )
     print(head + f"{'speedup':>8}{'floor':>7}{'rel_err':>9}{'L0':>6}{'heavy':>7}")
     for r in records:
         print(
-            f"{r['op']:<22}{r['workload']:<12}{r['M']:>7}{r['slots']:>4}{r['t_ms']:>8.3f}"
+            f"{r['op']:<22}{r['workload']:<12}{r.get('path', ''):<6}{r['M']:>7}{r['slots']:>4}"
+            f"{r['t_ms']:>8.3f}"
             f"{r['t_dense_ms']:>8.3f}{r['t_gate_gemm_ms']:>8.3f}{r['speedup']:>8.2f}"
             f"{r['floor_ratio']:>7.2f}{r['rel_err']:>9.1e}{r['l0']:>6.1f}{r['heavy_rows']:>7}"
         )
@@ -232,18 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nongated", action="store_true", help="also the non-gated block")
     parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--quick", action="store_true", help="uniform M=16384 only")
+    parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "pack"])
     args = parser.parse_args(argv)
     records = []
     for workload in args.workloads:
         for m in args.M:
             for slots in args.slots:
                 for gated in (True, False) if args.nongated else (True,):
-                    r = bench_config(
-                        workload, m, args.K, args.N, gated=gated, slots=slots, stages=args.stages
-                    )
-                    records.append(r)
-                    print(json.dumps(r), flush=True)
+                    rs = bench_config(
+                        workload, m, args.K, args.N, gated=gated, slots=slots,
+                        stages=args.stages, paths=tuple(args.paths),
+                    )  # fmt: skip
+                    records += rs
+                    for r in rs:
+                        print(json.dumps(r), flush=True)
     path = write_records(records, args.out)
     print(f"wrote {path}")
     print_table(records)

@@ -90,6 +90,8 @@ def problem(kind: str, m: int, k: int, n: int, seed: int = 0) -> workloads.Probl
         return workloads.heavy(m, k, n, p=0.02, frac=0.05, seed=seed)
     if kind == "dense":  # p = 0.3: most rows overflow at slots=32
         return workloads.uniform(m, k, n, p=0.3, seed=seed)
+    if kind == "wide":  # p = 0.2 at N=5632: > 1024 active units per row, no tile > 127
+        return workloads.uniform(m, k, n, p=0.2, seed=seed)
     raise ValueError(kind)
 
 
@@ -114,7 +116,9 @@ CASES = [
     ("dense", 257, 256, 512, 32),
     ("uniform", 777, 1024, 768, 128),
     ("heavy", 64, 4096, 512, 32),
+    ("wide", 70, 256, 5632, 128),
 ]
+PACK_CASES = [CASES[i] for i in (1, 2, 3, 4, 7)]
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -134,7 +138,7 @@ def test_ffn_matches_dense_float64(kind: str, m: int, k: int, n: int, slots: int
     assert cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)), "not deterministic"
 
 
-@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES[:5])
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES[:5] + CASES[7:])
 def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots: int):
     p = with_special_rows(problem(kind, m, k, n, seed=7 + m))
     x, wg = to_gpu(p.x), to_gpu(p.w_gate)
@@ -171,7 +175,7 @@ def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots:
     assert cp.array_equal(h.dense.view(cp.uint16), again.dense.view(cp.uint16))
 
 
-@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES[1:5])
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), PACK_CASES)
 def test_down_and_gated_down_match_the_reference(kind: str, m: int, k: int, n: int, slots: int):
     p = with_special_rows(problem(kind, m, k, n, seed=3 + m))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
@@ -193,6 +197,16 @@ def test_down_of_a_float32_hybrid_from_dense():
     assert 5 in cp.asnumpy(hg.dense_rows).tolist()
     y = to_f64(ffn_gpu.down(hg, to_gpu(w_down)))
     assert_close(y, reference.down(to_host(hg), w_down))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), PACK_CASES)
+def test_version_1_pack_path(kind: str, m: int, k: int, n: int, slots: int, gated: bool):
+    p = with_special_rows(problem(kind, m, k, n, seed=m + 2 * k))
+    w_gate = p.w_gate if gated else None
+    x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
+    y = ffn_gpu.SparseFFN(wg, wu, wd, 256, slots, path="pack")(x)
+    assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
 
 
 def test_prepared_block_equals_functional_ffn():

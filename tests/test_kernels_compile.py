@@ -19,8 +19,21 @@ CONFIGS = [
 ] + [
     ("sparse_ffn.cu", {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": gated})
     for k, tile, slots in [
+        (2048, 256, 32),
+        (2048, 256, 64),
+        (2048, 256, 128),
+        (4096, 256, 32),
+        (8, 32, 2),
+        (136, 64, 16),
+        (1032, 128, 4),
+    ]
+    for gated in (0, 1)
+]
+CONFIGS += [
+    ("sparse_rows.cu", {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": gated})
+    for k, tile, slots in [
         (2048, 256, 32), (2048, 256, 64), (2048, 256, 128), (4096, 256, 32),
-        (8, 32, 2), (136, 64, 16), (1032, 128, 4),
+        (4096, 256, 128), (8, 32, 2), (136, 64, 16), (1032, 128, 4),
     ]
     for gated in (0, 1)
 ] + [("dense_rows.cu", {}), ("convert.cu", {})]  # fmt: skip

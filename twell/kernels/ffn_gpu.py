@@ -9,12 +9,16 @@ Pipeline of :func:`ffn` (no host synchronisation, so it can be captured in a CUD
 
 1. ``pre = x @ w_gate.T`` — cuBLAS bf16 GEMM (``gemmEx``, fp32 accumulation) into a bf16
    buffer (``w_up`` instead for the non-gated block).
-2. ``twell_pack_rows`` — relu, TwELL words and a heavy flag per row (pack.cu).
+2. ``twell_fused_rows`` (sparse_rows.cu) — per token: relu and the heavy decision from
+   ``pre``, then the light rows' gathered up/down. (Version 1, ``path="pack"``: pack.cu
+   writes TwELL, then sparse_ffn.cu reads it.)
 3. ``twell_compact_rows`` — heavy row ids in ascending order and their count, on the
    device (a prefix sum: deterministic).
-4. ``twell_sparse_rows`` — light rows: gathered up/down per active unit (sparse_ffn.cu).
-5. ``twell_dense_rows`` — heavy rows: tensor-core dense math, grid sized for the worst
+4. ``twell_dense_rows`` — heavy rows: tensor-core dense math, grid sized for the worst
    case, reading the count on the device (dense_rows.cu).
+
+:func:`gate` packs with pack.cu; :func:`gated_down` and :func:`down` read TwELL with
+``twell_twell_rows`` (sparse_rows.cu) and the dense part with dense_rows.cu.
 
 Same inputs give the same output bits: no step uses atomics.
 """
@@ -230,7 +234,8 @@ def sparse_rows(
     slots: int,
     min_blocks: int | None = None,
 ) -> None:
-    """Light rows of ``y``: gated if ``w_up`` is given, else ``y = h @ w_down``."""
+    """Light rows of ``y`` by version 1 (sparse_ffn.cu: one unit at a time, no list);
+    gated if ``w_up`` is given, else ``y = h @ w_down``. Kept as the simple baseline."""
     m, k = y.shape
     n = w_down_t.shape[0]
     if m == 0:
@@ -241,6 +246,72 @@ def sparse_rows(
         params["MIN_BLOCKS"] = min_blocks
     null = np.uint64(0)
     kernel("sparse_ffn.cu", "twell_sparse_rows", params)(
+        (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
+        (
+            _u16(x) if gated else null, packed, heavy,
+            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
+            np.int32(m), np.int32(n),
+        ),
+    )  # fmt: skip
+
+
+def _row_params(k: int, tile: int, slots: int, gated: bool, min_blocks: int | None) -> dict:
+    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
+    if min_blocks is not None:
+        params["MIN_BLOCKS"] = min_blocks
+    return params
+
+
+def fused_rows(
+    x: Any | None,
+    pre: Any,
+    heavy: Any,
+    w_up: Any | None,
+    w_down_t: Any,
+    y: Any,
+    *,
+    tile: int,
+    slots: int,
+    min_blocks: int | None = None,
+) -> None:
+    """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
+    ``heavy[m]`` (1: row left to the dense path) for every row. Gated if ``w_up`` given."""
+    m, k = y.shape
+    n = w_down_t.shape[0]
+    if m == 0:
+        return
+    gated = w_up is not None
+    null = np.uint64(0)
+    kernel("sparse_rows.cu", "twell_fused_rows", _row_params(k, tile, slots, gated, min_blocks))(
+        (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
+        (
+            _u16(x) if gated else null, _u16(pre), heavy,
+            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
+            np.int32(m), np.int32(n),
+        ),
+    )  # fmt: skip
+
+
+def twell_rows(
+    x: Any | None,
+    packed: Any,
+    heavy: Any,
+    w_up: Any | None,
+    w_down_t: Any,
+    y: Any,
+    *,
+    tile: int,
+    slots: int,
+    min_blocks: int | None = None,
+) -> None:
+    """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped)."""
+    m, k = y.shape
+    n = w_down_t.shape[0]
+    if m == 0:
+        return
+    gated = w_up is not None
+    null = np.uint64(0)
+    kernel("sparse_rows.cu", "twell_twell_rows", _row_params(k, tile, slots, gated, min_blocks))(
         (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
         (
             _u16(x) if gated else null, packed, heavy,
@@ -343,7 +414,7 @@ def down(h: Any, w_down: Any) -> Any:
     _check_width(k)
     packed, heavy, dense, r = _hybrid_parts(h)
     y = _empty_bf16((m, k))
-    sparse_rows(None, packed, heavy, None, transpose(wd), y, tile=h.tile, slots=h.slots)
+    twell_rows(None, packed, heavy, None, transpose(wd), y, tile=h.tile, slots=h.slots)
     if r:
         count = cp.full((1,), r, dtype=cp.int32)
         rows = cp.ascontiguousarray(h.dense_rows, dtype=cp.int32)
@@ -360,7 +431,7 @@ def gated_down(x: Any, g: Any, w_up: Any, w_down: Any) -> Any:
     _check_width(k)
     packed, heavy, dense, r = _hybrid_parts(g)
     y = _empty_bf16((m, k))
-    sparse_rows(xb, packed, heavy, wu, transpose(wd), y, tile=g.tile, slots=g.slots)
+    twell_rows(xb, packed, heavy, wu, transpose(wd), y, tile=g.tile, slots=g.slots)
     if r:
         count = cp.full((1,), r, dtype=cp.int32)
         rows = cp.ascontiguousarray(g.dense_rows, dtype=cp.int32)
@@ -381,11 +452,23 @@ class SparseFFN:
         w_gate: ``[N, K]`` or None (non-gated block ``relu(x @ w_up.T) @ w_down.T``).
         w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout), CuPy arrays.
         tile, slots: TwELL geometry of the hidden activation.
+        path: ``"fused"`` (default: the sparse kernel reads the pre-activation directly)
+            or ``"pack"`` (version 1: pack to TwELL, then sparse_ffn.cu), for comparisons.
     """
 
     def __init__(
-        self, w_gate: Any | None, w_up: Any, w_down: Any, tile: int = 256, slots: int = 32
+        self,
+        w_gate: Any | None,
+        w_up: Any,
+        w_down: Any,
+        tile: int = 256,
+        slots: int = 32,
+        *,
+        path: str = "fused",
     ) -> None:
+        if path not in ("fused", "pack"):
+            raise ValueError(f"path: expected 'fused' or 'pack', got {path!r}")
+        self.path = path
         self.w_gate = None if w_gate is None else as_bf16(w_gate)
         self.w_up = as_bf16(w_up)
         self.w_down = as_bf16(w_down)
@@ -420,12 +503,19 @@ def _ffn(xb: Any, prepared: SparseFFN) -> Any:
         return y
     gated = prepared.w_gate is not None
     pre = gemm_nt(xb, prepared.w_gate if gated else prepared.w_up)
-    packed, heavy = pack(pre, prepared.tile, prepared.slots)
+    if prepared.path == "pack":
+        packed, heavy = pack(pre, prepared.tile, prepared.slots)
+        sparse_rows(
+            xb if gated else None, packed, heavy, prepared.w_up if gated else None,
+            prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
+        )  # fmt: skip
+    else:
+        heavy = _alloc((m,), np.uint8)
+        fused_rows(
+            xb if gated else None, pre, heavy, prepared.w_up if gated else None,
+            prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
+        )  # fmt: skip
     ids, count = compact_rows(heavy)
-    sparse_rows(
-        xb if gated else None, packed, heavy, prepared.w_up if gated else None,
-        prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
-    )  # fmt: skip
     if gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
         dense_rows(xb, prepared.w_up, pre, ids, count, m, a_by_id=True, out_by_id=True,
