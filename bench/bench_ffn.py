@@ -108,6 +108,9 @@ def bench_config(
 
     problem = make_problem(workload, m, k, n, seed)
     w_gate = problem.w_gate if gated else None
+    # Non-gated block relu(x @ w_up.T) @ w_down.T: the workload's thresholded gate weights
+    # play w_up, so the hidden activation has the workload's sparsity.
+    w_up = problem.w_up if gated else problem.w_gate
     # Rotate weight sets (and x) so the working set of consecutive calls exceeds L2.
     l2 = cp.cuda.Device().attributes["L2CacheSize"]
     set_bytes = 2 * (m * k + (3 if gated else 2) * n * k)
@@ -115,7 +118,7 @@ def bench_config(
     xs, blocks, dense_w = [], [], []
     for s in range(sets):
         x = upload(problem.x)
-        wg, wu, wd = upload(w_gate), upload(problem.w_up), upload(problem.w_down)
+        wg, wu, wd = upload(w_gate), upload(w_up), upload(problem.w_down)
         xs.append(x)
         blocks.append({p: ffn_gpu.SparseFFN(wg, wu, wd, tile, slots, path=p) for p in paths})
         tw = [None if a is None else torch.from_dlpack(a) for a in (wg, wu, wd)]
@@ -157,6 +160,21 @@ def bench_config(
             1,
         )  # fmt: skip
         record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
+        for units in (1, 4) if gated else (2, 8):
+            record[f"t_fused_rows_units{units}_ms"] = time_ms(
+                lambda i, u=units: ffn_gpu.fused_rows(
+                    xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
+                    b.w_down_t, y, tile=tile, slots=slots, units=u,
+                ),
+                1,
+            )  # fmt: skip
+        record["t_twell_rows_ms"] = time_ms(
+            lambda i: ffn_gpu.twell_rows(
+                xs[0] if gated else None, packed, heavy, b.w_up if gated else None,
+                b.w_down_t, y, tile=tile, slots=slots,
+            ),
+            1,
+        )  # fmt: skip
         record["t_fused_rows_ms"] = time_ms(
             lambda i: ffn_gpu.fused_rows(
                 xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
@@ -170,7 +188,7 @@ def bench_config(
     heavy_ids = problem.params.get("heavy_rows")
     if heavy_ids is not None:
         rows = np.unique(np.r_[rows, np.asarray(heavy_ids)[:64]])
-    oracle = reference.forward.ffn_dense(problem.x[rows], w_gate, problem.w_up, problem.w_down)
+    oracle = reference.forward.ffn_dense(problem.x[rows], w_gate, w_up, problem.w_down)
     # L0 and heavy rows from the packed gate.
     b = blocks[0][paths[0]]
     pre = ffn_gpu.gemm_nt(xs[0], b.w_gate if gated else b.w_up)

@@ -263,3 +263,27 @@ def test_twell_object_is_a_cupy_twell():
     p = problem("uniform", 50, 256, 512)
     h = ffn_gpu.gate(to_gpu(p.x), to_gpu(p.w_gate))
     assert isinstance(h.ell, TwELL) and isinstance(h.ell.packed, cp.ndarray)
+
+
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "simple"])
+def test_dense_rows_kernels(tiled: bool):
+    """Both heavy-row kernels against float64, with gathered rows, a gate and ragged sizes."""
+    rng = np.random.default_rng(4)
+    m, red, outc = 300, 264, 200
+    a = rng.standard_normal((m, red)).astype(BF16)
+    b = rng.standard_normal((outc, red)).astype(BF16)
+    gate = rng.standard_normal((m, outc)).astype(BF16)
+    rows = np.sort(rng.choice(m, 77, replace=False)).astype(np.int32)
+    out = to_gpu(np.zeros((m, outc), BF16))
+    ids, count = cp.asarray(rows), cp.asarray(np.array([rows.size], np.int32))
+    ffn_gpu.dense_rows(
+        to_gpu(a), to_gpu(b), out, ids, count, m, a_by_id=True, out_by_id=True,
+        relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True, tiled=tiled,
+    )  # fmt: skip
+    a64 = np.maximum(a.astype(np.float64), 0)
+    ref = np.zeros((m, outc))
+    ref[rows] = np.maximum(gate.astype(np.float64)[rows], 0) * (a64[rows] @ b.astype(np.float64).T)
+    got = to_f64(out)
+    assert_close(got[rows], ref[rows])
+    untouched = np.setdiff1d(np.arange(m), rows)
+    assert np.all(got[untouched] == 0)

@@ -160,3 +160,145 @@ twell_dense_rows(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
     __syncthreads();
   }
 }
+
+// ---------------------------------------------------------------------------------------
+// twell_dense_rows_tiled — the same contract as twell_dense_rows, as a tiled GEMM: a block
+// computes 64 rows x 64 output columns, staging 32-wide k-slices of A (gathered rows) and
+// B in shared memory through a 3-stage cp.async ring, so each B element read from L2
+// serves 64 rows instead of 16 (this is what keeps many heavy rows affordable).
+// 4 warps in a 2 x 2 layout, each 32 rows x 32 columns (2 x 4 mma tiles). The k order
+// inside a slice is the same permutation for A and B (16 contiguous bytes per lane), and
+// every output element is reduced by one thread in a fixed order: deterministic.
+
+#define DT_ROWS 64
+#define DT_COLS 64
+#define DT_STAGES 3
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
+                       const uint16_t* __restrict__ B, int OUTC, int RED,
+                       const int* __restrict__ ids, const int* __restrict__ count_ptr,
+                       const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
+                       uint16_t* __restrict__ out, int o_by_id) {
+  __shared__ uint4 As[DT_STAGES][DT_ROWS][4];
+  __shared__ uint4 Bs[DT_STAGES][DT_COLS][4];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wm = warp >> 1, wn = warp & 1;
+  const int count = count_ptr[0];
+  const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
+  const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
+  const long long items = (long long)row_blocks * col_blocks;
+  const int kblocks = (RED + 31) / 32;
+
+  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+    const int rb = (int)(item / col_blocks), cb = (int)(item % col_blocks);
+    // This thread's two A rows and two B rows to stage (chunk c = tid + 128 q).
+    const uint16_t* arow[2];
+    const uint16_t* brow[2];
+    bool bok[2];
+    int kc[2], rr[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int c = tid + 128 * q;
+      rr[q] = c >> 2;
+      kc[q] = c & 3;
+      const int i = min(rb * DT_ROWS + rr[q], count - 1);
+      const long long ar = a_by_id ? ids[i] : i;
+      arow[q] = A + ar * RED + kc[q] * 8;
+      const int col = cb * DT_COLS + rr[q];
+      bok[q] = col < OUTC;
+      brow[q] = B + (long long)(bok[q] ? col : 0) * RED + kc[q] * 8;
+    }
+    auto stage_in = [&](int kb) {
+      const int s = kb % DT_STAGES, r = kb * 32;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const bool kok = r + kc[q] * 8 < RED;
+        cp_async16(&As[s][rr[q]][kc[q]], kok ? arow[q] + r : arow[q], kok);
+        cp_async16(&Bs[s][rr[q]][kc[q]], (kok && bok[q]) ? brow[q] + r : brow[q],
+                   kok && bok[q]);
+      }
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+    __syncthreads();  // the previous item's last reads of the ring are done
+    stage_in(0);
+    cp_async_commit();
+    if (kblocks > 1) stage_in(1);
+    cp_async_commit();
+    for (int kb = 0; kb < kblocks; ++kb) {
+      cp_async_wait<1>();
+      __syncthreads();
+      if (kb + 2 < kblocks) stage_in(kb + 2);
+      cp_async_commit();
+      const int s = kb % DT_STAGES;
+      uint4 a[2][2], b[4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        a[mt][0] = As[s][wm * 32 + mt * 16 + g][t];
+        a[mt][1] = As[s][wm * 32 + mt * 16 + g + 8][t];
+        if (relu_a) {
+          a[mt][0] = relu8(a[mt][0]);
+          a[mt][1] = relu8(a[mt][1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) b[nt] = Bs[s][wn * 32 + nt * 8 + g][t];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          mma_bf16(acc[mt][nt], a[mt][0].x, a[mt][1].x, a[mt][0].y, a[mt][1].y, b[nt].x, b[nt].y);
+          mma_bf16(acc[mt][nt], a[mt][0].z, a[mt][1].z, a[mt][0].w, a[mt][1].w, b[nt].z, b[nt].w);
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = cb * DT_COLS + wn * 32 + nt * 8 + 2 * t;
+        if (col >= OUTC) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
+          if (i >= count) continue;
+          float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+          if (gate != nullptr) {
+            const long long gr = g_by_id ? ids[i] : i;
+            float g0 = bf16_to_float(gate[gr * OUTC + col]);
+            float g1 = bf16_to_float(gate[gr * OUTC + col + 1]);
+            if (relu_g) {
+              g0 = g0 <= 0.f ? 0.f : g0;  // NaN stays NaN
+              g1 = g1 <= 0.f ? 0.f : g1;
+            }
+            v0 *= g0;
+            v1 *= g1;
+          }
+          const long long orow = o_by_id ? ids[i] : i;
+          *reinterpret_cast<__nv_bfloat162*>(out + orow * OUTC + col) =
+              __floats2bfloat162_rn(v0, v1);
+        }
+      }
+  }
+}

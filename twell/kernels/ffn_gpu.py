@@ -47,8 +47,7 @@ _CUBLAS_OP_T = 1
 
 _PACK_WARPS = 8  # must match pack.cu
 _SPARSE_WARPS = 4  # must match sparse_ffn.cu
-_DENSE_ROWS_PER_ITEM = 16  # must match dense_rows.cu
-_DENSE_COLS_PER_ITEM = 32
+_ROW_WARPS = 1  # must match sparse_rows.cu
 
 
 def _cupy() -> Any:
@@ -255,10 +254,14 @@ def sparse_rows(
     )  # fmt: skip
 
 
-def _row_params(k: int, tile: int, slots: int, gated: bool, min_blocks: int | None) -> dict:
+def _row_params(
+    k: int, tile: int, slots: int, gated: bool, min_blocks: int | None, units: int | None
+) -> dict:
     params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
     if min_blocks is not None:
         params["MIN_BLOCKS"] = min_blocks
+    if units is not None:
+        params["UNITS"] = units
     return params
 
 
@@ -273,6 +276,7 @@ def fused_rows(
     tile: int,
     slots: int,
     min_blocks: int | None = None,
+    units: int | None = None,
 ) -> None:
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
     ``heavy[m]`` (1: row left to the dense path) for every row. Gated if ``w_up`` given."""
@@ -282,8 +286,9 @@ def fused_rows(
         return
     gated = w_up is not None
     null = np.uint64(0)
-    kernel("sparse_rows.cu", "twell_fused_rows", _row_params(k, tile, slots, gated, min_blocks))(
-        (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
+    params = _row_params(k, tile, slots, gated, min_blocks, units)
+    kernel("sparse_rows.cu", "twell_fused_rows", params)(
+        (math.ceil(m / _ROW_WARPS),), (_ROW_WARPS * 32,),
         (
             _u16(x) if gated else null, _u16(pre), heavy,
             _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
@@ -303,6 +308,7 @@ def twell_rows(
     tile: int,
     slots: int,
     min_blocks: int | None = None,
+    units: int | None = None,
 ) -> None:
     """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped)."""
     m, k = y.shape
@@ -311,8 +317,9 @@ def twell_rows(
         return
     gated = w_up is not None
     null = np.uint64(0)
-    kernel("sparse_rows.cu", "twell_twell_rows", _row_params(k, tile, slots, gated, min_blocks))(
-        (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
+    params = _row_params(k, tile, slots, gated, min_blocks, units)
+    kernel("sparse_rows.cu", "twell_twell_rows", params)(
+        (math.ceil(m / _ROW_WARPS),), (_ROW_WARPS * 32,),
         (
             _u16(x) if gated else null, packed, heavy,
             _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
@@ -335,18 +342,22 @@ def dense_rows(
     gate: Any | None = None,
     gate_by_id: bool = False,
     relu_gate: bool = False,
+    tiled: bool = True,
 ) -> None:
     """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
 
     ``a`` is ``[*, RED]``, ``b`` ``[OUTC, RED]``, ``out`` and ``gate`` ``[*, OUTC]``, all bf16.
     ``count`` is a device int32 scalar array of at most ``max_rows`` (sizes the grid).
+    ``tiled=False`` runs the simple 16-row kernel (no shared memory), kept as a baseline.
     """
     outc, red = b.shape
     if max_rows == 0 or outc == 0:
         return
-    items = math.ceil(max_rows / _DENSE_ROWS_PER_ITEM) * math.ceil(outc / _DENSE_COLS_PER_ITEM)
-    grid = max(1, min(items, device_info().multiprocessors * 8))
-    kernel("dense_rows.cu", "twell_dense_rows")(
+    rows_per, cols_per, per_sm = (64, 64, 4) if tiled else (16, 32, 8)
+    items = math.ceil(max_rows / rows_per) * math.ceil(outc / cols_per)
+    grid = max(1, min(items, device_info().multiprocessors * per_sm))
+    name = "twell_dense_rows_tiled" if tiled else "twell_dense_rows"
+    kernel("dense_rows.cu", name)(
         (grid,), (128,),
         (
             _u16(a), np.int32(a_by_id), np.int32(relu_a),

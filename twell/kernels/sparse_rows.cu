@@ -34,15 +34,19 @@ typedef unsigned int uint32_t;
 #define FULL_CHUNKS (TWELL_KDIM % 256 == 0)
 #define EPL (TWELL_TILE / 32)
 #define WPL ((TWELL_SLOTS + 31) / 32)
-#define ROW_WARPS 4
+// One warp per block: a block retires as soon as its token is done, so tokens with many
+// active units do not hold finished warps' registers (load balance on skewed workloads).
+#define ROW_WARPS 1
 #define LIST_CAP 1024
-#if TWELL_GATED
+#ifdef TWELL_UNITS  // optional override: units whose rows are in flight together
+#define UNITS TWELL_UNITS
+#elif TWELL_GATED
 #define UNITS (NCH > 8 ? 1 : 2)
 #else
 #define UNITS (NCH > 8 ? 2 : 4)
 #endif
-#ifndef TWELL_MIN_BLOCKS
-#define TWELL_MIN_BLOCKS 2
+#ifndef TWELL_MIN_BLOCKS  // register cap = 65536 / (32 * blocks), at most 255
+#define TWELL_MIN_BLOCKS 8
 #endif
 
 __device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
