@@ -7,8 +7,8 @@ the CPU; CuPy/torch CUDA in → GPU kernels), and the NumPy oracle :mod:`twell.r
 
 from twell import reference
 from twell.formats import Hybrid, TwELL
-from twell.ops import down, ffn, gate, gated_down
+from twell.ops import SparseFFN, down, ffn, gate, gated_down
 
 __version__ = "0.1.0"
 
-__all__ = ["Hybrid", "TwELL", "down", "ffn", "gate", "gated_down", "reference"]
+__all__ = ["Hybrid", "SparseFFN", "TwELL", "down", "ffn", "gate", "gated_down", "reference"]

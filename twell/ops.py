@@ -151,8 +151,6 @@ def _validate(
             raise ValueError(str(error).replace("shape: ", f"{n_name}: ", 1)) from None
     if library != "numpy":
         _check_gpu_arrays(flat, hidden)
-    if hidden is None and x is None:
-        raise ValueError("nothing to compute")
     return _Inputs(library, flat, batch_shape)
 
 
@@ -299,3 +297,74 @@ def ffn(
     with _on_gpu(inputs) as d:
         y = _kernels().ffn(d["x"], d.get("w_gate"), d["w_up"], d["w_down"], tile=tile, slots=slots)
         return _restore(y, inputs)
+
+
+class SparseFFN:
+    """An FFN block whose weights are prepared once for repeated calls.
+
+    The GPU kernels want ``w_down`` transposed (``[N, K]``: one unit's down column
+    contiguous) and the weights in bf16; this object builds those layouts once, where
+    :func:`ffn` rebuilds them on every call. NumPy weights run the reference.
+
+    The prepared layouts are a snapshot: after changing the weights in place, build a new
+    ``SparseFFN`` (``twell.torch.SparseMLP`` does so by itself).
+
+    Args:
+        w_gate: ``[N, K]``, or ``None`` for the non-gated block.
+        w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout); NumPy, CuPy or
+            torch CUDA arrays, all of one library.
+        tile, slots: TwELL geometry of the hidden activation.
+
+    Example:
+        >>> block = twell.SparseFFN(w_gate, w_up, w_down)   # doctest: +SKIP
+        >>> y = block(x)                                      # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        w_gate: Any | None,
+        w_up: Any,
+        w_down: Any,
+        *,
+        tile: int = DEFAULT_TILE,
+        slots: int = DEFAULT_SLOTS,
+    ) -> None:
+        self._weights = {"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
+        inputs = _validate(weights=self._weights, tile=tile, slots=slots)
+        self.library = inputs.library
+        self.tile, self.slots = int(tile), int(slots)
+        self.shape = (int(w_up.shape[0]), int(w_up.shape[1]))  # (N, K)
+        self._prepared = None
+        if self.library != "numpy":
+            with _on_gpu(inputs) as g:
+                self._prepared = _kernels().SparseFFN(
+                    g.get("w_gate"), g["w_up"], g["w_down"], tile=tile, slots=slots
+                )
+
+    @property
+    def gated(self) -> bool:
+        """Whether the block has a gate projection."""
+        return self._weights["w_gate"][0] is not None
+
+    def __repr__(self) -> str:
+        n, k = self.shape
+        kind = "gated" if self.gated else "non-gated"
+        return (
+            f"<SparseFFN {kind} K={k} N={n} tile={self.tile} slots={self.slots} ({self.library})>"
+        )
+
+    def __call__(self, x: Any) -> Any:
+        """The block's output for ``x`` ``[..., K]``, in the caller's array type."""
+        k = self.shape[1]
+        if hasattr(x, "shape") and (len(x.shape) < 1 or x.shape[-1] != k):
+            raise ValueError(f"x: expected shape [..., {k}] (the block's K), got {tuple(x.shape)}")
+        inputs = _validate(x=x, weights=self._weights, tile=self.tile, slots=self.slots)
+        a = inputs.arrays
+        if inputs.library == "numpy":
+            y = reference.ffn(
+                a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=self.tile, slots=self.slots
+            )
+            return _restore(y, inputs)
+        only_x = _Inputs(inputs.library, {"x": a["x"]}, inputs.batch_shape)  # weights are ready
+        with _on_gpu(only_x) as d:
+            return _restore(self._prepared(d["x"]), inputs)
