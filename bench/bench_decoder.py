@@ -1,0 +1,172 @@
+"""End-to-end: a 2B Llama-architecture decoder forward, dense MLPs against twell MLPs.
+
+Configuration (issue 3 / BENCH.md): 38 layers, hidden 2048, FFN 5632, 32 heads, vocab
+49152, ReLU MLPs, random weights; forward of 64 sequences × 2048 tokens (the base model's
+last hidden state: the 49152-wide logits of 131072 tokens would not fit and are not MLP
+work).
+
+Making the random model's MLPs sparse the way a trained ReLU model's are. A Llama MLP has
+no bias, so the gate threshold rides on a constant input dimension:
+
+- dimension 0 of every token embedding is 1, and row 0 of every ``o_proj`` and
+  ``down_proj`` is zero, so dimension 0 of the residual stream stays exactly 1;
+- RMSNorm divides a token's whole vector by one positive number, which changes no sign:
+  unit n fires for token t iff ``B[t, n] = h[t, 1:] · (γ ⊙ w_gate[n])[1:] > −γ₀·w_gate[n, 0]``;
+- layer by layer (each layer's input depends on the layers before), the spread of B over
+  a calibration batch sets ``w_gate[n, 0] = −z_n · std_t(B[t, n]) / γ₀`` with ``z_n`` the
+  per-unit thresholds of the ``paperlike`` workload (30% dead units, log-normal rates).
+
+The realized L0 of every layer is measured on the benchmark batch and reported.
+
+    PYTHONPATH=. python bench/bench_decoder.py            # needs torch, transformers, cupy
+    PYTHONPATH=. python bench/bench_decoder.py --layers 4 --batch 8   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=49152,
+        max_position_embeddings=args.seq, hidden_act="relu",
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    base = model.model
+    with torch.no_grad():
+        base.embed_tokens.weight[:, 0] = 1.0
+        for layer in base.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+            layer.mlp.gate_proj.weight[:, 0] = 0.0
+    return model
+
+
+def calibrate(model: Any, ids: Any, args: argparse.Namespace) -> None:
+    """Set every layer's threshold column, first layer first."""
+    import torch
+
+    from twell import workloads
+
+    base = model.model
+    for index, layer in enumerate(base.layers):
+        captured: list[Any] = []
+        handle = layer.mlp.register_forward_pre_hook(lambda _m, a, into=captured: into.append(a[0]))
+        try:
+            with torch.inference_mode():
+                base(ids[:, : args.calibration_tokens])
+        finally:
+            handle.remove()
+        x = captured[0].reshape(-1, args.hidden).float()
+        w = layer.mlp.gate_proj.weight.float()
+        # B[t, n] = pre[t, n] / x[t, 0]: the RMS scale cancels (x[t, 0] = γ₀ / rms_t > 0).
+        scores = (x[:, 1:] @ w[:, 1:].T) / x[:, :1]
+        spread = scores.std(dim=0)
+        z = workloads.paperlike(1, args.hidden, args.ffn, seed=index).params["unit_threshold"]
+        gamma0 = float(layer.post_attention_layernorm.weight[0])
+        threshold = -torch.from_numpy(z).cuda() * spread / gamma0
+        with torch.no_grad():
+            layer.mlp.gate_proj.weight[:, 0] = threshold.to(torch.bfloat16)
+
+
+def measure_l0(model: Any, ids: Any, sample: int) -> list[float]:
+    """Active units per token of every layer's MLP on the first ``sample`` tokens."""
+    import torch
+
+    l0 = []
+    hooks = []
+
+    def hook(mlp: Any, inputs: tuple) -> None:
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])[:sample]
+        l0.append(float((mlp.gate_proj(x) > 0).sum()) / x.shape[0])
+
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.register_forward_pre_hook(hook))
+    try:
+        with torch.inference_mode():
+            model.model(ids[:1])
+    finally:
+        for h in hooks:
+            h.remove()
+    return l0
+
+
+def time_forward(model: Any, ids: Any, warmup: int, reps: int) -> tuple[float, Any]:
+    import torch
+
+    with torch.inference_mode():
+        for _ in range(warmup):
+            out = model.model(ids).last_hidden_state
+        times = []
+        for _ in range(reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = model.model(ids).last_hidden_state
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+    return statistics.median(times), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=38)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=5632)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--calibration-tokens", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="JSON file to append to")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import twell.torch
+    from twell.testing.asserts import relative_error
+
+    model = build_model(args)
+    ids = torch.randint(0, 49152, (args.batch, args.seq), device="cuda")
+    calibrate(model, ids[:2], args)
+    l0 = measure_l0(model, ids, sample=args.seq)
+    t_dense, y_dense = time_forward(model, ids, args.warmup, args.reps)
+    y_dense = y_dense[:2].float().cpu().numpy()
+    replaced = twell.torch.sparsify(model)
+    t_twell, y_twell = time_forward(model, ids, args.warmup, args.reps)
+    rel_err = relative_error(y_twell[:2].float().cpu().numpy(), y_dense)
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "op": "decoder_forward",
+        "workload": "llama2b-relu-calibrated",
+        "layers": args.layers, "M": args.batch * args.seq, "K": args.hidden, "N": args.ffn,
+        "tile": 256, "slots": 32, "mlps_replaced": replaced,
+        "t_ms": t_twell, "t_dense_ms": t_dense, "speedup": t_dense / t_twell,
+        "rel_err": rel_err, "l0": float(np.mean(l0)), "l0_per_layer": l0,
+        "torch": torch.__version__,
+    }  # fmt: skip
+    print(json.dumps({k: v for k, v in record.items() if k != "l0_per_layer"}))
+    print(f"L0 per layer: {' '.join(f'{v:.0f}' for v in l0)}")
+    if args.out is not None:
+        records = json.loads(args.out.read_text()) if args.out.exists() else []
+        args.out.write_text(json.dumps([*records, record], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
