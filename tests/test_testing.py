@@ -1,0 +1,110 @@
+"""twell.testing itself: the assertions catch what they should, the profiles load as documented."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse
+from hypothesis import given, settings
+
+from twell import Hybrid, TwELL
+from twell.testing import (
+    assert_relative_error,
+    assert_same_matrix,
+    assert_same_nonfinite,
+    profiles,
+    relative_error,
+)
+from twell.testing import strategies as tst
+
+
+@given(tst.hybrid_matrices(with_source=True))
+def test_assert_same_matrix_sees_any_changed_entry(case):
+    matrix, h = case
+    assert_same_matrix(matrix, h)
+    rows, columns = np.nonzero(h)
+    if rows.size:
+        changed = h.copy()
+        changed[rows[0], columns[0]] = 0  # a missing entry
+        with pytest.raises(AssertionError, match="missing"):
+            assert_same_matrix(changed, matrix)
+        changed = h.copy()
+        changed[rows[-1], columns[-1]] = 7.0 if h[rows[-1], columns[-1]] != 7.0 else 5.0
+        with pytest.raises(AssertionError, match="!="):
+            assert_same_matrix(matrix, changed)
+    extra = h.copy()
+    extra[0, 0] = 1.0 if h[0, 0] == 0 else 0.0
+    with pytest.raises(AssertionError, match="matrices differ"):
+        assert_same_matrix(matrix, extra)
+    with pytest.raises(AssertionError, match="shapes differ"):
+        assert_same_matrix(matrix, h[:, : h.shape[1] // 2] if h.shape[1] > 32 else h[:0])
+
+
+def test_assert_same_matrix_compares_formats_and_sparse_matrices():
+    h = np.zeros((2, 64), np.float32)
+    h[0, [1, 40]] = [1.5, np.nan]
+    h[1, 2] = -np.inf
+    assert_same_matrix(TwELL.from_dense(h, 32, 4), Hybrid.from_dense(h, 32, 4))
+    assert_same_matrix(scipy.sparse.csr_matrix(h), h)
+    overflowing = np.ones((1, 32), np.float32)
+    with pytest.raises(AssertionError, match="overflowed"):
+        assert_same_matrix(TwELL.from_dense(overflowing, 32, 4), overflowing)
+    assert_same_matrix(Hybrid.from_dense(overflowing, 32, 4), overflowing)
+
+
+def test_relative_error_edge_cases():
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert relative_error(np.ones(3), np.zeros(3)) == float("inf")
+    assert relative_error(np.array([3.0, 4.0]), np.array([0.0, 0.0]) + [3.0, 4.0]) == 0.0
+    assert relative_error(np.array([3.0, 4.0 + 5e-3 * 5]), np.array([3.0, 4.0])) == pytest.approx(
+        5e-3
+    )
+    with pytest.raises(ValueError, match="shapes differ"):
+        relative_error(np.zeros(2), np.zeros(3))
+
+
+def test_assert_relative_error_checks_nonfinite_positions_first():
+    y_ref = np.array([1.0, np.nan, np.inf, 2.0])
+    assert assert_relative_error(y_ref.copy(), y_ref) == 0.0
+    with pytest.raises(AssertionError, match=r"NaN positions differ"):
+        assert_same_nonfinite(np.array([1.0, 0.0, np.inf, 2.0]), y_ref)
+    with pytest.raises(AssertionError, match=r"\+Inf positions differ"):
+        assert_relative_error(np.array([1.0, np.nan, -np.inf, 2.0]), y_ref)
+    with pytest.raises(AssertionError, match="exceeds"):
+        assert_relative_error(np.array([1.0, np.nan, np.inf, 3.0]), y_ref)
+
+
+@pytest.fixture
+def restore_profile():
+    before = settings._current_profile  # noqa: SLF001 - restore what conftest loaded
+    yield
+    settings.load_profile(before)
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({}, "dev"),
+        ({"CI": "true"}, "ci"),
+        ({"TWELL_HYPOTHESIS_PROFILE": "deep"}, "deep"),
+        ({"CI": "1", "TWELL_HYPOTHESIS_PROFILE": "dev"}, "dev"),
+    ],
+)
+def test_load_profile_follows_the_environment(monkeypatch, restore_profile, environment, expected):
+    for name in ("CI", "TWELL_HYPOTHESIS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert profiles.load_profile() == expected
+    assert settings().max_examples == settings.get_profile(expected).max_examples
+
+
+def test_profiles_extend_hypothesis_ci_profile(restore_profile):
+    profiles.register_profiles()
+    ci = settings.get_profile("ci")
+    assert ci.derandomize and ci.database is None and ci.deadline is None  # built-in ci
+    assert settings.get_profile("deep").max_examples >= 1000
+    assert settings.get_profile("deep").deadline is None
+    assert settings.get_profile("dev").max_examples < ci.max_examples
+    with pytest.raises(ValueError, match="TWELL_HYPOTHESIS_PROFILE"):
+        profiles.load_profile("nonsense")
