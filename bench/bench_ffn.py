@@ -160,11 +160,11 @@ def bench_config(
             1,
         )  # fmt: skip
         record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
-        for units in (1, 4) if gated else (2, 8):
-            record[f"t_fused_rows_units{units}_ms"] = time_ms(
-                lambda i, u=units: ffn_gpu.fused_rows(
+        for tag, kw in (("units2", {"units": 2}), ("minblocks12", {"min_blocks": 12})):
+            record[f"t_fused_rows_{tag}_ms"] = time_ms(
+                lambda i, kw=kw: ffn_gpu.fused_rows(
                     xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
-                    b.w_down_t, y, tile=tile, slots=slots, units=u,
+                    b.w_down_t, y, tile=tile, slots=slots, **kw,
                 ),
                 1,
             )  # fmt: skip

@@ -201,7 +201,7 @@ def test_down_of_a_float32_hybrid_from_dense():
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), PACK_CASES)
-def test_version_1_pack_path(kind: str, m: int, k: int, n: int, slots: int, gated: bool):
+def test_pack_path(kind: str, m: int, k: int, n: int, slots: int, gated: bool):
     p = with_special_rows(problem(kind, m, k, n, seed=m + 2 * k))
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
@@ -287,3 +287,24 @@ def test_dense_rows_kernels(tiled: bool):
     assert_close(got[rows], ref[rows])
     untouched = np.setdiff1d(np.arange(m), rows)
     assert np.all(got[untouched] == 0)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_version_1_sparse_kernel(gated: bool):
+    """The simple baseline kernel (sparse_ffn.cu) on the light rows of a TwELL."""
+    p = with_special_rows(problem("heavy", 300, 512, 1024, seed=13))
+    wg = p.w_gate if gated else p.w_up
+    x, w_first, wu, wd = (to_gpu(a) for a in (p.x, wg, p.w_up, p.w_down))
+    pre = ffn_gpu.gemm_nt(x, w_first)
+    packed, heavy = ffn_gpu.pack(pre, 256, 32)
+    y = to_gpu(np.zeros((300, 512), BF16))
+    wdt = ffn_gpu.transpose(wd)
+    ffn_gpu.sparse_rows(x if gated else None, packed, heavy, wu if gated else None, wdt, y,
+                        tile=256, slots=32)  # fmt: skip
+    y2 = to_gpu(np.zeros((300, 512), BF16))
+    ffn_gpu.twell_rows(x if gated else None, packed, heavy, wu if gated else None, wdt, y2,
+                       tile=256, slots=32)  # fmt: skip
+    light = cp.asnumpy(heavy) == 0
+    assert light.sum() > 250
+    a, b = to_f64(y)[light], to_f64(y2)[light]
+    assert rel_err(a, b) < 1e-2

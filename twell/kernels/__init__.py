@@ -3,12 +3,15 @@
 - ``compile``: the one compile path (sources, parameters, cache, CPU-side NVRTC).
 - ``ffn_gpu``: the GPU ops on CuPy arrays — :func:`gate`, :func:`down`,
   :func:`gated_down`, :func:`ffn` — and the prepared :class:`SparseFFN`.
+- ``demo``: :func:`to_device` and :func:`demo_gpu` for ``python -m twell``.
 
 Kernel sources, one per family: ``pack.cu`` (relu + TwELL packing, heavy rows),
-``sparse_ffn.cu`` (light rows: gathered up/down), ``dense_rows.cu`` (heavy rows on
-tensor cores), ``convert.cu`` (transpose, dtype conversions).
+``sparse_rows.cu`` (light rows: gathered up/down, from the pre-activation or from
+TwELL), ``sparse_ffn.cu`` (version 1 of the same, the simple baseline), ``dense_rows.cu``
+(heavy rows on tensor cores), ``convert.cu`` (transpose, dtype conversions).
 """
 
+from twell.kernels.demo import demo_gpu, to_device
 from twell.kernels.ffn_gpu import SparseFFN, down, ffn, gate, gated_down
 
-__all__ = ["SparseFFN", "down", "ffn", "gate", "gated_down"]
+__all__ = ["SparseFFN", "demo_gpu", "down", "ffn", "gate", "gated_down", "to_device"]

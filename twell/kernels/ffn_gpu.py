@@ -10,8 +10,9 @@ Pipeline of :func:`ffn` (no host synchronisation, so it can be captured in a CUD
 1. ``pre = x @ w_gate.T`` — cuBLAS bf16 GEMM (``gemmEx``, fp32 accumulation) into a bf16
    buffer (``w_up`` instead for the non-gated block).
 2. ``twell_fused_rows`` (sparse_rows.cu) — per token: relu and the heavy decision from
-   ``pre``, then the light rows' gathered up/down. (Version 1, ``path="pack"``: pack.cu
-   writes TwELL, then sparse_ffn.cu reads it.)
+   ``pre``, then the light rows' gathered up/down. (``path="pack"``: pack.cu writes
+   TwELL, then ``twell_twell_rows`` reads it; version 1's sparse_ffn.cu stays as the
+   simple baseline, :func:`sparse_rows`.)
 3. ``twell_compact_rows`` — heavy row ids in ascending order and their count, on the
    device (a prefix sum: deterministic).
 4. ``twell_dense_rows`` — heavy rows: tensor-core dense math, grid sized for the worst
@@ -464,7 +465,8 @@ class SparseFFN:
         w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout), CuPy arrays.
         tile, slots: TwELL geometry of the hidden activation.
         path: ``"fused"`` (default: the sparse kernel reads the pre-activation directly)
-            or ``"pack"`` (version 1: pack to TwELL, then sparse_ffn.cu), for comparisons.
+            or ``"pack"`` (pack.cu writes TwELL, ``twell_twell_rows`` reads it), for
+            comparisons.
     """
 
     def __init__(
@@ -516,7 +518,7 @@ def _ffn(xb: Any, prepared: SparseFFN) -> Any:
     pre = gemm_nt(xb, prepared.w_gate if gated else prepared.w_up)
     if prepared.path == "pack":
         packed, heavy = pack(pre, prepared.tile, prepared.slots)
-        sparse_rows(
+        twell_rows(
             xb if gated else None, packed, heavy, prepared.w_up if gated else None,
             prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
         )  # fmt: skip

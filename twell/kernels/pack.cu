@@ -4,8 +4,7 @@
 // Layouts (row-major): pre [M, N] bf16; packed [M, (N/TILE)*SLOTS] uint32 (SPEC.md §2:
 // word 0 = true count, words 1..c = column | bf16 << 16, ascending columns, unused words
 // written as 0 so the output bits are deterministic); heavy [M] uint8.
-// Tiling: one warp per row, looping over the row's tiles (PACK_BATCH tiles' loads in
-// flight at once); lane l owns columns
+// Tiling: one warp per row, looping over the row's tiles; lane l owns columns
 // [l*EPL, (l+1)*EPL) of the tile (EPL = TILE/32 elements, one vector load).
 // A row is heavy if a tile holds more than SLOTS-1 nonzeros or any pre-activation is
 // non-finite. relu is decided on bits: positive nonzero (denormals included), and NaN of
@@ -22,7 +21,6 @@ typedef unsigned int uint32_t;
 
 #define EPL (TWELL_TILE / 32)
 #define PACK_WARPS 8
-#define PACK_BATCH 8  // tiles loaded before any is processed (memory-level parallelism)
 
 __device__ __forceinline__ void load_lane(const uint16_t* p, uint16_t (&v)[EPL]) {
 #if EPL == 8
@@ -64,48 +62,45 @@ twell_pack_rows(const uint16_t* __restrict__ pre,   // [M, N] bf16 bits, gate pr
   uint32_t* dst = packed + row * (long long)tiles * TWELL_SLOTS;
   bool is_heavy = false;
 
-  for (int j0 = 0; j0 < tiles; j0 += PACK_BATCH) {
-    uint16_t batch[PACK_BATCH][EPL];  // PACK_BATCH tiles' loads in flight together
+  uint16_t next[EPL];
+  load_lane(src + lane * EPL, next);
+  for (int j = 0; j < tiles; ++j) {
+    uint16_t v[EPL];
 #pragma unroll
-    for (int b = 0; b < PACK_BATCH; ++b)
-      if (j0 + b < tiles) load_lane(src + (j0 + b) * TWELL_TILE + lane * EPL, batch[b]);
-#pragma unroll
-    for (int b = 0; b < PACK_BATCH; ++b) {
-      const int j = j0 + b;
-      if (j >= tiles) break;
-      uint32_t mask = 0;
-      bool bad = false;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) {
-        mask |= (relu_nonzero(batch[b][e]) ? 1u : 0u) << e;
-        bad |= non_finite(batch[b][e]);
-      }
-      const int mine = __popc(mask);
-      int incl = mine;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int t = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += t;
-      }
-      const int total = __shfl_sync(0xffffffffu, incl, 31);
-      is_heavy |= (total > TWELL_SLOTS - 1) || __any_sync(0xffffffffu, bad);
+    for (int e = 0; e < EPL; ++e) v[e] = next[e];
+    if (j + 1 < tiles) load_lane(src + (j + 1) * TWELL_TILE + lane * EPL, next);
 
-      // Stage the tile's words in shared memory, then store them coalesced.
-      for (int w = lane; w < TWELL_SLOTS; w += 32) stage[warp][w] = 0u;
-      __syncwarp();
-      if (total <= TWELL_SLOTS - 1) {
-        int slot = 1 + incl - mine;
-        const uint32_t col0 = (uint32_t)(j * TWELL_TILE + lane * EPL);
+    uint32_t mask = 0;
+    bool bad = false;
 #pragma unroll
-        for (int e = 0; e < EPL; ++e)
-          if (mask & (1u << e)) stage[warp][slot++] = (col0 + e) | ((uint32_t)batch[b][e] << 16);
-      }
-      if (lane == 0) stage[warp][0] = (uint32_t)total;
-      __syncwarp();
-      for (int w = lane; w < TWELL_SLOTS; w += 32)
-        __stcs(dst + j * TWELL_SLOTS + w, stage[warp][w]);
-      __syncwarp();
+    for (int e = 0; e < EPL; ++e) {
+      mask |= (relu_nonzero(v[e]) ? 1u : 0u) << e;
+      bad |= non_finite(v[e]);
     }
+    const int mine = __popc(mask);
+    int incl = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += t;
+    }
+    const int total = __shfl_sync(0xffffffffu, incl, 31);
+    is_heavy |= (total > TWELL_SLOTS - 1) || __any_sync(0xffffffffu, bad);
+
+    // Stage the tile's words in shared memory, then store them coalesced.
+    for (int w = lane; w < TWELL_SLOTS; w += 32) stage[warp][w] = 0u;
+    __syncwarp();
+    if (total <= TWELL_SLOTS - 1) {
+      int slot = 1 + incl - mine;
+      const uint32_t col0 = (uint32_t)(j * TWELL_TILE + lane * EPL);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e)
+        if (mask & (1u << e)) stage[warp][slot++] = (col0 + e) | ((uint32_t)v[e] << 16);
+    }
+    if (lane == 0) stage[warp][0] = (uint32_t)total;
+    __syncwarp();
+    for (int w = lane; w < TWELL_SLOTS; w += 32) __stcs(dst + j * TWELL_SLOTS + w, stage[warp][w]);
+    __syncwarp();
   }
   if (lane == 0) heavy[row] = is_heavy ? 1 : 0;
 }

@@ -1,5 +1,5 @@
 // sparse_rows.cu — light rows of the FFN block, one warp per token, entry list in shared
-// memory, several units' weight rows in flight at once (version 2 of sparse_ffn.cu).
+// memory, optionally several units' rows in flight at once (version 2 of sparse_ffn.cu).
 //
 //   gated:     y[m] = sum over active (n, g):  g * (x[m]·w_up[n]) * w_down_t[n]
 //   non-gated: y[m] = sum over active (n, h):  h * w_down_t[n]
@@ -40,10 +40,8 @@ typedef unsigned int uint32_t;
 #define LIST_CAP 1024
 #ifdef TWELL_UNITS  // optional override: units whose rows are in flight together
 #define UNITS TWELL_UNITS
-#elif TWELL_GATED
-#define UNITS (NCH > 8 ? 1 : 2)
-#else
-#define UNITS (NCH > 8 ? 2 : 4)
+#else  // measured on an H100 (docs/kernel_notes.md): more units in flight cost occupancy
+#define UNITS 1
 #endif
 #ifndef TWELL_MIN_BLOCKS  // register cap = 65536 / (32 * blocks), at most 255
 #define TWELL_MIN_BLOCKS 8
