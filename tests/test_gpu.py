@@ -117,8 +117,9 @@ CASES = [
     ("uniform", 777, 1024, 768, 128),
     ("heavy", 64, 4096, 512, 32),
     ("wide", 70, 256, 5632, 128),
+    ("heavy", 2000, 512, 1024, 32),  # above the one-warp-per-token threshold
 ]
-PACK_CASES = [CASES[i] for i in (1, 2, 3, 4, 7)]
+PACK_CASES = [CASES[i] for i in (1, 2, 3, 4, 7, 8)]
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -265,15 +266,20 @@ def test_twell_object_is_a_cupy_twell():
     assert isinstance(h.ell, TwELL) and isinstance(h.ell.packed, cp.ndarray)
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "simple"])
-def test_dense_rows_kernels(tiled: bool):
-    """Both heavy-row kernels against float64, with gathered rows, a gate and ragged sizes."""
+@pytest.mark.parametrize(
+    ("tiled", "red", "outc", "nrows"),
+    [(True, 264, 200, 77), (False, 264, 200, 77), (True, 5632, 136, 3), (True, 1024, 512, 150)],
+    ids=["tiled", "simple", "tiled-split", "tiled-split2"],
+)
+def test_dense_rows_kernels(tiled: bool, red: int, outc: int, nrows: int):
+    """Heavy-row kernels against float64: gathered rows, a gate, ragged sizes, and few
+    rows with a long reduction (split across blocks, then reduced in order)."""
     rng = np.random.default_rng(4)
-    m, red, outc = 300, 264, 200
+    m = 300
     a = rng.standard_normal((m, red)).astype(BF16)
     b = rng.standard_normal((outc, red)).astype(BF16)
     gate = rng.standard_normal((m, outc)).astype(BF16)
-    rows = np.sort(rng.choice(m, 77, replace=False)).astype(np.int32)
+    rows = np.sort(rng.choice(m, nrows, replace=False)).astype(np.int32)
     out = to_gpu(np.zeros((m, outc), BF16))
     ids, count = cp.asarray(rows), cp.asarray(np.array([rows.size], np.int32))
     ffn_gpu.dense_rows(
@@ -293,8 +299,7 @@ def test_dense_rows_kernels(tiled: bool):
 def test_version_1_sparse_kernel(gated: bool):
     """The simple baseline kernel (sparse_ffn.cu) on the light rows of a TwELL."""
     p = with_special_rows(problem("heavy", 300, 512, 1024, seed=13))
-    wg = p.w_gate if gated else p.w_up
-    x, w_first, wu, wd = (to_gpu(a) for a in (p.x, wg, p.w_up, p.w_down))
+    x, w_first, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
     pre = ffn_gpu.gemm_nt(x, w_first)
     packed, heavy = ffn_gpu.pack(pre, 256, 32)
     y = to_gpu(np.zeros((300, 512), BF16))

@@ -169,6 +169,9 @@ twell_dense_rows(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
 // 4 warps in a 2 x 2 layout, each 32 rows x 32 columns (2 x 4 mma tiles). The k order
 // inside a slice is the same permutation for A and B (16 contiguous bytes per lane), and
 // every output element is reduced by one thread in a fixed order: deterministic.
+// Few rows (decode, rare heavy rows) would leave most of the GPU idle with long k-loops:
+// then the reduction is split across blocks (split_factor, decided on the device from the
+// count) into an fp32 workspace, and twell_dense_rows_reduce adds the splits in order.
 
 #define DT_ROWS 64
 #define DT_COLS 64
@@ -185,12 +188,45 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+// How many ways the reduction is split (the same formula in both kernels, from the device
+// count): enough work items for target_items, at least 4 k-blocks per split, and the
+// partial sums must fit the workspace (ws_units blocks of 64 rows).
+__device__ __forceinline__ int split_factor(int count, int col_blocks, int kblocks,
+                                            int target_items, int ws_units) {
+  const int rb = (count + DT_ROWS - 1) / DT_ROWS;
+  if (rb == 0) return 1;
+  int ks = target_items / (rb * col_blocks);
+  ks = min(ks, kblocks / 4);
+  ks = min(ks, ws_units / rb);
+  return max(ks, 1);
+}
+
+__device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int OUTC,
+                                         const int* __restrict__ ids,
+                                         const uint16_t* __restrict__ gate, int g_by_id,
+                                         int relu_g, uint16_t* __restrict__ out, int o_by_id) {
+  if (gate != nullptr) {
+    const long long gr = g_by_id ? ids[i] : i;
+    float g0 = bf16_to_float(gate[gr * OUTC + col]);
+    float g1 = bf16_to_float(gate[gr * OUTC + col + 1]);
+    if (relu_g) {
+      g0 = g0 <= 0.f ? 0.f : g0;  // NaN stays NaN
+      g1 = g1 <= 0.f ? 0.f : g1;
+    }
+    v0 *= g0;
+    v1 *= g1;
+  }
+  const long long orow = o_by_id ? ids[i] : i;
+  *reinterpret_cast<__nv_bfloat162*>(out + orow * OUTC + col) = __floats2bfloat162_rn(v0, v1);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1)
 twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint16_t* __restrict__ B, int OUTC, int RED,
                        const int* __restrict__ ids, const int* __restrict__ count_ptr,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
-                       uint16_t* __restrict__ out, int o_by_id) {
+                       uint16_t* __restrict__ out, int o_by_id,
+                       float* __restrict__ ws, int target_items, int ws_units) {
   __shared__ uint4 As[DT_STAGES][DT_ROWS][4];
   __shared__ uint4 Bs[DT_STAGES][DT_COLS][4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -199,11 +235,16 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   const int count = count_ptr[0];
   const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
   const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
-  const long long items = (long long)row_blocks * col_blocks;
   const int kblocks = (RED + 31) / 32;
+  const int ks = split_factor(count, col_blocks, kblocks, target_items, ws_units);
+  const int kper = (kblocks + ks - 1) / ks;
+  const long long items = (long long)row_blocks * col_blocks * ks;
 
   for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rb = (int)(item / col_blocks), cb = (int)(item % col_blocks);
+    const int kss = (int)(item % ks);
+    const long long rest = item / ks;
+    const int rb = (int)(rest / col_blocks), cb = (int)(rest % col_blocks);
+    const int kb0 = kss * kper, kb1 = min(kblocks, kb0 + kper), nkb = max(0, kb1 - kb0);
     // This thread's two A rows and two B rows to stage (chunk c = tid + 128 q).
     const uint16_t* arow[2];
     const uint16_t* brow[2];
@@ -221,8 +262,8 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
       bok[q] = col < OUTC;
       brow[q] = B + (long long)(bok[q] ? col : 0) * RED + kc[q] * 8;
     }
-    auto stage_in = [&](int kb) {
-      const int s = kb % DT_STAGES, r = kb * 32;
+    auto stage_in = [&](int j) {  // j-th k-block of this split
+      const int s = j % DT_STAGES, r = (kb0 + j) * 32;
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const bool kok = r + kc[q] * 8 < RED;
@@ -241,14 +282,14 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
         for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
     __syncthreads();  // the previous item's last reads of the ring are done
-    stage_in(0);
+    if (nkb > 0) stage_in(0);
     cp_async_commit();
-    if (kblocks > 1) stage_in(1);
+    if (nkb > 1) stage_in(1);
     cp_async_commit();
-    for (int kb = 0; kb < kblocks; ++kb) {
+    for (int kb = 0; kb < nkb; ++kb) {
       cp_async_wait<1>();
       __syncthreads();
-      if (kb + 2 < kblocks) stage_in(kb + 2);
+      if (kb + 2 < nkb) stage_in(kb + 2);
       cp_async_commit();
       const int s = kb % DT_STAGES;
       uint4 a[2][2], b[4];
@@ -283,22 +324,43 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
         for (int half = 0; half < 2; ++half) {
           const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
           if (i >= count) continue;
-          float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-          if (gate != nullptr) {
-            const long long gr = g_by_id ? ids[i] : i;
-            float g0 = bf16_to_float(gate[gr * OUTC + col]);
-            float g1 = bf16_to_float(gate[gr * OUTC + col + 1]);
-            if (relu_g) {
-              g0 = g0 <= 0.f ? 0.f : g0;  // NaN stays NaN
-              g1 = g1 <= 0.f ? 0.f : g1;
-            }
-            v0 *= g0;
-            v1 *= g1;
+          const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+          if (ks == 1) {
+            epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
+          } else {  // fp32 partial sums; twell_dense_rows_reduce adds them in split order
+            float* w = ws + ((long long)kss * row_blocks * DT_ROWS + i) * OUTC + col;
+            w[0] = v0;
+            w[1] = v1;
           }
-          const long long orow = o_by_id ? ids[i] : i;
-          *reinterpret_cast<__nv_bfloat162*>(out + orow * OUTC + col) =
-              __floats2bfloat162_rn(v0, v1);
         }
       }
+  }
+}
+
+// Sums the split partial sums of twell_dense_rows_tiled in split order (deterministic)
+// and applies the epilogue. Does nothing when the tiled kernel did not split.
+extern "C" __global__ void twell_dense_rows_reduce(
+    const float* __restrict__ ws, const int* __restrict__ count_ptr, int OUTC, int RED,
+    int target_items, int ws_units, const int* __restrict__ ids,
+    const uint16_t* __restrict__ gate, int g_by_id, int relu_g, uint16_t* __restrict__ out,
+    int o_by_id) {
+  const int count = count_ptr[0];
+  const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
+  const int kblocks = (RED + 31) / 32;
+  const int ks = split_factor(count, col_blocks, kblocks, target_items, ws_units);
+  if (ks == 1) return;
+  const long long rows_cap = (long long)((count + DT_ROWS - 1) / DT_ROWS) * DT_ROWS;
+  const int pairs = OUTC / 2;
+  const long long total = (long long)count * pairs;
+  for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < total;
+       p += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(p / pairs), col = 2 * (int)(p % pairs);
+    float v0 = 0.f, v1 = 0.f;
+    for (int k = 0; k < ks; ++k) {
+      const float* w = ws + ((long long)k * rows_cap + i) * OUTC + col;
+      v0 += w[0];
+      v1 += w[1];
+    }
+    epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
   }
 }

@@ -49,6 +49,8 @@ _CUBLAS_OP_T = 1
 _PACK_WARPS = 8  # must match pack.cu
 _SPARSE_WARPS = 4  # must match sparse_ffn.cu
 _ROW_WARPS = 1  # must match sparse_rows.cu
+#: Up to this many tokens, the fused kernel gives each token 8 warps (decode-sized M).
+WIDE_ROWS_BELOW = 1024
 
 
 def _cupy() -> Any:
@@ -288,8 +290,11 @@ def fused_rows(
     gated = w_up is not None
     null = np.uint64(0)
     params = _row_params(k, tile, slots, gated, min_blocks, units)
-    kernel("sparse_rows.cu", "twell_fused_rows", params)(
-        (math.ceil(m / _ROW_WARPS),), (_ROW_WARPS * 32,),
+    # Few tokens (decode): a block of 8 warps per token splits its units, else one warp.
+    wide = m <= WIDE_ROWS_BELOW
+    name = "twell_fused_rows_wide" if wide else "twell_fused_rows"
+    kernel("sparse_rows.cu", name, params)(
+        (m,) if wide else (math.ceil(m / _ROW_WARPS),), (256 if wide else _ROW_WARPS * 32,),
         (
             _u16(x) if gated else null, _u16(pre), heavy,
             _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
@@ -354,21 +359,40 @@ def dense_rows(
     outc, red = b.shape
     if max_rows == 0 or outc == 0:
         return
-    rows_per, cols_per, per_sm = (64, 64, 4) if tiled else (16, 32, 8)
-    items = math.ceil(max_rows / rows_per) * math.ceil(outc / cols_per)
-    grid = max(1, min(items, device_info().multiprocessors * per_sm))
-    name = "twell_dense_rows_tiled" if tiled else "twell_dense_rows"
-    kernel("dense_rows.cu", name)(
-        (grid,), (128,),
-        (
-            _u16(a), np.int32(a_by_id), np.int32(relu_a),
-            _u16(b), np.int32(outc), np.int32(red),
-            ids, count,
-            _u16(gate) if gate is not None else np.uint64(0),
-            np.int32(gate_by_id), np.int32(relu_gate),
-            _u16(out), np.int32(out_by_id),
-        ),
+    gate_args = (
+        _u16(gate) if gate is not None else np.uint64(0),
+        np.int32(gate_by_id), np.int32(relu_gate),
+        _u16(out), np.int32(out_by_id),
     )  # fmt: skip
+    common = (
+        _u16(a), np.int32(a_by_id), np.int32(relu_a),
+        _u16(b), np.int32(outc), np.int32(red),
+        ids, count,
+    )  # fmt: skip
+    sms = device_info().multiprocessors
+    if not tiled:
+        items = math.ceil(max_rows / 16) * math.ceil(outc / 32)
+        grid = max(1, min(items, sms * 8))
+        kernel("dense_rows.cu", "twell_dense_rows")((grid,), (128,), common + gate_args)
+        return
+    # Split the reduction when few rows leave the GPU idle: the kernels pick the split
+    # from the device count; the workspace is sized for the largest split they may pick.
+    target = sms * 4
+    col_blocks = math.ceil(outc / 64)
+    kblocks = math.ceil(red / 32)
+    ws_units = min(target // col_blocks + 1, math.ceil(max_rows / 64) * max(1, kblocks // 4))
+    ws = _alloc((max(1, ws_units * 64 * outc),), np.float32)
+    split = (ws, np.int32(target), np.int32(ws_units))
+    max_items = math.ceil(max_rows / 64) * col_blocks * max(1, kblocks // 4)
+    grid = max(1, min(max_items, target))
+    kernel("dense_rows.cu", "twell_dense_rows_tiled")((grid,), (128,), common + gate_args + split)
+    if ws_units >= 2 and target // col_blocks >= 2 and kblocks >= 8:  # a split may happen
+        reduce_grid = max(1, min(math.ceil(ws_units * 64 * outc / 2 / 256), sms * 8))
+        kernel("dense_rows.cu", "twell_dense_rows_reduce")(
+            (reduce_grid,), (256,),
+            (ws, count, np.int32(outc), np.int32(red), np.int32(target), np.int32(ws_units), ids)
+            + gate_args,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- the ops

@@ -236,24 +236,11 @@ __device__ __forceinline__ const uint4* load_x(Shared& sm, const uint16_t* __res
   _Pragma("unroll") for (int c = 0; c < NCH; ++c)       \
       _Pragma("unroll") for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
 
-extern "C" __global__ void __launch_bounds__(ROW_WARPS * 32, TWELL_MIN_BLOCKS)
-twell_fused_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
-                 const uint16_t* __restrict__ pre,       // [M, N] gate pre-activation
-                 uint8_t* __restrict__ heavy,            // [M] out
-                 const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
-                 const uint16_t* __restrict__ w_down_t,  // [N, K]
-                 uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                 int M, int N) {
-  __shared__ Shared sm;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long row = (long long)blockIdx.x * ROW_WARPS + warp;
-  if (row >= M) return;
-  const int tiles = N / TWELL_TILE;
-  const uint16_t* src = pre + row * (long long)N;
-  uint32_t* list = sm.list[warp];
-
-  // Phase 1: scan the row (SCAN_BATCH tiles' loads in flight), build the entry list,
-  // decide heavy.
+// Phase 1 of the fused kernels (one warp): scan the pre-activation row ``src`` (SCAN_BATCH
+// tiles' loads in flight), append its entries to ``list`` in ascending columns, and
+// return whether the row is heavy; ``total`` gets the number of entries.
+__device__ __forceinline__ bool scan_row(const uint16_t* __restrict__ src, int tiles,
+                                         int lane, uint32_t* list, int& total_out) {
   int total = 0;
   bool is_heavy = false;
   for (int j0 = 0; j0 < tiles && !is_heavy; j0 += SCAN_BATCH) {
@@ -294,6 +281,29 @@ twell_fused_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
       }
     }
   }
+  total_out = total;
+  return is_heavy;
+}
+
+extern "C" __global__ void __launch_bounds__(ROW_WARPS * 32, TWELL_MIN_BLOCKS)
+twell_fused_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
+                 const uint16_t* __restrict__ pre,       // [M, N] gate pre-activation
+                 uint8_t* __restrict__ heavy,            // [M] out
+                 const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
+                 const uint16_t* __restrict__ w_down_t,  // [N, K]
+                 uint16_t* __restrict__ y,               // [M, K] out (light rows)
+                 int M, int N) {
+  __shared__ Shared sm;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long row = (long long)blockIdx.x * ROW_WARPS + warp;
+  if (row >= M) return;
+  const int tiles = N / TWELL_TILE;
+  const uint16_t* src = pre + row * (long long)N;
+  uint32_t* list = sm.list[warp];
+
+  // Phase 1: scan the row, build the entry list, decide heavy.
+  int total = 0;
+  const bool is_heavy = scan_row(src, tiles, lane, list, total);
   if (lane == 0) heavy[row] = is_heavy ? 1 : 0;
   if (is_heavy) return;
   __syncwarp();
@@ -304,6 +314,79 @@ twell_fused_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
   ZERO_ACC(acc)
   gather_list(list, total, lane, N, xs, w_up, w_down_t, acc);
   store_row(y, row, lane, acc);
+}
+
+
+// Small M (decode): one block of WIDE_WARPS warps per token. Warp 0 scans the row; the
+// warps share the entry list (entry e goes to warp e % WIDE_WARPS) and their fp32 partial
+// rows are added in warp order through shared memory: deterministic.
+#define WIDE_WARPS 8
+
+struct WideShared {
+  uint32_t list[LIST_CAP];
+  float partial[NCH * 256];
+#if TWELL_GATED
+  uint4 x[NCH * 32];
+#endif
+  int total;
+  int heavy;
+};
+
+extern "C" __global__ void __launch_bounds__(WIDE_WARPS * 32)
+twell_fused_rows_wide(const uint16_t* __restrict__ x,         // [M, K] (gated only)
+                      const uint16_t* __restrict__ pre,       // [M, N] gate pre-activation
+                      uint8_t* __restrict__ heavy,            // [M] out
+                      const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
+                      const uint16_t* __restrict__ w_down_t,  // [N, K]
+                      uint16_t* __restrict__ y,               // [M, K] out (light rows)
+                      int M, int N) {
+  __shared__ WideShared sm;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long row = blockIdx.x;
+  if (row >= M) return;
+  if (warp == 0) {
+    int total = 0;
+    const bool is_heavy = scan_row(pre + row * (long long)N, N / TWELL_TILE, lane, sm.list, total);
+    if (lane == 0) {
+      sm.total = total;
+      sm.heavy = is_heavy ? 1 : 0;
+      heavy[row] = is_heavy ? 1 : 0;
+    }
+  }
+#if TWELL_GATED
+  const uint4* src = reinterpret_cast<const uint4*>(x + row * TWELL_KDIM);
+  for (int i = threadIdx.x; i < NCH * 32; i += WIDE_WARPS * 32)
+    sm.x[i] = chunk_valid(i / 32, i % 32) ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
+  const uint4* xs = sm.x;
+#else
+  const uint4* xs = nullptr;
+#endif
+  __syncthreads();
+  if (sm.heavy) return;
+  const int total = sm.total;
+  ZERO_ACC(acc)
+  for (int e = warp; e < total; e += WIDE_WARPS)
+    gather_units<1>(sm.list, e, lane, N, xs, w_up, w_down_t, acc);
+  // Fixed-order reduction: partial = acc_0; partial += acc_1; ...; y = partial + acc_last.
+  for (int w = 0; w < WIDE_WARPS - 1; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int c = 0; c < NCH; ++c)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float& slot = sm.partial[c * 256 + lane * 8 + i];
+          slot = (w == 0) ? acc[c][i] : slot + acc[c][i];
+        }
+    }
+    __syncthreads();
+  }
+  if (warp == WIDE_WARPS - 1) {
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[c][i] = sm.partial[c * 256 + lane * 8 + i] + acc[c][i];
+    store_row(y, row, lane, acc);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(ROW_WARPS * 32, TWELL_MIN_BLOCKS)
