@@ -108,8 +108,7 @@ class TwELL:
             raise TypeError(f"h: {error}") from None
         if np.dtype(h.dtype) not in FLOAT_DTYPES:
             raise TypeError(
-                f"h: expected a floating dtype (bfloat16, float16, float32, float64), "
-                f"got {h.dtype}"
+                f"h: expected a floating dtype (bfloat16, float16, float32, float64), got {h.dtype}"
             )
         if h.ndim != 2:
             raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
@@ -340,11 +339,13 @@ class Hybrid:
         slots: int = DEFAULT_SLOTS,
         *,
         max_row_nnz: int | None = None,
+        also_dense: Any = None,
     ) -> Hybrid:
         """Split a dense ``[M, N]`` matrix into TwELL and a dense backup.
 
         A row goes to the dense part when one of its tiles overflows or it holds a
-        non-finite value; with ``max_row_nnz`` also when it has more nonzeros than that.
+        non-finite value; with ``max_row_nnz`` also when it has more nonzeros than that,
+        and with ``also_dense`` (boolean ``[M]``) where that mask is set.
         The dense part keeps ``h``'s values and dtype; the TwELL part holds bf16 values.
         """
         ell = TwELL.from_dense(h, tile, slots)  # checks h first
@@ -353,6 +354,13 @@ class Hybrid:
         heavy |= ~xp.isfinite(h).all(axis=1)
         if max_row_nnz is not None:
             heavy |= ell.counts().sum(axis=1) > max_row_nnz
+        if also_dense is not None:
+            if tuple(also_dense.shape) != (h.shape[0],):
+                raise ValueError(
+                    f"also_dense: expected a boolean mask of shape ({h.shape[0]},), "
+                    f"got {tuple(also_dense.shape)}"
+                )
+            heavy |= also_dense.astype(bool)
         rows = xp.nonzero(heavy)[0].astype(xp.int32)
         return cls(ell, rows, h[rows])
 

@@ -52,10 +52,13 @@ def gate(
     """``relu(x @ w_gate.T)`` rounded to bf16 and packed into a :class:`Hybrid`.
 
     Every gate value — light or heavy row — is rounded to bfloat16, as the kernels store
-    them; the dense part holds those values as float32.
+    them; the dense part holds those values as float32. A row whose pre-activations are
+    not all finite goes to the dense part even where ReLU zeroes them (an Inf in ``x``
+    gives ``0 · Inf = NaN`` downstream in dense math; the sparse path would skip it).
     """
     pre = upcast(x, dtype) @ upcast(w_gate, dtype).T
-    return Hybrid.from_dense(round_bf16(relu(pre)), tile, slots)
+    non_finite = ~np.isfinite(pre).all(axis=1)
+    return Hybrid.from_dense(round_bf16(relu(pre)), tile, slots, also_dense=non_finite)
 
 
 def _light_csr(h: Hybrid, values: np.ndarray | None = None, dtype: Any = np.float64) -> Any:
