@@ -66,6 +66,57 @@ def time_ms(fn: Any, sets: int, warmup: int = 5, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def graph_ms_cupy(fn: Any, reps: int = 20) -> float:
+    """Median time of one replay of a CUDA graph captured from ``fn`` on a CuPy stream."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        keep = fn()  # outputs stay alive with the graph
+        graph = stream.end_capture()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for i in range(5 + reps):
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        if i >= 5:
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+    del keep
+    return statistics.median(times)
+
+
+def graph_ms_torch(fn: Any, reps: int = 20) -> float:
+    """Median time of one replay of a torch CUDA graph of ``fn``."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        keep = fn()
+    times = []
+    for i in range(5 + reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(stop))
+    del keep
+    return statistics.median(times)
+
+
 def versions() -> dict[str, str]:
     import cupy as cp
 
@@ -98,6 +149,8 @@ def bench_config(
     stages: bool = False,
     check_rows: int = 256,
     paths: tuple[str, ...] = ("fused",),
+    graphs: bool = False,
+    max_row_nnz: int | None = None,
 ) -> list[dict[str, Any]]:
     import cupy as cp
     import torch
@@ -120,7 +173,12 @@ def bench_config(
         x = upload(problem.x)
         wg, wu, wd = upload(w_gate), upload(w_up), upload(problem.w_down)
         xs.append(x)
-        blocks.append({p: ffn_gpu.SparseFFN(wg, wu, wd, tile, slots, path=p) for p in paths})
+        blocks.append(
+            {
+                p: ffn_gpu.SparseFFN(wg, wu, wd, tile, slots, path=p, max_row_nnz=max_row_nnz)
+                for p in paths
+            }
+        )
         tw = [None if a is None else torch.from_dlpack(a) for a in (wg, wu, wd)]
         dense_w.append(tw)
         del s
@@ -145,6 +203,15 @@ def bench_config(
     t_gemm = time_ms(gate_gemm, sets)
 
     record: dict[str, Any] = {}
+    if graphs:  # CUDA-graph replay of all weight sets: launch overhead out of the figure
+        try:
+            record["t_graph_ms"] = graph_ms_cupy(lambda: [ours(i) for i in range(sets)]) / sets
+            record["t_dense_graph_ms"] = (
+                graph_ms_torch(lambda: [dense(i) for i in range(sets)]) / sets
+            )
+            record["speedup_graph"] = record["t_dense_graph_ms"] / record["t_graph_ms"]
+        except Exception as error:  # report, do not hide
+            record["graph_error"] = f"{type(error).__name__}: {error}"[:300]
     if stages:  # time the pipeline's parts (differences, no counters)
         b = blocks[0][paths[0]]
         w_first = b.w_gate if gated else b.w_up
@@ -222,6 +289,7 @@ def bench_config(
             rel_err=rel_err,
             l0=l0,
             heavy_rows=heavy_rows,
+            max_row_nnz=b.max_row_nnz,
             rotation_sets=sets,
             **versions(),
         )
@@ -247,13 +315,14 @@ def print_table(records: list[dict[str, Any]]) -> None:
     head = (
         f"{'op':<22}{'workload':<12}{'path':<6}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
     )
-    print(head + f"{'speedup':>8}{'floor':>7}{'rel_err':>9}{'L0':>6}{'heavy':>7}")
+    print(head + f"{'speedup':>8}{'floor':>7}{'rel_err':>9}{'L0':>7}{'heavy':>7}{'graph x':>8}")
     for r in records:
         print(
             f"{r['op']:<22}{r['workload']:<12}{r.get('path', ''):<6}{r['M']:>7}{r['slots']:>4}"
             f"{r['t_ms']:>8.3f}"
             f"{r['t_dense_ms']:>8.3f}{r['t_gate_gemm_ms']:>8.3f}{r['speedup']:>8.2f}"
-            f"{r['floor_ratio']:>7.2f}{r['rel_err']:>9.1e}{r['l0']:>6.1f}{r['heavy_rows']:>7}"
+            f"{r['floor_ratio']:>7.2f}{r['rel_err']:>9.1e}{r['l0']:>7.1f}{r['heavy_rows']:>7}"
+            f"{r.get('speedup_graph', float('nan')):>8.2f}"
         )
 
 
@@ -267,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nongated", action="store_true", help="also the non-gated block")
     parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--max-row-nnz", type=int, default=None)
+    parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
     parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "pack"])
     args = parser.parse_args(argv)
     records = []
@@ -276,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 for gated in (True, False) if args.nongated else (True,):
                     rs = bench_config(
                         workload, m, args.K, args.N, gated=gated, slots=slots,
-                        stages=args.stages, paths=tuple(args.paths),
+                        stages=args.stages, paths=tuple(args.paths), graphs=m <= args.graph_below,
+                        max_row_nnz=args.max_row_nnz,
                     )  # fmt: skip
                     records += rs
                     for r in rs:

@@ -13,3 +13,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     tests/test_kernels_compile.py tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -60
 fi
 timeout "${BENCH_TIMEOUT:-250}" python3 bench/bench_ffn.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+if [ -n "${BENCH2:-}" ]; then
+  # shellcheck disable=SC2086
+  timeout "${BENCH2_TIMEOUT:-200}" python3 bench/bench_ffn.py --out "$OUT" $BENCH2 2>&1 | tee "$OUT/bench2.log" | grep -v '^{'
+fi

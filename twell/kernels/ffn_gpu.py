@@ -278,11 +278,13 @@ def fused_rows(
     *,
     tile: int,
     slots: int,
+    max_row_nnz: int = 1024,
     min_blocks: int | None = None,
     units: int | None = None,
 ) -> None:
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
-    ``heavy[m]`` (1: row left to the dense path) for every row. Gated if ``w_up`` given."""
+    ``heavy[m]`` (1: row left to the dense path) for every row. Gated if ``w_up`` given.
+    Rows with more than ``max_row_nnz`` active units are routed to the dense path."""
     m, k = y.shape
     n = w_down_t.shape[0]
     if m == 0:
@@ -298,7 +300,7 @@ def fused_rows(
         (
             _u16(x) if gated else null, _u16(pre), heavy,
             _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
-            np.int32(m), np.int32(n),
+            np.int32(m), np.int32(n), np.int32(max_row_nnz),
         ),
     )  # fmt: skip
 
@@ -393,6 +395,16 @@ def dense_rows(
             (ws, count, np.int32(outc), np.int32(red), np.int32(target), np.int32(ws_units), ids)
             + gate_args,
         )  # fmt: skip
+
+
+def default_max_row_nnz(n: int) -> int:
+    """Active units per token above which ``ffn`` sends the token to the dense path.
+
+    A gathered unit costs two weight rows from L2; a dense row costs ``N`` units' worth
+    of tensor-core work. Measured break-even on an H100 (docs/kernel_notes.md) lies near
+    3% of N; capped by the kernel's list size (1024).
+    """
+    return max(16, min(1024, n * 3 // 100))
 
 
 # ---------------------------------------------------------------------- the ops
@@ -491,6 +503,8 @@ class SparseFFN:
         path: ``"fused"`` (default: the sparse kernel reads the pre-activation directly)
             or ``"pack"`` (pack.cu writes TwELL, ``twell_twell_rows`` reads it), for
             comparisons.
+        max_row_nnz: tokens with more active units take the dense path (fused path only;
+            default :func:`default_max_row_nnz`). Any value gives the same result.
     """
 
     def __init__(
@@ -502,6 +516,7 @@ class SparseFFN:
         slots: int = 32,
         *,
         path: str = "fused",
+        max_row_nnz: int | None = None,
     ) -> None:
         if path not in ("fused", "pack"):
             raise ValueError(f"path: expected 'fused' or 'pack', got {path!r}")
@@ -519,6 +534,11 @@ class SparseFFN:
         _check_width(k)
         self.tile = int(tile)
         self.slots = int(slots)
+        if max_row_nnz is None:
+            max_row_nnz = default_max_row_nnz(n)
+        if not 0 <= int(max_row_nnz) <= 1024:
+            raise ValueError(f"max_row_nnz: expected an int in [0, 1024], got {max_row_nnz}")
+        self.max_row_nnz = int(max_row_nnz)
         self.w_down_t = transpose(self.w_down)
 
     def __call__(self, x: Any) -> Any:
@@ -551,6 +571,7 @@ def _ffn(xb: Any, prepared: SparseFFN) -> Any:
         fused_rows(
             xb if gated else None, pre, heavy, prepared.w_up if gated else None,
             prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
+            max_row_nnz=prepared.max_row_nnz,
         )  # fmt: skip
     ids, count = compact_rows(heavy)
     if gated:

@@ -8,7 +8,8 @@
 // - twell_twell_rows reads the active units from a TwELL buffer (gated_down, down).
 // - twell_fused_rows reads them straight from the dense bf16 gate pre-activation (ffn):
 //   relu, and the heavy decision of pack.cu (a tile over SLOTS-1 nonzeros, a non-finite
-//   value, or more than LIST_CAP active units in the row), without writing TwELL. Heavy
+//   value, or more than max_row_nnz (<= LIST_CAP) active units in the row: beyond that the
+//   gather costs more than the row's dense math on tensor cores), without writing TwELL. Heavy
 //   rows get heavy[m] = 1 and are left to dense_rows.cu; light rows get heavy[m] = 0.
 // Phase 1 writes the row's entries (column | bf16 << 16, ascending columns) to a
 // per-warp list in shared memory. Phase 2 walks the list UNITS entries at a time: all
@@ -240,7 +241,8 @@ __device__ __forceinline__ const uint4* load_x(Shared& sm, const uint16_t* __res
 // tiles' loads in flight), append its entries to ``list`` in ascending columns, and
 // return whether the row is heavy; ``total`` gets the number of entries.
 __device__ __forceinline__ bool scan_row(const uint16_t* __restrict__ src, int tiles,
-                                         int lane, uint32_t* list, int& total_out) {
+                                         int lane, uint32_t* list, int max_row_nnz,
+                                         int& total_out) {
   int total = 0;
   bool is_heavy = false;
   for (int j0 = 0; j0 < tiles && !is_heavy; j0 += SCAN_BATCH) {
@@ -270,7 +272,7 @@ __device__ __forceinline__ bool scan_row(const uint16_t* __restrict__ src, int t
       }
       const int count = __shfl_sync(0xffffffffu, incl, 31);
       is_heavy = __any_sync(0xffffffffu, bad) || count > TWELL_SLOTS - 1 ||
-                 total + count > LIST_CAP;
+                 total + count > max_row_nnz;
       if (!is_heavy) {
         int slot = total + incl - mine;
         const uint32_t col0 = (uint32_t)((j0 + b) * TWELL_TILE + lane * EPL);
@@ -292,7 +294,7 @@ twell_fused_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
                  const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                 int M, int N) {
+                 int M, int N, int max_row_nnz) {
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * ROW_WARPS + warp;
@@ -303,7 +305,7 @@ twell_fused_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
 
   // Phase 1: scan the row, build the entry list, decide heavy.
   int total = 0;
-  const bool is_heavy = scan_row(src, tiles, lane, list, total);
+  const bool is_heavy = scan_row(src, tiles, lane, list, min(max_row_nnz, LIST_CAP), total);
   if (lane == 0) heavy[row] = is_heavy ? 1 : 0;
   if (is_heavy) return;
   __syncwarp();
@@ -339,14 +341,15 @@ twell_fused_rows_wide(const uint16_t* __restrict__ x,         // [M, K] (gated o
                       const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
                       const uint16_t* __restrict__ w_down_t,  // [N, K]
                       uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                      int M, int N) {
+                      int M, int N, int max_row_nnz) {
   __shared__ WideShared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = blockIdx.x;
   if (row >= M) return;
   if (warp == 0) {
     int total = 0;
-    const bool is_heavy = scan_row(pre + row * (long long)N, N / TWELL_TILE, lane, sm.list, total);
+    const bool is_heavy = scan_row(pre + row * (long long)N, N / TWELL_TILE, lane, sm.list,
+                                   min(max_row_nnz, LIST_CAP), total);
     if (lane == 0) {
       sm.total = total;
       sm.heavy = is_heavy ? 1 : 0;
