@@ -316,7 +316,11 @@ def test_version_1_sparse_kernel(gated: bool):
 
 
 def test_ffn_can_be_captured_in_a_cuda_graph():
-    """No host synchronisation on the ffn path: capture, replay, same bits as eager."""
+    """No host synchronisation on the ffn path: capture, replay, same bits as eager.
+
+    The gate GEMM goes through torch when torch is imported (CuPy refuses cuBLAS during
+    capture), so this needs torch."""
+    pytest.importorskip("torch")
     p = with_special_rows(problem("heavy", 200, 512, 1024, seed=21))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
     block = ffn_gpu.SparseFFN(wg, wu, wd)
@@ -340,3 +344,17 @@ def test_row_routing_threshold_does_not_change_results(max_row_nnz: int):
     block = ffn_gpu.SparseFFN(*args[1:], max_row_nnz=max_row_nnz)
     y = to_f64(block(args[0]))
     assert_close(y, reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
+
+
+def test_gemm_through_cupy_and_torch_agree(monkeypatch: pytest.MonkeyPatch):
+    import sys
+
+    p = problem("uniform", 300, 512, 1024, seed=23)
+    x, w = to_gpu(p.x), to_gpu(p.w_gate)
+    pytest.importorskip("torch")
+    via_torch = to_f64(ffn_gpu.gemm_nt(x, w))
+    monkeypatch.delitem(sys.modules, "torch")
+    via_cupy = to_f64(ffn_gpu.gemm_nt(x, w))
+    ref = p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T
+    assert_close(via_torch, ref, 1e-2)
+    assert_close(via_cupy, ref, 1e-2)

@@ -27,6 +27,7 @@ Same inputs give the same output bits: no step uses atomics.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import ml_dtypes
@@ -146,9 +147,12 @@ def transpose(matrix: Any) -> Any:
 
 # ---------------------------------------------------------------------- launchers
 def gemm_nt(x: Any, w: Any, out: Any | None = None) -> Any:
-    """``out[M, N] = x[M, K] @ w[N, K].T`` in bf16 with fp32 accumulation (cuBLAS)."""
-    from cupy_backends.cuda.libs import cublas
+    """``out[M, N] = x[M, K] @ w[N, K].T`` in bf16 with fp32 accumulation (cuBLAS).
 
+    Runs through torch when torch is already imported (its cuBLAS calls can be captured
+    in a CUDA graph; CuPy refuses cuBLAS during stream capture), else through CuPy's
+    ``gemmEx``. Either way on CuPy's current stream.
+    """
     cp = _cupy()
     m, k = x.shape
     n = w.shape[0]
@@ -159,6 +163,26 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None) -> Any:
     if k == 0:
         _u16(out)[...] = 0
         return out
+    stream = cp.cuda.get_current_stream()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        device = torch.device("cuda", x.device.id)
+        torch_stream = (
+            torch.cuda.ExternalStream(stream.ptr, device=device)
+            if stream.ptr
+            else torch.cuda.default_stream(device)
+        )
+        with torch.cuda.stream(torch_stream):
+            xt, wt, ot = (torch.from_dlpack(a) for a in (x, w, out))
+            torch.mm(xt, wt.t(), out=ot)
+        return out
+    if stream.is_capturing():
+        raise RuntimeError(
+            "twell's gate GEMM cannot be captured in a CUDA graph through CuPy (CuPy "
+            "refuses cuBLAS during stream capture); import torch first to capture it"
+        )
+    from cupy_backends.cuda.libs import cublas
+
     handle = cp.cuda.device.get_cublas_handle()
     one = np.ones(1, np.float32)
     zero = np.zeros(1, np.float32)
