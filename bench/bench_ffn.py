@@ -227,6 +227,9 @@ def bench_config(
             1,
         )  # fmt: skip
         record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
+        record["t_gemm_torchpath_ms"] = time_ms(
+            lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre, via="torch"), 1
+        )
         for tag, kw in (("units2", {"units": 2}), ("minblocks12", {"min_blocks": 12})):
             record[f"t_fused_rows_{tag}_ms"] = time_ms(
                 lambda i, kw=kw: ffn_gpu.fused_rows(

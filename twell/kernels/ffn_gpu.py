@@ -146,12 +146,14 @@ def transpose(matrix: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- launchers
-def gemm_nt(x: Any, w: Any, out: Any | None = None) -> Any:
+def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -> Any:
     """``out[M, N] = x[M, K] @ w[N, K].T`` in bf16 with fp32 accumulation (cuBLAS).
 
-    Runs through torch when torch is already imported (its cuBLAS calls can be captured
-    in a CUDA graph; CuPy refuses cuBLAS during stream capture), else through CuPy's
-    ``gemmEx``. Either way on CuPy's current stream.
+    Runs through CuPy's ``gemmEx``, except while the current stream is being captured
+    into a CUDA graph (CuPy refuses cuBLAS during capture): then through torch, which
+    must be imported already (``via="torch"`` forces that path, for comparisons). Either
+    way on CuPy's current stream. The two paths may pick different cuBLAS kernels, so a
+    captured graph's bits can differ from eager ones (each is deterministic).
     """
     cp = _cupy()
     m, k = x.shape
@@ -164,8 +166,9 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None) -> Any:
         _u16(out)[...] = 0
         return out
     stream = cp.cuda.get_current_stream()
+    capturing = stream.is_capturing()
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
+    if via == "torch" or (capturing and torch is not None):
         device = torch.device("cuda", x.device.id)
         torch_stream = (
             torch.cuda.ExternalStream(stream.ptr, device=device)
@@ -176,7 +179,7 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None) -> Any:
             xt, wt, ot = (torch.from_dlpack(a) for a in (x, w, out))
             torch.mm(xt, wt.t(), out=ot)
         return out
-    if stream.is_capturing():
+    if capturing:
         raise RuntimeError(
             "twell's gate GEMM cannot be captured in a CUDA graph through CuPy (CuPy "
             "refuses cuBLAS during stream capture); import torch first to capture it"
