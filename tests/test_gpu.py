@@ -335,10 +335,19 @@ def test_ffn_can_be_captured_in_a_cuda_graph():
         graph.launch(stream)
         stream.synchronize()
         first = y.copy()
+        other = block(x)  # eager work between replays reuses freed pool memory
         graph.launch(stream)
         stream.synchronize()
     assert cp.array_equal(y.view(cp.uint16), first.view(cp.uint16)), "replays differ"
-    assert rel_err(to_f64(y), to_f64(eager)) < 1e-2
+    assert_close(to_f64(y), to_f64(eager))
+    assert to_f64(other).shape == (200, 512)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="capture SparseFFN"):
+                ffn_gpu.ffn(x, wg, wu, wd)
+        finally:
+            stream.end_capture()
 
 
 @pytest.mark.parametrize("max_row_nnz", [0, 5, 1024])

@@ -378,16 +378,17 @@ def dense_rows(
     gate_by_id: bool = False,
     relu_gate: bool = False,
     tiled: bool = True,
-) -> None:
+) -> Any:
     """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
 
     ``a`` is ``[*, RED]``, ``b`` ``[OUTC, RED]``, ``out`` and ``gate`` ``[*, OUTC]``, all bf16.
     ``count`` is a device int32 scalar array of at most ``max_rows`` (sizes the grid).
     ``tiled=False`` runs the simple 16-row kernel (no shared memory), kept as a baseline.
+    Returns the scratch workspace it used (None if none), for callers that must keep it.
     """
     outc, red = b.shape
     if max_rows == 0 or outc == 0:
-        return
+        return None
     gate_args = (
         _u16(gate) if gate is not None else np.uint64(0),
         np.int32(gate_by_id), np.int32(relu_gate),
@@ -403,7 +404,7 @@ def dense_rows(
         items = math.ceil(max_rows / 16) * math.ceil(outc / 32)
         grid = max(1, min(items, sms * 8))
         kernel("dense_rows.cu", "twell_dense_rows")((grid,), (128,), common + gate_args)
-        return
+        return None
     # Split the reduction when few rows leave the GPU idle: the kernels pick the split
     # from the device count; the workspace is sized for the largest split they may pick.
     target = sms * 4
@@ -422,6 +423,7 @@ def dense_rows(
             (ws, count, np.int32(outc), np.int32(red), np.int32(target), np.int32(ws_units), ids)
             + gate_args,
         )  # fmt: skip
+    return ws
 
 
 def default_max_row_nnz(n: int) -> int:
@@ -567,18 +569,31 @@ class SparseFFN:
             raise ValueError(f"max_row_nnz: expected an int in [0, 1024], got {max_row_nnz}")
         self.max_row_nnz = int(max_row_nnz)
         self.w_down_t = transpose(self.w_down)
+        self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     def __call__(self, x: Any) -> Any:
         """The block's output for ``x [M, K]`` (``x``'s dtype)."""
         return self.forward(x)
 
     def forward(self, x: Any) -> Any:
-        """The block's output for ``x [M, K]`` (``x``'s dtype); no host synchronisation."""
+        """The block's output for ``x [M, K]`` (``x``'s dtype); no host synchronisation.
+
+        May be captured in a CUDA graph (torch must be imported: the gate GEMM then runs
+        through it). The scratch buffers a captured call uses are kept alive by this
+        object for as long as it lives, so replays never write into reused memory.
+        """
+        stream = _cupy().cuda.get_current_stream()
+        scratch: list[Any] = []
         xb = as_bf16(x)
-        return from_bf16(_ffn(xb, self), x.dtype)
+        y = _ffn(xb, self, scratch)
+        out = from_bf16(y, x.dtype)
+        if stream.is_capturing():
+            self._graph_scratch.append([xb, y, *scratch])
+        return out
 
 
-def _ffn(xb: Any, prepared: SparseFFN) -> Any:
+def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
+    """The block on bf16 ``xb``; appends its scratch buffers to ``scratch``."""
     m, k = xb.shape
     if k != prepared.w_up.shape[1]:
         raise ValueError(f"x: expected K={prepared.w_up.shape[1]}, got {k}")
@@ -587,8 +602,10 @@ def _ffn(xb: Any, prepared: SparseFFN) -> Any:
         return y
     gated = prepared.w_gate is not None
     pre = gemm_nt(xb, prepared.w_gate if gated else prepared.w_up)
+    scratch.append(pre)
     if prepared.path == "pack":
         packed, heavy = pack(pre, prepared.tile, prepared.slots)
+        scratch.append(packed)
         twell_rows(
             xb if gated else None, packed, heavy, prepared.w_up if gated else None,
             prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
@@ -601,14 +618,21 @@ def _ffn(xb: Any, prepared: SparseFFN) -> Any:
             max_row_nnz=prepared.max_row_nnz,
         )  # fmt: skip
     ids, count = compact_rows(heavy)
+    scratch += [heavy, ids, count]
     if gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
-        dense_rows(xb, prepared.w_up, pre, ids, count, m, a_by_id=True, out_by_id=True,
-                   gate=pre, gate_by_id=True, relu_gate=True)  # fmt: skip
-        dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True)
+        scratch.append(
+            dense_rows(xb, prepared.w_up, pre, ids, count, m, a_by_id=True, out_by_id=True,
+                       gate=pre, gate_by_id=True, relu_gate=True)
+        )  # fmt: skip
+        scratch.append(
+            dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True)
+        )
     else:
-        dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True,
-                   relu_a=True)  # fmt: skip
+        scratch.append(
+            dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True,
+                       relu_a=True)
+        )  # fmt: skip
     return y
 
 
@@ -618,6 +642,12 @@ def ffn(
     """The whole FFN block (``w_gate=None``: non-gated); ``x``'s dtype out.
 
     Prepares ``w_down``'s transpose on every call: hold a :class:`SparseFFN` to pay that
-    once. No host synchronisation.
+    once. No host synchronisation. Not for CUDA-graph capture (its prepared weights and
+    scratch would be freed after the call): capture ``SparseFFN.forward`` instead.
     """
+    if _cupy().cuda.get_current_stream().is_capturing():
+        raise RuntimeError(
+            "ffn: capture SparseFFN(w_gate, w_up, w_down).forward in a CUDA graph, not the "
+            "functional ffn (the graph needs buffers that outlive the call)"
+        )
     return SparseFFN(w_gate, w_up, w_down, tile, slots).forward(x)
