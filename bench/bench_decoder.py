@@ -10,11 +10,12 @@ no bias, so the gate threshold rides on a constant input dimension:
 
 - dimension 0 of every token embedding is 1, and row 0 of every ``o_proj`` and
   ``down_proj`` is zero, so dimension 0 of the residual stream stays exactly 1;
-- RMSNorm divides a token's whole vector by one positive number, which changes no sign:
-  unit n fires for token t iff ``B[t, n] = h[t, 1:] · (γ ⊙ w_gate[n])[1:] > −γ₀·w_gate[n, 0]``;
-- layer by layer (each layer's input depends on the layers before), the spread of B over
-  a calibration batch sets ``w_gate[n, 0] = −z_n · std_t(B[t, n]) / γ₀`` with ``z_n`` the
-  per-unit thresholds of the ``paperlike`` workload (30% dead units, log-normal rates).
+- RMSNorm divides a token's whole vector by one positive number, which changes no sign;
+- unit n fires for token t iff ``B[t, n] > −w_gate[n, 0]``, where
+  ``B[t, n] = pre[t, n] / x[t, 0]`` (the RMS scale cancels); layer by layer (each layer's
+  input depends on the layers before), a calibration batch sets
+  ``w_gate[n, 0] = −(mean_t B[t, n] + z_n · std_t B[t, n])`` with ``z_n`` the per-unit
+  thresholds of the ``paperlike`` workload (30% dead units, log-normal rates).
 
 The realized L0 of every layer is measured on the benchmark batch and reported.
 
@@ -44,7 +45,7 @@ def build_model(args: argparse.Namespace) -> Any:
         max_position_embeddings=args.seq, hidden_act="relu",
     )  # fmt: skip
     torch.manual_seed(args.seed)
-    with torch.device("cuda"):
+    with torch.device(args.device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     base = model.model
     with torch.no_grad():
@@ -73,12 +74,20 @@ def calibrate(model: Any, ids: Any, args: argparse.Namespace) -> None:
             handle.remove()
         x = captured[0].reshape(-1, args.hidden).float()
         w = layer.mlp.gate_proj.weight.float()
-        # B[t, n] = pre[t, n] / x[t, 0]: the RMS scale cancels (x[t, 0] = γ₀ / rms_t > 0).
+        # B[t, n] = pre[t, n] / x[t, 0] (x[t, 0] = γ₀ / rms_t > 0 cancels the RMS scale).
+        # With w[n, 0] set, pre[t, n] = x[t, 0] · (w[n, 0] + B[t, n]): unit n fires iff
+        # B[t, n] > −w[n, 0]. B is not centred (tokens share directions after attention).
         scores = (x[:, 1:] @ w[:, 1:].T) / x[:, :1]
-        spread = scores.std(dim=0)
         z = workloads.paperlike(1, args.hidden, args.ffn, seed=index).params["unit_threshold"]
-        gamma0 = float(layer.post_attention_layernorm.weight[0])
-        threshold = -torch.from_numpy(z).cuda() * spread / gamma0
+        z = torch.from_numpy(z).to(scores.device)
+        mean, spread = scores.mean(dim=0), z * scores.std(dim=0)
+        target = workloads.PAPER_L0_PER_UNIT * args.ffn
+        low, high = 0.0, 4.0  # bisect the scale α of the thresholds to the paper's L0
+        for _ in range(30):
+            alpha = 0.5 * (low + high)
+            l0 = float((scores > mean + alpha * spread).sum()) / scores.shape[0]
+            low, high = (alpha, high) if l0 > target else (low, alpha)
+        threshold = -(mean + high * spread)
         with torch.no_grad():
             layer.mlp.gate_proj.weight[:, 0] = threshold.to(torch.bfloat16)
 
@@ -106,19 +115,30 @@ def measure_l0(model: Any, ids: Any, sample: int) -> list[float]:
 
 
 def time_forward(model: Any, ids: Any, warmup: int, reps: int) -> tuple[float, Any]:
+    """Median milliseconds of the base model's forward (CUDA events on a GPU)."""
+    import time
+
     import torch
 
+    on_gpu = ids.is_cuda
     with torch.inference_mode():
         for _ in range(warmup):
             out = model.model(ids).last_hidden_state
         times = []
         for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            if on_gpu:
+                start = torch.cuda.Event(enable_timing=True)
+                stop = torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                begin = time.perf_counter()
             out = model.model(ids).last_hidden_state
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
+            if on_gpu:
+                stop.record()
+                stop.synchronize()
+                times.append(start.elapsed_time(stop))
+            else:
+                times.append(1e3 * (time.perf_counter() - begin))
     return statistics.median(times), out
 
 
@@ -133,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to append to")
     args = parser.parse_args(argv)
 
@@ -142,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from twell.testing.asserts import relative_error
 
     model = build_model(args)
-    ids = torch.randint(0, 49152, (args.batch, args.seq), device="cuda")
+    ids = torch.randint(0, 49152, (args.batch, args.seq), device=args.device)
     calibrate(model, ids[:2], args)
     l0 = measure_l0(model, ids, sample=args.seq)
     t_dense, y_dense = time_forward(model, ids, args.warmup, args.reps)
@@ -151,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     t_twell, y_twell = time_forward(model, ids, args.warmup, args.reps)
     rel_err = relative_error(y_twell[:2].float().cpu().numpy(), y_dense)
     record = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "op": "decoder_forward",
         "workload": "llama2b-relu-calibrated",
         "layers": args.layers, "M": args.batch * args.seq, "K": args.hidden, "N": args.ffn,
