@@ -371,3 +371,45 @@ def test_gemm_through_cupy_and_torch_agree(monkeypatch: pytest.MonkeyPatch):
     ref = p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T
     assert_close(via_torch, ref, 1e-2)
     assert_close(via_cupy, ref, 1e-2)
+
+
+# ------------------------------------------------------------------ Hypothesis-drawn problems
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from twell.testing import strategies as tst  # noqa: E402
+
+_GPU_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _hybrid_to_gpu(h: Hybrid) -> Hybrid:
+    ell = TwELL(cp.asarray(h.ell.packed), h.shape, h.tile, h.slots)
+    return Hybrid(ell, cp.asarray(h.dense_rows), cp.asarray(h.dense))
+
+
+@_GPU_SETTINGS
+@given(
+    tst.hybrid_matrices(rows=st.integers(1, 40)),
+    st.sampled_from([8, 264]),
+    st.integers(0, 2**31 - 1),
+)
+def test_hypothesis_down(h: Hybrid, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    w_down = (rng.standard_normal((k, h.shape[1])) / np.sqrt(h.shape[1])).astype(BF16)
+    y = to_f64(ffn_gpu.down(_hybrid_to_gpu(h), to_gpu(w_down)))
+    # The GPU flushes subnormals to zero (CuPy compiles with -ftz): flush them in the
+    # reference's input too, so the comparison does not depend on denormals.
+    dense = np.asarray(h.to_dense(np.float64))
+    dense[np.abs(dense) < np.finfo(np.float32).tiny] = 0.0
+    assert_close(y, dense @ w_down.astype(np.float64).T)
+
+
+@_GPU_SETTINGS
+@given(tst.ffn_problems(k=st.sampled_from([8, 16, 264]), tiles=st.integers(1, 2), tile=256,
+                        rows=st.integers(1, 70)))  # fmt: skip
+def test_hypothesis_ffn(p: tst.FFNProblem):
+    args = [None if a is None else ffn_gpu.as_bf16(cp.asarray(a)) for a in p]
+    y = to_f64(ffn_gpu.ffn(*args))
+    assert_close(y, reference.forward.ffn_dense(*p))
