@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# compute-sanitizer (memcheck) over a representative subset of the GPU tests, plus the
+# Hypothesis GPU tests run plainly. Usage (device machine, repo root):
+#   bash bench/sanitize.sh            # logs under $OUT (or /tmp/twell_out)
+set -u
+OUT=${OUT:-/tmp/twell_out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/twell_cupy_cache
+timeout "${HYP_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+  -k hypothesis 2>&1 | tee "$OUT/hypothesis.log" | tail -25
+SUBSET='(ffn_matches_dense_float64 and (129 or 300 or 257 or 70 or 2000)) or dense_rows_kernels or graph or version_1'
+timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "$SUBSET" 2>&1 \
+  | tee "$OUT/memcheck.log" | grep -v "Warning" | tail -25
+echo "memcheck exit: ${PIPESTATUS[0]}"
