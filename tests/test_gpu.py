@@ -14,32 +14,18 @@ import pytest
 
 from twell import reference, workloads
 from twell.formats import Hybrid, TwELL, to_host
+from twell.kernels.compile import unavailable_reason
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_reason() -> str | None:
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device"
-        major = int(cupy.cuda.Device().compute_capability[0])
-    except Exception as error:  # no driver, no device
-        return f"no usable CUDA device: {error}"
-    if major != 9:
-        return "twell's kernels need a Hopper GPU (compute capability 9.0)"
-    return None
-
-
-_REASON = _gpu_reason()
+_REASON = unavailable_reason()
 if _REASON is not None:
     pytest.skip(_REASON, allow_module_level=True)
 
 import cupy as cp  # noqa: E402
 
+from twell.benchmark import to_device as to_gpu  # noqa: E402
 from twell.kernels import ffn_gpu  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -53,15 +39,6 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
         return out
 
     monkeypatch.setattr(ffn_gpu, "_alloc", poisoned)
-
-
-def to_gpu(a: np.ndarray | None) -> object:
-    if a is None:
-        return None
-    a = np.ascontiguousarray(a)
-    if a.dtype == BF16:
-        return cp.asarray(a.view(np.uint16)).view(BF16)
-    return cp.asarray(a)
 
 
 def to_f64(a: object) -> np.ndarray:
@@ -413,3 +390,15 @@ def test_hypothesis_ffn(p: tst.FFNProblem):
     args = [None if a is None else ffn_gpu.as_bf16(cp.asarray(a)) for a in p]
     y = to_f64(ffn_gpu.ffn(*args))
     assert_close(y, reference.forward.ffn_dense(*p))
+
+
+@pytest.mark.parametrize("k", [12, 4104])
+def test_public_ops_reject_widths_the_kernels_cannot_take(k: int) -> None:
+    import twell
+
+    x = cp.ones((4, k), dtype=cp.float32)
+    w = cp.ones((256, k), dtype=cp.float32)
+    with pytest.raises(ValueError, match=f"x: the GPU kernels need K .* got K={k}"):
+        twell.ffn(x, w, w, w.T.copy())
+    with pytest.raises(ValueError, match="w_gate: the GPU kernels need K"):
+        twell.SparseFFN(w, w, w.T.copy())

@@ -120,15 +120,12 @@ def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:
 
 
 def _cuda_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA device for torch"
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "CuPy is not installed"
-    if torch.cuda.get_device_capability()[0] != 9:
-        return "twell's kernels need a Hopper GPU"
-    return None
+    from twell.kernels.compile import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None and not torch.cuda.is_available():
+        return "torch has no CUDA device"
+    return reason
 
 
 needs_gpu = pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason()))

@@ -31,16 +31,10 @@ TOLERANCE = 1e-2  # SPEC.md §5: ‖y − y_ref‖ / ‖y_ref‖
 
 
 def gpu_available() -> bool:
-    """True when CuPy imports and sees a CUDA device of compute capability 9.x."""
-    try:
-        import cupy
+    """True when the GPU kernels can run here (CuPy and a Hopper GPU)."""
+    from twell.kernels.compile import unavailable_reason
 
-        return (
-            cupy.cuda.runtime.getDeviceCount() > 0
-            and cupy.cuda.Device().compute_capability.startswith("9")
-        )
-    except Exception:  # noqa: BLE001 - any failure means "no usable GPU"
-        return False
+    return unavailable_reason() is None
 
 
 class Steps:
@@ -101,7 +95,7 @@ def demo(args: argparse.Namespace) -> int:
         )
         x, w_gate, w_up, w_down = problem.arrays()
         if on_gpu:
-            from twell.kernels import demo_gpu
+            from twell.benchmark import demo as demo_gpu
 
             report = steps.run(
                 "run the kernels and time them against cuBLAS", lambda: demo_gpu(problem)
@@ -176,7 +170,7 @@ def check(args: argparse.Namespace) -> int:
     for column in ("workload", "block", "M", "slots", "heavy", "rel. error", "verdict"):
         table.add_column(column, justify="right")
     if on_gpu:
-        from twell.kernels import to_device
+        from twell.benchmark import to_device
     else:
 
         def to_device(a: Any) -> Any:

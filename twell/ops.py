@@ -151,6 +151,10 @@ def _validate(
             raise ValueError(str(error).replace("shape: ", f"{n_name}: ", 1)) from None
     if library != "numpy":
         _check_gpu_arrays(flat, hidden)
+        if k is not None:
+            from twell.kernels.ffn_gpu import check_width
+
+            check_width(k, "x" if x is not None else next(iter(flat)))
     return _Inputs(library, flat, batch_shape)
 
 

@@ -3,7 +3,6 @@
 - ``compile``: the one compile path (sources, parameters, cache, CPU-side NVRTC).
 - ``ffn_gpu``: the GPU ops on CuPy arrays — :func:`gate`, :func:`down`,
   :func:`gated_down`, :func:`ffn` — and the prepared :class:`SparseFFN`.
-- ``demo``: :func:`to_device` and :func:`demo_gpu` for ``python -m twell``.
 
 Kernel sources, one per family: ``pack.cu`` (relu + TwELL packing, heavy rows),
 ``sparse_rows.cu`` (light rows: gathered up/down, from the pre-activation or from
@@ -11,7 +10,6 @@ TwELL), ``sparse_ffn.cu`` (version 1 of the same, the simple baseline), ``dense_
 (heavy rows on tensor cores), ``convert.cu`` (transpose, dtype conversions).
 """
 
-from twell.kernels.demo import demo_gpu, to_device
 from twell.kernels.ffn_gpu import SparseFFN, down, ffn, gate, gated_down
 
-__all__ = ["SparseFFN", "demo_gpu", "down", "ffn", "gate", "gated_down", "to_device"]
+__all__ = ["SparseFFN", "down", "ffn", "gate", "gated_down"]

@@ -83,6 +83,26 @@ class DeviceInfo:
     compute_capability: tuple[int, int]
 
 
+def unavailable_reason() -> str | None:
+    """Why the GPU kernels cannot run here (no CuPy, no device, not Hopper), or None.
+
+    Never raises: the command line and the GPU tests use it to decide, and to say why.
+    """
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        major, minor = (int(c) for c in cupy.cuda.Device().compute_capability)
+    except Exception as error:  # noqa: BLE001 - no driver, no device, ...
+        return f"no usable CUDA device: {error}"
+    if (major, minor) != (9, 0):
+        return f"twell's kernels need a Hopper GPU (compute capability 9.0), not {major}.{minor}"
+    return None
+
+
 def device_info() -> DeviceInfo:
     """The current CuPy device, checked to be a Hopper GPU (compute capability 9.0)."""
     cupy = _require_cupy()

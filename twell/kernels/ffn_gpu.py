@@ -273,9 +273,7 @@ def sparse_rows(
     if m == 0:
         return
     gated = w_up is not None
-    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
-    if min_blocks is not None:
-        params["MIN_BLOCKS"] = min_blocks
+    params = _row_params(k, tile, slots, gated, min_blocks, None)
     null = np.uint64(0)
     kernel("sparse_ffn.cu", "twell_sparse_rows", params)(
         (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
@@ -440,11 +438,14 @@ def default_max_row_nnz(n: int) -> int:
 
 
 # ---------------------------------------------------------------------- the ops
-def _check_width(k: int) -> None:
-    if k % 8:
-        raise ValueError(f"x: K={k} must be a multiple of 8 for the GPU kernels")
-    if k > MAX_K:
-        raise ValueError(f"x: K={k} exceeds the GPU kernels' limit of {MAX_K}")
+def check_width(k: int, name: str = "x") -> None:
+    """The kernels load rows in 16-byte pieces and keep a row in one warp's registers:
+    K must be a multiple of 8 and at most :data:`MAX_K` (``ValueError`` naming ``name``)."""
+    if k % 8 or k > MAX_K:
+        raise ValueError(
+            f"{name}: the GPU kernels need K to be a multiple of 8 and at most {MAX_K}; "
+            f"got K={k} (the NumPy reference takes any K)"
+        )
 
 
 def gate(x: Any, w_gate: Any, *, tile: int = 256, slots: int = 32) -> Any:
@@ -491,7 +492,7 @@ def down(h: Any, w_down: Any) -> Any:
     wd = as_bf16(w_down)
     m, n = h.shape
     k = wd.shape[0]
-    _check_width(k)
+    check_width(k)
     packed, heavy, dense, r = _hybrid_parts(h)
     y = _empty_bf16((m, k))
     twell_rows(None, packed, heavy, None, transpose(wd), y, tile=h.tile, slots=h.slots)
@@ -508,7 +509,7 @@ def gated_down(x: Any, g: Any, w_up: Any, w_down: Any) -> Any:
     xb, wu, wd = as_bf16(x), as_bf16(w_up), as_bf16(w_down)
     m, k = xb.shape
     n = wu.shape[0]
-    _check_width(k)
+    check_width(k)
     packed, heavy, dense, r = _hybrid_parts(g)
     y = _empty_bf16((m, k))
     twell_rows(xb, packed, heavy, wu, transpose(wd), y, tile=g.tile, slots=g.slots)
@@ -563,7 +564,7 @@ class SparseFFN:
             raise ValueError(f"w_gate: expected shape ({n}, {k}), got {self.w_gate.shape}")
         if n % tile:
             raise ValueError(f"w_up: N={n} is not a multiple of tile={tile}")
-        _check_width(k)
+        check_width(k)
         self.tile = int(tile)
         self.slots = int(slots)
         if max_row_nnz is None:

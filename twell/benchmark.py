@@ -1,0 +1,408 @@
+"""Benchmark of the gated/non-gated FFN forward: twell GPU kernels against dense cuBLAS.
+
+Protocol (BENCH.md): CUDA events around each call on one stream, >= 5 warm-ups (JIT
+excluded), median of >= 20 timed calls, inputs rotated so the working set exceeds L2,
+torch dense baseline (``F.linear`` + ``relu`` + ``*`` + ``F.linear``) on the same inputs
+in the same process, rel. error of every timed configuration against float64 dense math
+(rows subsampled), JSON records under ``bench/results/<gpu>_<date>.json``.
+
+    PYTHONPATH=. python bench/bench_ffn.py                    # uniform M=16384 K=2048 N=5632
+    PYTHONPATH=. python bench/bench_ffn.py --workloads uniform heavy paperlike --M 4096 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def make_problem(workload: str, m: int, k: int, n: int, seed: int = 0) -> Any:
+    """A BENCH.md workload by name; ``density=P`` is the uniform workload at density P."""
+    from twell import workloads
+
+    if workload.startswith("density="):
+        return workloads.make("density", m, k, n, seed=seed, p=float(workload.split("=")[1]))
+    return workloads.make(workload, m, k, n, seed=seed)
+
+
+def to_device(array: np.ndarray | None) -> Any:
+    """A NumPy array (ml_dtypes bf16 included) copied to the current GPU as CuPy."""
+    import cupy as cp
+
+    if array is None:
+        return None
+    array = np.ascontiguousarray(array)
+    if array.dtype == BF16:
+        return cp.asarray(array.view(np.uint16)).view(BF16)
+    return cp.asarray(array)
+
+
+def time_ms(fn: Any, sets: int, warmup: int = 5, reps: int = 20) -> float:
+    """Median CUDA-event time of ``fn(i)`` over ``reps`` calls, rotating ``i % sets``."""
+    import cupy as cp
+
+    for i in range(warmup):
+        fn(i % sets)
+    times = []
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for i in range(reps):
+        start.record()
+        fn(i % sets)
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def graph_ms_cupy(fn: Any, reps: int = 20) -> float:
+    """Median time of one replay of a CUDA graph captured from ``fn`` on a CuPy stream."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        keep = fn()  # outputs stay alive with the graph
+        graph = stream.end_capture()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for i in range(5 + reps):
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        if i >= 5:
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+    del keep
+    return statistics.median(times)
+
+
+def graph_ms_torch(fn: Any, reps: int = 20) -> float:
+    """Median time of one replay of a torch CUDA graph of ``fn``."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        keep = fn()
+    times = []
+    for i in range(5 + reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(stop))
+    del keep
+    return statistics.median(times)
+
+
+def versions() -> dict[str, str]:
+    import cupy as cp
+
+    out = {"cupy": cp.__version__, "cuda": str(cp.cuda.runtime.runtimeGetVersion())}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        out["torch"] = "absent"
+    return out
+
+
+def gpu_name() -> str:
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+
+
+def bench_config(
+    workload: str,
+    m: int,
+    k: int,
+    n: int,
+    *,
+    gated: bool = True,
+    tile: int = 256,
+    slots: int = 32,
+    seed: int = 0,
+    stages: bool = False,
+    check_rows: int = 256,
+    paths: tuple[str, ...] = ("fused",),
+    graphs: bool = False,
+    max_row_nnz: int | None = None,
+) -> list[dict[str, Any]]:
+    import cupy as cp
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    from twell import reference
+    from twell.kernels import ffn_gpu
+
+    problem = make_problem(workload, m, k, n, seed)
+    w_gate = problem.w_gate if gated else None
+    # Non-gated block relu(x @ w_up.T) @ w_down.T: the workload's thresholded gate weights
+    # play w_up, so the hidden activation has the workload's sparsity.
+    w_up = problem.w_up if gated else problem.w_gate
+    # Rotate weight sets (and x) so the working set of consecutive calls exceeds L2.
+    l2 = cp.cuda.Device().attributes["L2CacheSize"]
+    set_bytes = 2 * (m * k + (3 if gated else 2) * n * k)
+    sets = max(1, min(8, math.ceil(3 * l2 / set_bytes)))
+    xs, blocks, dense_w = [], [], []
+    for s in range(sets):
+        x = to_device(problem.x)
+        wg, wu, wd = to_device(w_gate), to_device(w_up), to_device(problem.w_down)
+        xs.append(x)
+        blocks.append(
+            {
+                p: ffn_gpu.SparseFFN(wg, wu, wd, tile, slots, path=p, max_row_nnz=max_row_nnz)
+                for p in paths
+            }
+        )
+        tw = [None if a is None else torch.from_dlpack(a) for a in (wg, wu, wd)]
+        dense_w.append(tw)
+        del s
+    xt = [torch.from_dlpack(x) for x in xs]
+
+    def ours(i: int, path: str = paths[0]) -> Any:
+        return blocks[i][path](xs[i])
+
+    def dense(i: int) -> Any:
+        wg, wu, wd = dense_w[i]
+        if wg is None:
+            return F.linear(F.relu(F.linear(xt[i], wu)), wd)
+        return F.linear(F.relu(F.linear(xt[i], wg)) * F.linear(xt[i], wu), wd)
+
+    def gate_gemm(i: int) -> Any:
+        wg, wu, _ = dense_w[i]
+        return F.linear(xt[i], wu if wg is None else wg)
+
+    torch.cuda.synchronize()
+    t_paths = {p: time_ms(lambda i, p=p: ours(i, p), sets) for p in paths}
+    t_dense = time_ms(dense, sets)
+    t_gemm = time_ms(gate_gemm, sets)
+
+    record: dict[str, Any] = {}
+    if graphs:  # CUDA-graph replay of all weight sets: launch overhead out of the figure
+        try:
+            record["t_graph_ms"] = graph_ms_cupy(lambda: [ours(i) for i in range(sets)]) / sets
+            record["t_dense_graph_ms"] = (
+                graph_ms_torch(lambda: [dense(i) for i in range(sets)]) / sets
+            )
+            record["speedup_graph"] = record["t_dense_graph_ms"] / record["t_graph_ms"]
+        except Exception as error:  # report, do not hide
+            record["graph_error"] = f"{type(error).__name__}: {error}"[:300]
+    if stages:  # time the pipeline's parts (differences, no counters)
+        b = blocks[0][paths[0]]
+        w_first = b.w_gate if gated else b.w_up
+        pre = ffn_gpu.gemm_nt(xs[0], w_first)
+        packed, heavy = ffn_gpu.pack(pre, tile, slots)
+        y = ffn_gpu._empty_bf16((m, k))
+        record["t_pack_ms"] = time_ms(lambda i: ffn_gpu.pack(pre, tile, slots), 1)
+        record["t_sparse_ms"] = time_ms(
+            lambda i: ffn_gpu.sparse_rows(
+                xs[0] if gated else None, packed, heavy, b.w_up if gated else None,
+                b.w_down_t, y, tile=tile, slots=slots,
+            ),
+            1,
+        )  # fmt: skip
+        record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
+        record["t_gemm_torchpath_ms"] = time_ms(
+            lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre, via="torch"), 1
+        )
+        for tag, kw in (("units2", {"units": 2}), ("minblocks12", {"min_blocks": 12})):
+            record[f"t_fused_rows_{tag}_ms"] = time_ms(
+                lambda i, kw=kw: ffn_gpu.fused_rows(
+                    xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
+                    b.w_down_t, y, tile=tile, slots=slots, **kw,
+                ),
+                1,
+            )  # fmt: skip
+        record["t_twell_rows_ms"] = time_ms(
+            lambda i: ffn_gpu.twell_rows(
+                xs[0] if gated else None, packed, heavy, b.w_up if gated else None,
+                b.w_down_t, y, tile=tile, slots=slots,
+            ),
+            1,
+        )  # fmt: skip
+        record["t_fused_rows_ms"] = time_ms(
+            lambda i: ffn_gpu.fused_rows(
+                xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
+                b.w_down_t, y, tile=tile, slots=slots,
+            ),
+            1,
+        )  # fmt: skip
+
+    # Correctness: float64 dense math on a row sample, for every timed path.
+    rows = np.unique(np.r_[np.linspace(0, m - 1, min(m, check_rows)).astype(int)])
+    heavy_ids = problem.params.get("heavy_rows")
+    if heavy_ids is not None:
+        rows = np.unique(np.r_[rows, np.asarray(heavy_ids)[:64]])
+    oracle = reference.forward.ffn_dense(problem.x[rows], w_gate, w_up, problem.w_down)
+    # L0 and heavy rows from the packed gate.
+    b = blocks[0][paths[0]]
+    pre = ffn_gpu.gemm_nt(xs[0], b.w_gate if gated else b.w_up)
+    packed, heavy = ffn_gpu.pack(pre, tile, slots)
+    l0 = float(packed[:, ::slots].astype(cp.float64).sum().get() / m)
+    heavy_rows = int(heavy.astype(cp.int64).sum().get())
+    gemm_flops = 2.0 * m * n * k
+    records = []
+    for path in paths:
+        y = ours(0, path)
+        got = y[cp.asarray(rows)].view(cp.uint16).get().view(BF16).astype(np.float64)
+        rel_err = float(np.linalg.norm(got - oracle) / np.linalg.norm(oracle))
+        t_ours = t_paths[path]
+        r = dict(record)
+        r.update(
+            gpu=gpu_name(),
+            op="ffn_forward" if gated else "ffn_forward_nongated",
+            workload=workload,
+            path=path,
+            M=m,
+            K=k,
+            N=n,
+            tile=tile,
+            slots=slots,
+            t_ms=t_ours,
+            t_dense_ms=t_dense,
+            speedup=t_dense / t_ours,
+            t_gate_gemm_ms=t_gemm,
+            floor_ratio=t_ours / t_gemm,
+            gate_gemm_tflops=gemm_flops / t_gemm / 1e9,
+            rel_err=rel_err,
+            l0=l0,
+            heavy_rows=heavy_rows,
+            max_row_nnz=b.max_row_nnz,
+            rotation_sets=sets,
+            **versions(),
+        )
+        records.append(r)
+    return records
+
+
+def demo(problem: Any) -> dict[str, Any]:
+    """Run a workload problem through the kernels and time it against dense cuBLAS.
+
+    The GPU part of ``python -m twell demo``: BENCH.md's timer (median of 20 after 5
+    warm-ups), the float64 oracle on the first 256 rows, the torch dense baseline when
+    torch is installed.
+
+    Returns:
+        ``"hybrid"`` (the GPU :class:`twell.Hybrid` of the gate), the relative error, the
+        twell and dense times (ms) and the speedup.
+    """
+    import cupy as cp
+
+    from twell.kernels import ffn_gpu
+    from twell.reference.forward import ffn_dense
+
+    x, w_gate, w_up, w_down = (to_device(a) for a in problem.arrays())
+    block = ffn_gpu.SparseFFN(w_gate, w_up, w_down)
+    y = block(x)
+    rows = min(256, x.shape[0])
+    got = y[:rows].view(cp.uint16).get().view(BF16).astype(np.float64)
+    ref = ffn_dense(problem.x[:rows], problem.w_gate, problem.w_up, problem.w_down)
+    report: dict[str, Any] = {
+        "hybrid": ffn_gpu.gate(x, w_gate if w_gate is not None else w_up),
+        "rel. error": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
+        "twell GPU (ms)": time_ms(lambda i: block(x), 1),
+    }
+    try:
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+    except ImportError:
+        return report
+    xt, wu, wd = (torch.from_dlpack(a) for a in (x, w_up, w_down))
+    if w_gate is None:
+        dense = lambda i: F.linear(F.relu(F.linear(xt, wu)), wd)  # noqa: E731
+    else:
+        wg = torch.from_dlpack(w_gate)
+        dense = lambda i: F.linear(F.relu(F.linear(xt, wg)) * F.linear(xt, wu), wd)  # noqa: E731
+    report["dense cuBLAS (ms)"] = time_ms(dense, 1)
+    report["speedup"] = report["dense cuBLAS (ms)"] / report["twell GPU (ms)"]
+    return report
+
+
+def write_records(records: list[dict[str, Any]], directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    gpu = records[0]["gpu"].replace(" ", "_") if records else "unknown"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    path = os.path.join(directory, f"{gpu}_{date}.json")
+    existing = []
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = json.load(f)
+    with open(path, "w") as f:
+        json.dump(existing + records, f, indent=1)
+    return path
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'op':<22}{'workload':<12}{'path':<6}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
+    )
+    print(head + f"{'speedup':>8}{'floor':>7}{'rel_err':>9}{'L0':>7}{'heavy':>7}{'graph x':>8}")
+    for r in records:
+        print(
+            f"{r['op']:<22}{r['workload']:<12}{r.get('path', ''):<6}{r['M']:>7}{r['slots']:>4}"
+            f"{r['t_ms']:>8.3f}"
+            f"{r['t_dense_ms']:>8.3f}{r['t_gate_gemm_ms']:>8.3f}{r['speedup']:>8.2f}"
+            f"{r['floor_ratio']:>7.2f}{r['rel_err']:>9.1e}{r['l0']:>7.1f}{r['heavy_rows']:>7}"
+            f"{r.get('speedup_graph', float('nan')):>8.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["uniform"])
+    parser.add_argument("--M", nargs="+", type=int, default=[16384])
+    parser.add_argument("--K", type=int, default=2048)
+    parser.add_argument("--N", type=int, default=5632)
+    parser.add_argument("--slots", nargs="+", type=int, default=[32])
+    parser.add_argument("--nongated", action="store_true", help="also the non-gated block")
+    parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
+    parser.add_argument("--out", default=os.path.join("bench", "results"))
+    parser.add_argument("--max-row-nnz", type=int, default=None)
+    parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
+    parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "pack"])
+    args = parser.parse_args(argv)
+    records = []
+    for workload in args.workloads:
+        for m in args.M:
+            for slots in args.slots:
+                for gated in (True, False) if args.nongated else (True,):
+                    rs = bench_config(
+                        workload, m, args.K, args.N, gated=gated, slots=slots,
+                        stages=args.stages, paths=tuple(args.paths), graphs=m <= args.graph_below,
+                        max_row_nnz=args.max_row_nnz,
+                    )  # fmt: skip
+                    records += rs
+                    for r in rs:
+                        print(json.dumps(r), flush=True)
+    path = write_records(records, args.out)
+    print(f"wrote {path}")
+    print_table(records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
