@@ -108,3 +108,14 @@ def test_profiles_extend_hypothesis_ci_profile(restore_profile):
     assert settings.get_profile("dev").max_examples < ci.max_examples
     with pytest.raises(ValueError, match="TWELL_HYPOTHESIS_PROFILE"):
         profiles.load_profile("nonsense")
+
+
+def test_as_host_takes_torch_bfloat16_tensors():
+    torch = pytest.importorskip("torch")
+    from twell._arrays import bfloat16
+    from twell.testing.asserts import as_host
+
+    values = torch.tensor([1.0, -2.5, 0.1], dtype=torch.bfloat16)
+    host = as_host(values)
+    assert host.dtype == bfloat16
+    np.testing.assert_array_equal(host.astype(np.float32), values.float().numpy())

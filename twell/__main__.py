@@ -25,7 +25,7 @@ from rich.table import Table
 import twell
 from twell import workloads
 from twell.reference.forward import ffn_dense
-from twell.testing.asserts import relative_error
+from twell.testing.asserts import as_host, relative_error
 
 TOLERANCE = 1e-2  # SPEC.md §5: ‖y − y_ref‖ / ‖y_ref‖
 
@@ -191,7 +191,7 @@ def check(args: argparse.Namespace) -> int:
                                 None if a is None else to_device(a) for a in p.arrays()
                             )
                             y = twell.ffn(x, wg, wu, wd, slots=slots)
-                            y = y.get() if hasattr(y, "get") else np.asarray(y)
+                            y = as_host(y)
                             h = twell.reference.gate(
                                 p.x, p.w_gate if p.gated else p.w_up, slots=slots
                             )
@@ -246,10 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="check the NumPy reference only")
     p.set_defaults(run=check)
-    p = commands.add_parser("bench", help="BENCH.md protocol on the GPU")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p = commands.add_parser(
+        "bench", help="BENCH.md protocol on the GPU (python -m twell bench --help for options)",
+        add_help=False,
+    )  # fmt: skip
     p.set_defaults(run=bench)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest  # the benchmark parses its own options
     return args.run(args)
 
 

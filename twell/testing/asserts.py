@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from twell._arrays import round_bf16
+from twell._arrays import bfloat16, round_bf16
 from twell.formats import Hybrid, TwELL, to_host
 
 __all__ = [
@@ -39,8 +39,15 @@ def as_host(array: Any) -> np.ndarray:
         return array
     module = type(array).__module__.split(".")[0]
     if module == "torch":
-        return array.detach().cpu().numpy()
+        import torch
+
+        array = array.detach().cpu()
+        if array.dtype == torch.bfloat16:  # NumPy has no bf16: go through the bits
+            return array.view(torch.int16).numpy().view(bfloat16)
+        return array.numpy()
     if module == "cupy":
+        if np.dtype(array.dtype) == bfloat16:
+            return array.view(np.uint16).get().view(bfloat16)
         return array.get()
     return np.asarray(array)
 

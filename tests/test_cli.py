@@ -1,0 +1,41 @@
+"""python -m twell: demo, check and bench on this machine (the reference path)."""
+
+from __future__ import annotations
+
+import pytest
+
+import twell.__main__ as cli
+
+
+def test_demo_reports_and_passes_on_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--tokens", "64", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    for text in ("L0 (active units per token)", "heavy rows", "TwELL packed", "overflow", "PASS"):
+        assert text in out
+
+
+def test_check_prints_a_verdict_for_every_case(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--cpu", "--tokens", "5", "--width", "64", "--ffn", "512"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 10 and "FAIL" not in out and "all checks passed" in out
+
+
+def test_bench_hands_its_options_to_the_benchmark(monkeypatch: pytest.MonkeyPatch) -> None:
+    import twell.benchmark
+
+    seen = []
+    monkeypatch.setattr(cli, "gpu_available", lambda: True)
+    monkeypatch.setattr(twell.benchmark, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["bench", "--workloads", "uniform", "--M", "64"]) == 0
+    assert seen == [["--workloads", "uniform", "--M", "64"]]
+
+
+def test_bench_without_a_gpu_says_so(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    assert cli.main(["bench"]) == 2
+    assert "needs a Hopper GPU" in capsys.readouterr().err
+
+
+def test_other_commands_reject_unknown_options() -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--bogus"])
