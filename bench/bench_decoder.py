@@ -17,7 +17,8 @@ no bias, so the gate threshold rides on a constant input dimension:
   ``w_gate[n, 0] = −(mean_t B[t, n] + z_n · std_t B[t, n])`` with ``z_n`` the per-unit
   thresholds of the ``paperlike`` workload (30% dead units, log-normal rates).
 
-The realized L0 of every layer is measured on the benchmark batch and reported.
+Thresholds are calibrated on tokens spread over 8 sequences; the realized L0 of every
+layer and the share of tokens routed dense are measured on 8 held-out sequences.
 
     PYTHONPATH=. python bench/bench_decoder.py            # needs torch, transformers, cupy
     PYTHONPATH=. python bench/bench_decoder.py --layers 4 --batch 8   # a quick look
@@ -69,10 +70,11 @@ def calibrate(model: Any, ids: Any, args: argparse.Namespace) -> None:
         handle = layer.mlp.register_forward_pre_hook(lambda _m, a, into=captured: into.append(a[0]))
         try:
             with torch.inference_mode():
-                base(ids[:, : args.calibration_tokens])
+                base(ids)
         finally:
             handle.remove()
-        x = captured[0].reshape(-1, args.hidden).float()
+        x = captured[0].reshape(-1, args.hidden)
+        x = x[:: max(1, x.shape[0] // args.calibration_tokens)].float()  # spread over the batch
         w = layer.mlp.gate_proj.weight.float()
         # B[t, n] = pre[t, n] / x[t, 0] (x[t, 0] = γ₀ / rms_t > 0 cancels the RMS scale).
         # With w[n, 0] set, pre[t, n] = x[t, 0] · (w[n, 0] + B[t, n]): unit n fires iff
@@ -92,26 +94,30 @@ def calibrate(model: Any, ids: Any, args: argparse.Namespace) -> None:
             layer.mlp.gate_proj.weight[:, 0] = threshold.to(torch.bfloat16)
 
 
-def measure_l0(model: Any, ids: Any, sample: int) -> list[float]:
-    """Active units per token of every layer's MLP on the first ``sample`` tokens."""
+def measure_l0(model: Any, ids: Any) -> tuple[list[float], list[float]]:
+    """Per layer: mean active units per token, and the share of tokens routed dense
+    (more than 3% of N active, or a 256-unit tile over 31: twell's defaults)."""
     import torch
 
-    l0 = []
-    hooks = []
+    l0, dense_share = [], []
 
     def hook(mlp: Any, inputs: tuple) -> None:
-        x = inputs[0].reshape(-1, inputs[0].shape[-1])[:sample]
-        l0.append(float((mlp.gate_proj(x) > 0).sum()) / x.shape[0])
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        active = mlp.gate_proj(x) > 0
+        per_token = active.sum(dim=1)
+        overflow = (active.reshape(x.shape[0], -1, 256).sum(dim=2) > 31).any(dim=1)
+        heavy = (per_token > 0.03 * active.shape[1]) | overflow
+        l0.append(float(per_token.float().mean()))
+        dense_share.append(float(heavy.float().mean()))
 
-    for layer in model.model.layers:
-        hooks.append(layer.mlp.register_forward_pre_hook(hook))
+    hooks = [layer.mlp.register_forward_pre_hook(hook) for layer in model.model.layers]
     try:
         with torch.inference_mode():
-            model.model(ids[:1])
+            model.model(ids)
     finally:
         for h in hooks:
             h.remove()
-    return l0
+    return l0, dense_share
 
 
 def time_forward(model: Any, ids: Any, warmup: int, reps: int) -> tuple[float, Any]:
@@ -185,7 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--calibration-tokens", type=int, default=512)
+    parser.add_argument("--calibration-sequences", type=int, default=8)
+    parser.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=4096,
+        help="tokens sampled across the calibration sequences",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -207,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_model(args)
     ids = torch.randint(0, 49152, (args.batch, args.seq), device=args.device)
-    calibrate(model, ids[:2], args)
+    calibrate(model, ids[: args.calibration_sequences], args)
     if args.diagnose is not None:
         for index in args.diagnose:
             print(json.dumps(diagnose(model, ids, index)), flush=True)
         return 0
-    l0 = measure_l0(model, ids, sample=args.seq)
+    held_out = ids[args.calibration_sequences : 2 * args.calibration_sequences]
+    l0, dense_share = measure_l0(model, held_out)
     t_dense, y_dense = time_forward(model, ids, args.warmup, args.reps)
     y_dense = y_dense[:2].float().cpu().numpy()
     replaced = twell.torch.sparsify(model)
@@ -226,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         "tile": 256, "slots": 32, "mlps_replaced": replaced,
         "t_ms": t_twell, "t_dense_ms": t_dense, "speedup": t_dense / t_twell,
         "rel_err": rel_err, "l0": float(np.mean(l0)), "l0_per_layer": l0,
+        "dense_rows_share_per_layer": dense_share,
         "torch": torch.__version__,
     }  # fmt: skip
-    print(json.dumps({k: v for k, v in record.items() if k != "l0_per_layer"}))
+    print(json.dumps({k: v for k, v in record.items() if not k.endswith("_per_layer")}))
     print(f"L0 per layer: {' '.join(f'{v:.0f}' for v in l0)}")
+    print(f"dense-routed tokens per layer (%): {' '.join(f'{100 * v:.1f}' for v in dense_share)}")
     if args.out is not None:
         records = json.loads(args.out.read_text()) if args.out.exists() else []
         args.out.write_text(json.dumps([*records, record], indent=1))
