@@ -268,32 +268,57 @@ def sparse_rows(
 ) -> None:
     """Light rows of ``y`` by version 1 (sparse_ffn.cu: one unit at a time, no list);
     gated if ``w_up`` is given, else ``y = h @ w_down``. Kept as the simple baseline."""
+    _launch_rows(
+        "sparse_ffn.cu", "twell_sparse_rows", _SPARSE_WARPS, x, packed, heavy, w_up, w_down_t,
+        y, tile=tile, slots=slots, min_blocks=min_blocks,
+    )  # fmt: skip
+
+
+def _launch_rows(
+    source: str,
+    function: str,
+    warps_per_token_block: int,
+    x: Any | None,
+    hidden: Any,
+    heavy: Any,
+    w_up: Any | None,
+    w_down_t: Any,
+    y: Any,
+    *,
+    tile: int,
+    slots: int,
+    min_blocks: int | None = None,
+    units: int | None = None,
+    extra: tuple = (),
+    wide: bool = False,
+) -> None:
+    """Launch one of the light-row kernels, which share their arguments:
+    ``(x, hidden, heavy, w_up, w_down_t, y, M, N, *extra)`` with ``x``/``w_up`` null for the
+    non-gated block; one block of ``warps_per_token_block`` warps per that many tokens, or
+    (``wide``) one 8-warp block per token."""
     m, k = y.shape
     n = w_down_t.shape[0]
     if m == 0:
         return
     gated = w_up is not None
-    params = _row_params(k, tile, slots, gated, min_blocks, None)
-    null = np.uint64(0)
-    kernel("sparse_ffn.cu", "twell_sparse_rows", params)(
-        (math.ceil(m / _SPARSE_WARPS),), (_SPARSE_WARPS * 32,),
-        (
-            _u16(x) if gated else null, packed, heavy,
-            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
-            np.int32(m), np.int32(n),
-        ),
-    )  # fmt: skip
-
-
-def _row_params(
-    k: int, tile: int, slots: int, gated: bool, min_blocks: int | None, units: int | None
-) -> dict:
     params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
     if min_blocks is not None:
         params["MIN_BLOCKS"] = min_blocks
     if units is not None:
         params["UNITS"] = units
-    return params
+    null = np.uint64(0)
+    if wide:
+        grid, block = (m,), (256,)
+    else:
+        grid, block = (math.ceil(m / warps_per_token_block),), (warps_per_token_block * 32,)
+    kernel(source, function, params)(
+        grid, block,
+        (
+            _u16(x) if gated else null, hidden, heavy,
+            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
+            np.int32(m), np.int32(n), *extra,
+        ),
+    )  # fmt: skip
 
 
 def fused_rows(
@@ -313,23 +338,12 @@ def fused_rows(
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
     ``heavy[m]`` (1: row left to the dense path) for every row. Gated if ``w_up`` given.
     Rows with more than ``max_row_nnz`` active units are routed to the dense path."""
-    m, k = y.shape
-    n = w_down_t.shape[0]
-    if m == 0:
-        return
-    gated = w_up is not None
-    null = np.uint64(0)
-    params = _row_params(k, tile, slots, gated, min_blocks, units)
     # Few tokens (decode): a block of 8 warps per token splits its units, else one warp.
-    wide = m <= WIDE_ROWS_BELOW
-    name = "twell_fused_rows_wide" if wide else "twell_fused_rows"
-    kernel("sparse_rows.cu", name, params)(
-        (m,) if wide else (math.ceil(m / _ROW_WARPS),), (256 if wide else _ROW_WARPS * 32,),
-        (
-            _u16(x) if gated else null, _u16(pre), heavy,
-            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
-            np.int32(m), np.int32(n), np.int32(max_row_nnz),
-        ),
+    wide = y.shape[0] <= WIDE_ROWS_BELOW
+    _launch_rows(
+        "sparse_rows.cu", "twell_fused_rows_wide" if wide else "twell_fused_rows", _ROW_WARPS,
+        x, _u16(pre), heavy, w_up, w_down_t, y, tile=tile, slots=slots,
+        min_blocks=min_blocks, units=units, extra=(np.int32(max_row_nnz),), wide=wide,
     )  # fmt: skip
 
 
@@ -347,20 +361,9 @@ def twell_rows(
     units: int | None = None,
 ) -> None:
     """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped)."""
-    m, k = y.shape
-    n = w_down_t.shape[0]
-    if m == 0:
-        return
-    gated = w_up is not None
-    null = np.uint64(0)
-    params = _row_params(k, tile, slots, gated, min_blocks, units)
-    kernel("sparse_rows.cu", "twell_twell_rows", params)(
-        (math.ceil(m / _ROW_WARPS),), (_ROW_WARPS * 32,),
-        (
-            _u16(x) if gated else null, packed, heavy,
-            _u16(w_up) if gated else null, _u16(w_down_t), _u16(y),
-            np.int32(m), np.int32(n),
-        ),
+    _launch_rows(
+        "sparse_rows.cu", "twell_twell_rows", _ROW_WARPS, x, packed, heavy, w_up, w_down_t, y,
+        tile=tile, slots=slots, min_blocks=min_blocks, units=units,
     )  # fmt: skip
 
 
