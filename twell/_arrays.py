@@ -47,10 +47,25 @@ def xp_of(array: Any) -> ModuleType:
 
 
 def to_numpy(array: Any) -> np.ndarray:
-    """Copy a NumPy/CuPy array to host memory (NumPy arrays pass through)."""
+    """A NumPy copy of a CuPy array or a torch tensor (any device); NumPy passes through.
+
+    bfloat16 travels as its bits, so it arrives as the ml_dtypes ``bfloat16`` dtype.
+    """
     if isinstance(array, np.ndarray):
         return array
-    return array.get()
+    module = type(array).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        array = array.detach().cpu()
+        if array.dtype == torch.bfloat16:  # torch cannot hand bf16 to NumPy directly
+            return array.view(torch.int16).numpy().view(bfloat16)
+        return array.numpy()
+    if module == "cupy":
+        if np.dtype(array.dtype) == bfloat16:
+            return array.view(np.uint16).get().view(bfloat16)
+        return array.get()
+    return np.asarray(array)
 
 
 def bf16_bits(values: Any) -> Any:

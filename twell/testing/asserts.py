@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from twell._arrays import bfloat16, round_bf16
+from twell._arrays import round_bf16, to_numpy
 from twell.formats import Hybrid, TwELL, to_host
 
 __all__ = [
@@ -33,23 +33,8 @@ __all__ = [
 ]
 
 
-def as_host(array: Any) -> np.ndarray:
-    """A NumPy view or copy of a NumPy/CuPy array or a PyTorch tensor (any device)."""
-    if isinstance(array, np.ndarray):
-        return array
-    module = type(array).__module__.split(".")[0]
-    if module == "torch":
-        import torch
-
-        array = array.detach().cpu()
-        if array.dtype == torch.bfloat16:  # NumPy has no bf16: go through the bits
-            return array.view(torch.int16).numpy().view(bfloat16)
-        return array.numpy()
-    if module == "cupy":
-        if np.dtype(array.dtype) == bfloat16:
-            return array.view(np.uint16).get().view(bfloat16)
-        return array.get()
-    return np.asarray(array)
+#: A NumPy view or copy of a NumPy/CuPy array or a PyTorch tensor (any device).
+as_host = to_numpy
 
 
 def matrix_entries(matrix: Any) -> tuple[tuple[int, int], dict[tuple[int, int], float]]:
