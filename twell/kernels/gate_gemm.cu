@@ -1,0 +1,334 @@
+// gate_gemm.cu — the gate GEMM with relu and TwELL packing in its epilogue (Hopper:
+// TMA loads, wgmma on tensor cores, warp specialisation).
+//
+//   pre[m, n] = bf16(sum_k x[m, k] * w[n, k])          (fp32 accumulation)
+//   packed    = TwELL of relu(pre) (SPEC.md §2), heavy[m] = 1 for a row with a tile over
+//               SLOTS-1 nonzeros or a non-finite pre-activation (never cleared: the
+//               caller zeroes heavy first, every CTA touching the row may set it)
+//
+// The dense pre-activation never reaches global memory (mode 0). Mode 1 writes it instead
+// of packing (bf16 [M, N], no relu): the same GEMM, for tests and for timing the GEMM alone.
+//
+// Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
+// (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0 is the producer:
+// one thread issues TMA loads of x [128 x 64] and w [256 x 64] (128-byte swizzle) into a
+// STAGES-deep ring guarded by mbarriers. Warpgroups 1 and 2 are consumers: each owns 64
+// rows of the tile and runs wgmma.m64n256k16 over the ring (fp32 accumulators in
+// registers, 128 per thread), releasing a stage once the wgmma reading it has retired.
+// Epilogue: both consumers round their accumulators to bf16 into a padded shared tile,
+// then each of their 8 warps packs 16 rows like pack.cu (lane = 8 consecutive columns,
+// segmented prefix sum per TwELL tile, words staged in shared memory and stored
+// coalesced, entries in ascending column order, unused words 0). Meanwhile the producer
+// already loads the next tile's first stages.
+//
+// Limits: K % 8 == 0 (TMA row pitch), N % TWELL_TILE == 0, TWELL_TILE divides 256,
+// TWELL_SLOTS <= TWELL_TILE; x and w 16-byte aligned. Rows and columns past M, N and K
+// come in as zeros (TMA out-of-bounds fill) and are never stored.
+//
+// Compile-time parameters: TWELL_TILE, TWELL_SLOTS.
+
+#include <cuda_bf16.h>
+// NVRTC has no <stdint.h>; these match its definitions (redeclaring is allowed).
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+#define BM 128
+#define BN 256
+#define BK 64
+#define STAGES 3
+#define CONSUMERS 2
+#define THREADS (128 * (CONSUMERS + 1))
+#define A_BYTES (BM * BK * 2)
+#define B_BYTES (BN * BK * 2)
+#define STAGE_BYTES (A_BYTES + B_BYTES)
+#define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
+#define EPI_BYTES (BM * EPI_PITCH)
+#define WORDS_PER_WARP 256       // (256 / TILE) * SLOTS <= 256
+#define STAGING_BYTES (CONSUMERS * 4 * WORDS_PER_WARP * 4)
+#define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES + STAGING_BYTES)
+// Dynamic shared memory the launcher must ask for (1024 bytes of slack for alignment).
+#define SMEM_BYTES (BARRIER_OFFSET + 2 * STAGES * 8 + 1024)
+#define LANES_PER_TILE (TWELL_TILE / 8)
+
+struct __align__(64) TmaDesc { unsigned long long v[16]; };
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load(uint32_t dst, const TmaDesc* map, int c0, int c1,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor: K-major tile with rows of 128 bytes, 128-byte swizzle,
+// 8-row groups 1024 bytes apart (the layout TMA writes with SWIZZLE_128B).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  uint64_t desc = (uint64_t)((addr & 0x3FFFFu) >> 4);
+  desc |= (uint64_t)1 << 16;            // leading byte offset 16 B (unused for this layout)
+  desc |= (uint64_t)(1024 >> 4) << 32;  // stride byte offset: 8 rows x 128 B
+  desc |= (uint64_t)1 << 62;            // 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void consumer_sync() {  // the 256 consumer threads only
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 128) : "memory");
+}
+
+__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[0..127] += A (64 x 16, K-major, smem) * B (256 x 16, K-major, smem)^T, fp32 accumulate.
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
+                                                 uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), nearest even
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// relu(h) != 0 for a bf16 bit pattern: positive nonzero, or NaN of either sign.
+__device__ __forceinline__ bool relu_nonzero(uint32_t b) {
+  const uint32_t mag = b & 0x7fffu;
+  return mag > 0x7f80u || (mag != 0u && !(b & 0x8000u));
+}
+
+__device__ __forceinline__ bool non_finite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
+
+// One row of the bf16 tile in shared memory -> its TwELL words (the CTA's 256 columns,
+// 256/TILE TwELL tiles) and its heavy flag. Executed by a whole warp.
+__device__ __forceinline__ void pack_row(const uint8_t* row_smem, uint32_t* words_smem,
+                                         uint32_t* __restrict__ dst, int words, int col0,
+                                         int lane, uint8_t* heavy_flag) {
+  const uint4 q = *reinterpret_cast<const uint4*>(row_smem + lane * 16);
+  const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
+  uint32_t v[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = raw[i] & 0xffffu;
+    v[2 * i + 1] = raw[i] >> 16;
+  }
+  uint32_t mask = 0;
+  bool bad = false;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    mask |= (relu_nonzero(v[e]) ? 1u : 0u) << e;
+    bad |= non_finite(v[e]);
+  }
+  const int mine = __popc(mask);
+  const int seg_lane = lane & (LANES_PER_TILE - 1);
+  int incl = mine;
+#pragma unroll
+  for (int d = 1; d < LANES_PER_TILE; d <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, d);
+    if (seg_lane >= d) incl += t;
+  }
+  const int total = __shfl_sync(0xffffffffu, incl, lane | (LANES_PER_TILE - 1));
+  const bool over = total > TWELL_SLOTS - 1;
+  const bool is_heavy = __any_sync(0xffffffffu, over || bad);
+  for (int w = lane; w < WORDS_PER_WARP; w += 32) words_smem[w] = 0u;
+  __syncwarp();
+  const int base = (lane / LANES_PER_TILE) * TWELL_SLOTS;
+  if (!over) {
+    int slot = base + 1 + incl - mine;
+    const uint32_t col = (uint32_t)(col0 + lane * 8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (mask & (1u << e)) words_smem[slot++] = (col + e) | (v[e] << 16);
+  }
+  if (seg_lane == 0) words_smem[base] = (uint32_t)total;
+  __syncwarp();
+  for (int w = lane; w < words; w += 32) dst[w] = words_smem[w];
+  if (is_heavy && lane == 0) *heavy_flag = 1;
+  __syncwarp();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 128
+                const __grid_constant__ TmaDesc map_w,  // w [N, K], box 64 x 256
+                uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (mode 0)
+                uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (mode 0)
+                uint16_t* __restrict__ pre,             // [M, N] bf16 (mode 1)
+                int M, int N, int K, int mode) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
+  const uint32_t sbase = smem_addr(smem);
+  uint8_t* epi = smem + STAGES * STAGE_BYTES;
+  uint32_t* staging = reinterpret_cast<uint32_t*>(epi + EPI_BYTES);
+  const uint32_t full_bar = sbase + BARRIER_OFFSET;  // STAGES barriers, 8 bytes each
+  const uint32_t empty_bar = full_bar + STAGES * 8;
+
+  const int tiles_n = (N + BN - 1) / BN;
+  const int tiles = ((M + BM - 1) / BM) * tiles_n;
+  const int kblocks = (K + BK - 1) / BK;
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (tid == 0) {
+      int it = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+        for (int kb = 0; kb < kblocks; ++kb, ++it) {
+          const int s = it % STAGES;
+          if (it >= STAGES) mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
+          const uint32_t a = sbase + s * STAGE_BYTES;
+          mbar_expect_tx(full_bar + 8 * s, STAGE_BYTES);
+          tma_load(a, &map_x, kb * BK, m0, full_bar + 8 * s);
+          tma_load(a + A_BYTES, &map_w, kb * BK, n0, full_bar + 8 * s);
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
+  const int warp = tid / 32, lane = tid % 32;
+  const int cw = c * 4 + warp;  // consumer warp 0..7: packs rows [16cw, 16cw + 16)
+  int it = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    fence_accumulators(d);
+    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+      const int s = it % STAGES;
+      mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+      const uint32_t a = sbase + s * STAGE_BYTES + c * (64 * 128);
+      const uint32_t b = sbase + s * STAGE_BYTES + A_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BK / 16; ++k) wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
+      if (kb > 0 && tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    fence_accumulators(d);
+    if (tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+
+    // Epilogue 1: accumulators -> bf16 tile in shared memory (rows of EPI_PITCH bytes).
+    consumer_sync();  // the previous tile's packing has finished reading the tile
+    {
+      const int r = c * 64 + warp * 16 + lane / 4;
+      uint8_t* p0 = epi + r * EPI_PITCH + (lane % 4) * 4;
+      uint8_t* p1 = p0 + 8 * EPI_PITCH;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(p0 + j * 16) = pack_bf16x2(d[4 * j], d[4 * j + 1]);
+        *reinterpret_cast<uint32_t*>(p1 + j * 16) = pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+      }
+    }
+    consumer_sync();
+
+    // Epilogue 2: each consumer warp packs (or, mode 1, stores) 16 rows.
+    const int cols = min(BN, N - n0);
+    if (mode == 0) {
+      const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
+      const int words = cols / TWELL_TILE * TWELL_SLOTS;
+      uint32_t* my_words = staging + cw * WORDS_PER_WARP;
+      for (int rr = 0; rr < 16; ++rr) {
+        const int r = cw * 16 + rr;
+        const long long m = (long long)m0 + r;
+        if (m >= M) break;
+        pack_row(epi + r * EPI_PITCH, my_words,
+                 packed + m * row_words + (long long)(n0 / TWELL_TILE) * TWELL_SLOTS, words, n0,
+                 lane, heavy + m);
+      }
+    } else {
+      for (int rr = 0; rr < 16; ++rr) {
+        const int r = cw * 16 + rr;
+        const long long m = (long long)m0 + r;
+        if (m >= M) break;
+        if (lane * 8 < cols)
+          *reinterpret_cast<uint4*>(pre + m * N + n0 + lane * 8) =
+              *reinterpret_cast<const uint4*>(epi + r * EPI_PITCH + lane * 16);
+      }
+    }
+  }
+}

@@ -1,0 +1,117 @@
+"""The gate GEMM with relu and TwELL packing in its epilogue (``gate_gemm.cu``).
+
+``relu(x @ w.T)`` goes from tensor cores straight into TwELL words: the dense
+pre-activation never reaches global memory. The kernel reads ``x`` and ``w`` through TMA
+tensor maps (the driver's ``cuTensorMapEncodeTiled``, called through ctypes on the
+``libcuda`` CuPy already uses); a map is 128 bytes passed by value to the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from twell.kernels.compile import device_info, kernel
+
+#: Output tile of one CTA (gate_gemm.cu's BM x BN) and its k step.
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+_STAGES, _CONSUMERS = 3, 2  # must match gate_gemm.cu
+#: Dynamic shared memory of the kernel (gate_gemm.cu's SMEM_BYTES).
+SMEM_BYTES = (
+    _STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2  # TMA ring
+    + BLOCK_M * (BLOCK_N * 2 + 16)  # bf16 tile of the epilogue
+    + _CONSUMERS * 4 * 256 * 4  # staged TwELL words, one row per warp
+    + 2 * _STAGES * 8  # mbarriers
+    + 1024  # alignment slack
+)
+_THREADS = 128 * (_CONSUMERS + 1)
+
+# CUtensorMap enums (cuda.h)
+_BFLOAT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
+
+
+@functools.cache
+def _encode_tiled() -> Any:
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        raise RuntimeError(
+            f"the CUDA driver library (libcuda.so.1) is not loadable: {error}"
+        ) from error
+    fn = libcuda.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    return fn
+
+
+def tensor_map(matrix: Any, box_rows: int) -> np.ndarray:
+    """A TMA map of a bf16 row-major ``[rows, K]`` CuPy matrix, boxes of ``box_rows`` x 64
+    elements with the 128-byte swizzle, zeros outside; as a 1-element ``V128`` array (the
+    kernel argument, passed by value)."""
+    rows, k = matrix.shape
+    if k % 8 or matrix.data.ptr % 16 or not matrix.flags.c_contiguous:
+        raise ValueError("tensor_map: need a C-contiguous, 16-byte aligned matrix with K % 8 == 0")
+    raw = ctypes.create_string_buffer(128 + 64)  # CUtensorMap: 128 bytes, 64-byte aligned
+    address = (ctypes.addressof(raw) + 63) // 64 * 64
+    dims = (ctypes.c_uint64 * 2)(k, rows)
+    strides = (ctypes.c_uint64 * 1)(k * 2)
+    box = (ctypes.c_uint32 * 2)(BLOCK_K, box_rows)
+    ones = (ctypes.c_uint32 * 2)(1, 1)
+    status = _encode_tiled()(
+        address, _BFLOAT16, 2, matrix.data.ptr, dims, strides, box, ones,
+        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO,
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for {matrix.shape}")
+    return np.frombuffer(ctypes.string_at(address, 128), dtype=np.dtype("V128"))
+
+
+def launch(
+    x: Any,
+    w: Any,
+    *,
+    tile: int,
+    slots: int,
+    packed: Any | None = None,
+    heavy: Any | None = None,
+    pre: Any | None = None,
+    w_map: np.ndarray | None = None,
+) -> None:
+    """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
+
+    With ``packed`` (uint32 ``[M, N/tile*slots]``) and ``heavy`` (uint8 ``[M]``, zeroed by
+    the caller): relu + TwELL packing (mode 0). With ``pre`` (bf16 ``[M, N]``): the plain
+    bf16 GEMM (mode 1). ``w_map`` reuses a :func:`tensor_map` of ``w`` (box 256 rows).
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    if m == 0 or n == 0:
+        return
+    mode = 0 if pre is None else 1
+    if mode == 0 and (packed is None or heavy is None):
+        raise ValueError("launch: give packed and heavy (mode 0), or pre (mode 1)")
+    tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
+    grid = (max(1, min(tiles, device_info().multiprocessors)),)
+    fn = kernel("gate_gemm.cu", "twell_gate_gemm", {"TILE": tile, "SLOTS": slots})
+    if fn.max_dynamic_shared_size_bytes < SMEM_BYTES:
+        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    null = np.uint64(0)
+    fn(
+        grid, (_THREADS,),
+        (
+            tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N) if w_map is None else w_map,
+            packed if mode == 0 else null, heavy if mode == 0 else null,
+            pre.view(np.uint16) if mode == 1 else null,
+            np.int32(m), np.int32(n), np.int32(k), np.int32(mode),
+        ),
+        shared_mem=SMEM_BYTES,
+    )  # fmt: skip
