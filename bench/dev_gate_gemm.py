@@ -95,6 +95,7 @@ def main():
         packed = cp.empty((m, n // 256 * 32), dtype=cp.uint32)
         heavy = cp.zeros((m,), dtype=cp.uint8)
         maps = [gate_gemm.tensor_map(w, 256) for w in ws]
+        xmap = gate_gemm.tensor_map(x, 128)
         flops = 2.0 * m * n * k
         state = {"i": 0}
 
@@ -107,6 +108,29 @@ def main():
             "wgmma_dense": time_ms(
                 lambda: gate_gemm.launch(x, ws[rot()], tile=256, slots=32, pre=pre)
             ),
+            "wgmma_main_loop": time_ms(
+                lambda: gate_gemm.launch(
+                    x,
+                    ws[i := rot()],
+                    tile=256,
+                    slots=32,
+                    w_map=maps[i],
+                    x_map=xmap,
+                    main_loop_only=True,
+                )
+            ),  # fmt: skip
+            "wgmma_pack_maps_cached": time_ms(
+                lambda: gate_gemm.launch(
+                    x,
+                    ws[i := rot()],
+                    tile=256,
+                    slots=32,
+                    packed=packed,
+                    heavy=heavy,
+                    w_map=maps[i],
+                    x_map=xmap,
+                )
+            ),  # fmt: skip
             "wgmma_pack": time_ms(
                 lambda: gate_gemm.launch(
                     x,

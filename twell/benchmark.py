@@ -228,6 +228,9 @@ def bench_config(
             1,
         )  # fmt: skip
         record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
+        record["t_gate_epilogue_ms"] = time_ms(
+            lambda i: ffn_gpu.gate_pack(xs[0], w_first, tile, slots), 1
+        )
         record["t_gemm_torchpath_ms"] = time_ms(
             lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre, via="torch"), 1
         )
@@ -356,12 +359,12 @@ def write_records(records: list[dict[str, Any]], directory: str) -> str:
 
 def print_table(records: list[dict[str, Any]]) -> None:
     head = (
-        f"{'op':<22}{'workload':<12}{'path':<6}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
+        f"{'op':<22}{'workload':<12}{'path':<9}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
     )
     print(head + f"{'speedup':>8}{'floor':>7}{'rel_err':>9}{'L0':>7}{'heavy':>7}{'graph x':>8}")
     for r in records:
         print(
-            f"{r['op']:<22}{r['workload']:<12}{r.get('path', ''):<6}{r['M']:>7}{r['slots']:>4}"
+            f"{r['op']:<22}{r['workload']:<12}{r.get('path', ''):<9}{r['M']:>7}{r['slots']:>4}"
             f"{r['t_ms']:>8.3f}"
             f"{r['t_dense_ms']:>8.3f}{r['t_gate_gemm_ms']:>8.3f}{r['speedup']:>8.2f}"
             f"{r['floor_ratio']:>7.2f}{r['rel_err']:>9.1e}{r['l0']:>7.1f}{r['heavy_rows']:>7}"
@@ -370,6 +373,8 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from twell.kernels.ffn_gpu import PATHS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["uniform"])
     parser.add_argument("--M", nargs="+", type=int, default=[16384])
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join("bench", "results"))
     parser.add_argument("--max-row-nnz", type=int, default=None)
     parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
-    parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "pack"])
+    parser.add_argument("--paths", nargs="+", default=["fused"], choices=list(PATHS))
     args = parser.parse_args(argv)
     records = []
     for workload in args.workloads:

@@ -28,7 +28,12 @@ from typing import Any
 
 #: Every kernel source of the package (file names under ``twell/kernels``).
 SOURCES = (
-    "pack.cu", "sparse_ffn.cu", "sparse_rows.cu", "dense_rows.cu", "convert.cu", "gate_gemm.cu",
+    "pack.cu",
+    "sparse_ffn.cu",
+    "sparse_rows.cu",
+    "dense_rows.cu",
+    "convert.cu",
+    "gate_gemm.cu",
 )
 
 #: Architecture the kernels are built for (wgmma/setmaxnreg need the ``a`` variant).

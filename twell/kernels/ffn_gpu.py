@@ -55,6 +55,8 @@ _SPARSE_WARPS = 4  # must match sparse_ffn.cu
 _ROW_WARPS = 1  # must match sparse_rows.cu
 #: Up to this many tokens, the fused kernel gives each token 8 warps (decode-sized M).
 WIDE_ROWS_BELOW = 1024
+#: The pipelines of :class:`SparseFFN` (``path=``).
+PATHS = ("fused", "epilogue", "pack")
 
 
 def _cupy() -> Any:
@@ -223,6 +225,26 @@ def pack(pre: Any, tile: int, slots: int) -> tuple[Any, Any]:
             (math.ceil(m / _PACK_WARPS),), (_PACK_WARPS * 32,),
             (_u16(pre), packed, heavy, np.int32(m), np.int32(n)),
         )  # fmt: skip
+    return packed, heavy
+
+
+def gate_pack(
+    x: Any, w: Any, tile: int, slots: int, *, w_map: Any | None = None
+) -> tuple[Any, Any]:
+    """``relu(x @ w.T)`` straight into TwELL by gate_gemm.cu (packing in the GEMM's
+    epilogue; the pre-activation never reaches global memory).
+
+    Returns:
+        ``(packed uint32 [M, N/tile*slots], heavy uint8 [M])`` as :func:`pack` does.
+    """
+    from twell.kernels import gate_gemm
+
+    cp = _cupy()
+    m, n = x.shape[0], w.shape[0]
+    packed = _alloc((m, n // tile * slots), cp.uint32)
+    heavy = _alloc((m,), cp.uint8)
+    heavy.fill(0)
+    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy, w_map=w_map)
     return packed, heavy
 
 
@@ -536,9 +558,10 @@ class SparseFFN:
         w_gate: ``[N, K]`` or None (non-gated block ``relu(x @ w_up.T) @ w_down.T``).
         w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout), CuPy arrays.
         tile, slots: TwELL geometry of the hidden activation.
-        path: ``"fused"`` (default: the sparse kernel reads the pre-activation directly)
-            or ``"pack"`` (pack.cu writes TwELL, ``twell_twell_rows`` reads it), for
-            comparisons.
+        path: ``"fused"`` (default: the sparse kernel reads the pre-activation directly),
+            ``"epilogue"`` (gate_gemm.cu packs TwELL in the gate GEMM's epilogue, then
+            ``twell_twell_rows`` reads it) or ``"pack"`` (cuBLAS GEMM, pack.cu, then
+            ``twell_twell_rows``), for comparisons.
         max_row_nnz: tokens with more active units take the dense path (fused path only;
             default :func:`default_max_row_nnz`). Any value gives the same result.
     """
@@ -554,8 +577,8 @@ class SparseFFN:
         path: str = "fused",
         max_row_nnz: int | None = None,
     ) -> None:
-        if path not in ("fused", "pack"):
-            raise ValueError(f"path: expected 'fused' or 'pack', got {path!r}")
+        if path not in PATHS:
+            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
         self.path = path
         self.w_gate = None if w_gate is None else as_bf16(w_gate)
         self.w_up = as_bf16(w_up)
@@ -576,6 +599,7 @@ class SparseFFN:
             raise ValueError(f"max_row_nnz: expected an int in [0, 1024], got {max_row_nnz}")
         self.max_row_nnz = int(max_row_nnz)
         self.w_down_t = transpose(self.w_down)
+        self._w_map = None  # TMA map of the first projection's weight (path "epilogue")
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     def __call__(self, x: Any) -> Any:
@@ -608,7 +632,26 @@ def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
     if m == 0:
         return y
     gated = prepared.w_gate is not None
-    pre = gemm_nt(xb, prepared.w_gate if gated else prepared.w_up)
+    w_first = prepared.w_gate if gated else prepared.w_up
+    if prepared.path == "epilogue":
+        from twell.kernels import gate_gemm
+
+        if prepared._w_map is None:
+            prepared._w_map = gate_gemm.tensor_map(w_first, gate_gemm.BLOCK_N)
+        packed, heavy = gate_pack(xb, w_first, prepared.tile, prepared.slots,
+                                  w_map=prepared._w_map)  # fmt: skip
+        twell_rows(
+            xb if gated else None, packed, heavy, prepared.w_up if gated else None,
+            prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
+        )  # fmt: skip
+        ids, count = compact_rows(heavy)
+        # The heavy rows' pre-activations, recomputed on tensor cores into their rows of
+        # an [M, N] buffer (nothing else of it is written or read).
+        pre = _empty_bf16((m, prepared.w_up.shape[0]))
+        scratch += [packed, pre]
+        scratch.append(dense_rows(xb, w_first, pre, ids, count, m, a_by_id=True, out_by_id=True))
+        return _heavy_rows(xb, prepared, pre, heavy, ids, count, y, scratch)
+    pre = gemm_nt(xb, w_first)
     scratch.append(pre)
     if prepared.path == "pack":
         packed, heavy = pack(pre, prepared.tile, prepared.slots)
@@ -625,6 +668,23 @@ def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
             max_row_nnz=prepared.max_row_nnz,
         )  # fmt: skip
     ids, count = compact_rows(heavy)
+    return _heavy_rows(xb, prepared, pre, heavy, ids, count, y, scratch)
+
+
+def _heavy_rows(
+    xb: Any,
+    prepared: SparseFFN,
+    pre: Any,
+    heavy: Any,
+    ids: Any,
+    count: Any,
+    y: Any,
+    scratch: list[Any],
+) -> Any:
+    """Dense math for the heavy rows ``ids[:count]``, whose pre-activations are the same
+    rows of ``pre``; writes their rows of ``y`` and returns ``y``."""
+    m = xb.shape[0]
+    gated = prepared.w_gate is not None
     scratch += [heavy, ids, count]
     if gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.

@@ -15,10 +15,11 @@
 // STAGES-deep ring guarded by mbarriers. Warpgroups 1 and 2 are consumers: each owns 64
 // rows of the tile and runs wgmma.m64n256k16 over the ring (fp32 accumulators in
 // registers, 128 per thread), releasing a stage once the wgmma reading it has retired.
-// Epilogue: both consumers round their accumulators to bf16 into a padded shared tile,
-// then each of their 8 warps packs 16 rows like pack.cu (lane = 8 consecutive columns,
-// segmented prefix sum per TwELL tile, words staged in shared memory and stored
-// coalesced, entries in ascending column order, unused words 0). Meanwhile the producer
+// Epilogue, straight from the accumulator registers: a row of the tile lives in a quad of
+// lanes (columns 8j + 2q + {0, 1} in lane q), so the quad rounds its values to bf16,
+// swaps 64-bit nonzero masks and writes the row's TwELL words itself: the count, each
+// entry at its rank among the row-tile's nonzeros (ascending columns, as pack.cu), and
+// zeros in the unused words so the output bits are deterministic. Meanwhile the producer
 // already loads the next tile's first stages.
 //
 // Limits: K % 8 == 0 (TMA row pitch), N % TWELL_TILE == 0, TWELL_TILE divides 256,
@@ -37,20 +38,15 @@ typedef unsigned long long uint64_t;
 #define BM 128
 #define BN 256
 #define BK 64
-#define STAGES 3
+#define STAGES 4
 #define CONSUMERS 2
 #define THREADS (128 * (CONSUMERS + 1))
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
-#define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
-#define EPI_BYTES (BM * EPI_PITCH)
-#define WORDS_PER_WARP 256       // (256 / TILE) * SLOTS <= 256
-#define STAGING_BYTES (CONSUMERS * 4 * WORDS_PER_WARP * 4)
-#define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES + STAGING_BYTES)
+#define BARRIER_OFFSET (STAGES * STAGE_BYTES)
 // Dynamic shared memory the launcher must ask for (1024 bytes of slack for alignment).
 #define SMEM_BYTES (BARRIER_OFFSET + 2 * STAGES * 8 + 1024)
-#define LANES_PER_TILE (TWELL_TILE / 8)
 
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
 
@@ -111,10 +107,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void consumer_sync() {  // the 256 consumer threads only
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 128) : "memory");
-}
-
 __device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
@@ -160,59 +152,76 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 
 // relu(h) != 0 for a bf16 bit pattern: positive nonzero, or NaN of either sign.
-__device__ __forceinline__ bool relu_nonzero(uint32_t b) {
+__device__ __forceinline__ uint32_t relu_nonzero(uint32_t b) {
   const uint32_t mag = b & 0x7fffu;
-  return mag > 0x7f80u || (mag != 0u && !(b & 0x8000u));
+  return (mag > 0x7f80u || (mag != 0u && !(b & 0x8000u))) ? 1u : 0u;
 }
 
 __device__ __forceinline__ bool non_finite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
 
-// One row of the bf16 tile in shared memory -> its TwELL words (the CTA's 256 columns,
-// 256/TILE TwELL tiles) and its heavy flag. Executed by a whole warp.
-__device__ __forceinline__ void pack_row(const uint8_t* row_smem, uint32_t* words_smem,
-                                         uint32_t* __restrict__ dst, int words, int col0,
-                                         int lane, uint8_t* heavy_flag) {
-  const uint4 q = *reinterpret_cast<const uint4*>(row_smem + lane * 16);
-  const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
-  uint32_t v[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = raw[i] & 0xffffu;
-    v[2 * i + 1] = raw[i] >> 16;
-  }
-  uint32_t mask = 0;
+// Epilogue for one row of the tile, held by a quad of lanes: lane q of the quad holds the
+// bf16 pairs w[j] = columns (8j + 2q, 8j + 2q + 1), j < 32. Writes the row's TwELL words
+// for the CTA's 256 columns (256/TILE TwELL tiles): count, entries in ascending column
+// order, unused words 0 (the bits are deterministic); sets heavy[m] when needed.
+__device__ __forceinline__ void pack_row(const uint32_t (&w)[32], int q, bool row_ok,
+                                         uint32_t* __restrict__ dst, int tiles_here,
+                                         int col0, uint8_t* heavy_flag) {
+  unsigned long long mine = 0;  // bit 2j + b: column 8j + 2q + b is nonzero after relu
   bool bad = false;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    mask |= (relu_nonzero(v[e]) ? 1u : 0u) << e;
-    bad |= non_finite(v[e]);
+  for (int j = 0; j < 32; ++j) {
+    const uint32_t lo = w[j] & 0xffffu, hi = w[j] >> 16;
+    mine |= (unsigned long long)(relu_nonzero(lo) | (relu_nonzero(hi) << 1)) << (2 * j);
+    bad |= non_finite(lo) | non_finite(hi);
   }
-  const int mine = __popc(mask);
-  const int seg_lane = lane & (LANES_PER_TILE - 1);
-  int incl = mine;
+  const int lane = threadIdx.x & 31, quad0 = lane & ~3;
+  unsigned long long masks[4];
 #pragma unroll
-  for (int d = 1; d < LANES_PER_TILE; d <<= 1) {
-    const int t = __shfl_up_sync(0xffffffffu, incl, d);
-    if (seg_lane >= d) incl += t;
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t lo = __shfl_sync(0xffffffffu, (uint32_t)mine, quad0 + p);
+    const uint32_t hi = __shfl_sync(0xffffffffu, (uint32_t)(mine >> 32), quad0 + p);
+    masks[p] = ((unsigned long long)hi << 32) | lo;
   }
-  const int total = __shfl_sync(0xffffffffu, incl, lane | (LANES_PER_TILE - 1));
-  const bool over = total > TWELL_SLOTS - 1;
-  const bool is_heavy = __any_sync(0xffffffffu, over || bad);
-  for (int w = lane; w < WORDS_PER_WARP; w += 32) words_smem[w] = 0u;
-  __syncwarp();
-  const int base = (lane / LANES_PER_TILE) * TWELL_SLOTS;
-  if (!over) {
-    int slot = base + 1 + incl - mine;
-    const uint32_t col = (uint32_t)(col0 + lane * 8);
+  bad |= __shfl_xor_sync(0xffffffffu, bad ? 1 : 0, 1) != 0;
+  bad |= __shfl_xor_sync(0xffffffffu, bad ? 1 : 0, 2) != 0;
+  constexpr int TPC = 256 / TWELL_TILE;  // TwELL tiles in the CTA's columns
+  constexpr int CHUNKS = TWELL_TILE / 8;  // 8-column chunks per TwELL tile
+  bool over_any = false;
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (mask & (1u << e)) words_smem[slot++] = (col + e) | (v[e] << 16);
+  for (int t = 0; t < TPC; ++t) {
+    const unsigned long long tile_bits =
+        (CHUNKS == 32 ? ~0ull : ((1ull << (2 * CHUNKS)) - 1ull)) << (2 * CHUNKS * t);
+    const int count = __popcll(masks[0] & tile_bits) + __popcll(masks[1] & tile_bits) +
+                      __popcll(masks[2] & tile_bits) + __popcll(masks[3] & tile_bits);
+    const bool over = count > TWELL_SLOTS - 1;
+    over_any |= over;
+    if (!row_ok || t >= tiles_here) continue;
+    uint32_t* out = dst + t * TWELL_SLOTS;
+    if (q == 0) out[0] = (uint32_t)count;
+    const int first_zero = over ? 1 : count + 1;
+#pragma unroll
+    for (int p = 4; p < TWELL_SLOTS + 4; p += 4) {  // words q + 4i, i >= 1 ... and word q
+      const int word = p - 4 + q;
+      if (word >= first_zero && word < TWELL_SLOTS) out[word] = 0u;
+    }
+    if (over) continue;
+#pragma unroll
+    for (int j = t * CHUNKS; j < (t + 1) * CHUNKS; ++j) {
+      const uint32_t bits = (uint32_t)(mine >> (2 * j)) & 3u;
+      if (bits == 0u) continue;
+      const unsigned long long before = (1ull << (2 * j)) - 1ull;  // chunks < j
+      const unsigned long long in_tile_before = before & tile_bits;
+      int pos = 1 + __popcll(masks[0] & in_tile_before) + __popcll(masks[1] & in_tile_before) +
+                __popcll(masks[2] & in_tile_before) + __popcll(masks[3] & in_tile_before);
+#pragma unroll
+      for (int p = 0; p < 3; ++p)
+        if (p < q) pos += __popc((uint32_t)(masks[p] >> (2 * j)) & 3u);
+      const uint32_t col = (uint32_t)(col0 + 8 * j + 2 * q);
+      if (bits & 1u) out[pos++] = col | (w[j] << 16);
+      if (bits & 2u) out[pos] = (col + 1) | (w[j] & 0xffff0000u);
+    }
   }
-  if (seg_lane == 0) words_smem[base] = (uint32_t)total;
-  __syncwarp();
-  for (int w = lane; w < words; w += 32) dst[w] = words_smem[w];
-  if (is_heavy && lane == 0) *heavy_flag = 1;
-  __syncwarp();
+  if (row_ok && q == 0 && (over_any || bad)) *heavy_flag = 1;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -224,10 +233,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
                 int M, int N, int K, int mode) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
-  uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
-  const uint32_t sbase = smem_addr(smem);
-  uint8_t* epi = smem + STAGES * STAGE_BYTES;
-  uint32_t* staging = reinterpret_cast<uint32_t*>(epi + EPI_BYTES);
+  const uint32_t sbase = (raw + 1023u) & ~1023u;  // 1024-aligned (the swizzle's period)
   const uint32_t full_bar = sbase + BARRIER_OFFSET;  // STAGES barriers, 8 bytes each
   const uint32_t empty_bar = full_bar + STAGES * 8;
 
@@ -267,8 +273,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
-  const int warp = tid / 32, lane = tid % 32;
-  const int cw = c * 4 + warp;  // consumer warp 0..7: packs rows [16cw, 16cw + 16)
+  const int warp = tid / 32, lane = tid % 32, q = lane & 3;
   int it = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
@@ -283,7 +288,8 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
       const uint32_t b = sbase + s * STAGE_BYTES + A_BYTES;
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < BK / 16; ++k) wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
+      for (int k = 0; k < BK / 16; ++k)
+        wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
       if (kb > 0 && tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
@@ -291,44 +297,34 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
     wgmma_wait<0>();
     fence_accumulators(d);
     if (tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+    if (mode == 2) continue;  // timing of the main loop alone
 
-    // Epilogue 1: accumulators -> bf16 tile in shared memory (rows of EPI_PITCH bytes).
-    consumer_sync();  // the previous tile's packing has finished reading the tile
-    {
-      const int r = c * 64 + warp * 16 + lane / 4;
-      uint8_t* p0 = epi + r * EPI_PITCH + (lane % 4) * 4;
-      uint8_t* p1 = p0 + 8 * EPI_PITCH;
+    // Epilogue, from registers: this thread holds rows r and r + 8 of the tile, columns
+    // 8j + 2q + {0, 1} (the wgmma accumulator layout).
+    const int r = m0 + c * 64 + warp * 16 + lane / 4;
+    uint32_t wa[32], wb[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      wa[j] = pack_bf16x2(d[4 * j], d[4 * j + 1]);
+      wb[j] = pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+    }
+    if (mode == 1) {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        *reinterpret_cast<uint32_t*>(p0 + j * 16) = pack_bf16x2(d[4 * j], d[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(p1 + j * 16) = pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+        const int col = n0 + 8 * j + 2 * q;
+        if (col < N) {
+          if (r < M) *reinterpret_cast<uint32_t*>(pre + (long long)r * N + col) = wa[j];
+          if (r + 8 < M) *reinterpret_cast<uint32_t*>(pre + (long long)(r + 8) * N + col) = wb[j];
+        }
       }
+      continue;
     }
-    consumer_sync();
-
-    // Epilogue 2: each consumer warp packs (or, mode 1, stores) 16 rows.
-    const int cols = min(BN, N - n0);
-    if (mode == 0) {
-      const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
-      const int words = cols / TWELL_TILE * TWELL_SLOTS;
-      uint32_t* my_words = staging + cw * WORDS_PER_WARP;
-      for (int rr = 0; rr < 16; ++rr) {
-        const int r = cw * 16 + rr;
-        const long long m = (long long)m0 + r;
-        if (m >= M) break;
-        pack_row(epi + r * EPI_PITCH, my_words,
-                 packed + m * row_words + (long long)(n0 / TWELL_TILE) * TWELL_SLOTS, words, n0,
-                 lane, heavy + m);
-      }
-    } else {
-      for (int rr = 0; rr < 16; ++rr) {
-        const int r = cw * 16 + rr;
-        const long long m = (long long)m0 + r;
-        if (m >= M) break;
-        if (lane * 8 < cols)
-          *reinterpret_cast<uint4*>(pre + m * N + n0 + lane * 8) =
-              *reinterpret_cast<const uint4*>(epi + r * EPI_PITCH + lane * 16);
-      }
-    }
+    const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
+    const int tiles_here = min(BN, N - n0) / TWELL_TILE;
+    const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
+    pack_row(wa, q, r < M, packed + (long long)r * row_words + first, tiles_here, n0,
+             heavy + r);
+    pack_row(wb, q, r + 8 < M, packed + (long long)(r + 8) * row_words + first, tiles_here, n0,
+             heavy + r + 8);
   }
 }

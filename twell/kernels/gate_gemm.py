@@ -19,15 +19,10 @@ from twell.kernels.compile import device_info, kernel
 
 #: Output tile of one CTA (gate_gemm.cu's BM x BN) and its k step.
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-_STAGES, _CONSUMERS = 3, 2  # must match gate_gemm.cu
-#: Dynamic shared memory of the kernel (gate_gemm.cu's SMEM_BYTES).
-SMEM_BYTES = (
-    _STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2  # TMA ring
-    + BLOCK_M * (BLOCK_N * 2 + 16)  # bf16 tile of the epilogue
-    + _CONSUMERS * 4 * 256 * 4  # staged TwELL words, one row per warp
-    + 2 * _STAGES * 8  # mbarriers
-    + 1024  # alignment slack
-)
+_STAGES, _CONSUMERS = 4, 2  # must match gate_gemm.cu
+#: Dynamic shared memory of the kernel (gate_gemm.cu's SMEM_BYTES): the TMA ring, its
+#: mbarriers, and slack to align the ring to 1024 bytes.
+SMEM_BYTES = _STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * _STAGES * 8 + 1024
 _THREADS = 128 * (_CONSUMERS + 1)
 
 # CUtensorMap enums (cuda.h)
@@ -85,18 +80,22 @@ def launch(
     heavy: Any | None = None,
     pre: Any | None = None,
     w_map: np.ndarray | None = None,
+    x_map: np.ndarray | None = None,
+    main_loop_only: bool = False,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
     With ``packed`` (uint32 ``[M, N/tile*slots]``) and ``heavy`` (uint8 ``[M]``, zeroed by
     the caller): relu + TwELL packing (mode 0). With ``pre`` (bf16 ``[M, N]``): the plain
-    bf16 GEMM (mode 1). ``w_map`` reuses a :func:`tensor_map` of ``w`` (box 256 rows).
+    bf16 GEMM (mode 1). ``w_map``/``x_map`` reuse :func:`tensor_map` results of ``w`` (box
+    256 rows) and ``x`` (box 128 rows).
+    ``main_loop_only`` stores nothing (mode 2, for timing).
     """
     m, k = x.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    mode = 0 if pre is None else 1
+    mode = 2 if main_loop_only else 0 if pre is None else 1
     if mode == 0 and (packed is None or heavy is None):
         raise ValueError("launch: give packed and heavy (mode 0), or pre (mode 1)")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
@@ -108,7 +107,8 @@ def launch(
     fn(
         grid, (_THREADS,),
         (
-            tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N) if w_map is None else w_map,
+            tensor_map(x, BLOCK_M) if x_map is None else x_map,
+            tensor_map(w, BLOCK_N) if w_map is None else w_map,
             packed if mode == 0 else null, heavy if mode == 0 else null,
             pre.view(np.uint16) if mode == 1 else null,
             np.int32(m), np.int32(n), np.int32(k), np.int32(mode),
