@@ -94,8 +94,6 @@ def main():
         pre = ffn_gpu._empty_bf16((m, n))
         packed = cp.empty((m, n // 256 * 32), dtype=cp.uint32)
         heavy = cp.zeros((m,), dtype=cp.uint8)
-        maps = [gate_gemm.tensor_map(w, 256) for w in ws]
-        xmap = gate_gemm.tensor_map(x, 128)
         flops = 2.0 * m * n * k
         state = {"i": 0}
 
@@ -103,50 +101,18 @@ def main():
             state["i"] ^= 1
             return state["i"]
 
+        def ours(**kw):
+            return lambda: gate_gemm.launch(x, ws[rot()], tile=256, slots=32, **kw)
+
         timings = {
             "cublas": time_ms(lambda: ffn_gpu.gemm_nt(x, ws[rot()], pre)),
-            "wgmma_dense": time_ms(
-                lambda: gate_gemm.launch(x, ws[rot()], tile=256, slots=32, pre=pre)
-            ),
-            "wgmma_main_loop": time_ms(
-                lambda: gate_gemm.launch(
-                    x,
-                    ws[i := rot()],
-                    tile=256,
-                    slots=32,
-                    w_map=maps[i],
-                    x_map=xmap,
-                    main_loop_only=True,
-                )
-            ),  # fmt: skip
-            "wgmma_pack_maps_cached": time_ms(
-                lambda: gate_gemm.launch(
-                    x,
-                    ws[i := rot()],
-                    tile=256,
-                    slots=32,
-                    packed=packed,
-                    heavy=heavy,
-                    w_map=maps[i],
-                    x_map=xmap,
-                )
-            ),  # fmt: skip
-            "wgmma_pack": time_ms(
-                lambda: gate_gemm.launch(
-                    x,
-                    ws[i := rot()],
-                    tile=256,
-                    slots=32,
-                    packed=packed,
-                    heavy=heavy,
-                    w_map=maps[i],
-                )
-            ),  # fmt: skip
+            "wgmma_dense": time_ms(ours(pre=pre)),
+            "wgmma_main_loop": time_ms(ours(main_loop_only=True)),
+            "wgmma_pack": time_ms(ours(packed=packed, heavy=heavy)),
             "cublas_plus_pack": time_ms(
                 lambda: ffn_gpu.pack(ffn_gpu.gemm_nt(x, ws[rot()], pre), 256, 32)
-            ),  # fmt: skip
+            ),
         }
-        timings = {key: {"ms": v, "tflops": flops / v / 1e9} for key, v in timings.items()}
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
     print(f"elapsed {time.time() - t0:.1f} s")

@@ -228,9 +228,7 @@ def pack(pre: Any, tile: int, slots: int) -> tuple[Any, Any]:
     return packed, heavy
 
 
-def gate_pack(
-    x: Any, w: Any, tile: int, slots: int, *, w_map: Any | None = None
-) -> tuple[Any, Any]:
+def gate_pack(x: Any, w: Any, tile: int, slots: int) -> tuple[Any, Any]:
     """``relu(x @ w.T)`` straight into TwELL by gate_gemm.cu (packing in the GEMM's
     epilogue; the pre-activation never reaches global memory).
 
@@ -244,7 +242,7 @@ def gate_pack(
     packed = _alloc((m, n // tile * slots), cp.uint32)
     heavy = _alloc((m,), cp.uint8)
     heavy.fill(0)
-    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy, w_map=w_map)
+    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy)
     return packed, heavy
 
 
@@ -599,7 +597,6 @@ class SparseFFN:
             raise ValueError(f"max_row_nnz: expected an int in [0, 1024], got {max_row_nnz}")
         self.max_row_nnz = int(max_row_nnz)
         self.w_down_t = transpose(self.w_down)
-        self._w_map = None  # TMA map of the first projection's weight (path "epilogue")
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     def __call__(self, x: Any) -> Any:
@@ -634,12 +631,7 @@ def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
     gated = prepared.w_gate is not None
     w_first = prepared.w_gate if gated else prepared.w_up
     if prepared.path == "epilogue":
-        from twell.kernels import gate_gemm
-
-        if prepared._w_map is None:
-            prepared._w_map = gate_gemm.tensor_map(w_first, gate_gemm.BLOCK_N)
-        packed, heavy = gate_pack(xb, w_first, prepared.tile, prepared.slots,
-                                  w_map=prepared._w_map)  # fmt: skip
+        packed, heavy = gate_pack(xb, w_first, prepared.tile, prepared.slots)
         twell_rows(
             xb if gated else None, packed, heavy, prepared.w_up if gated else None,
             prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
