@@ -113,6 +113,7 @@ def main():
                 lambda: ffn_gpu.pack(ffn_gpu.gemm_nt(x, ws[rot()], pre), 256, 32)
             ),
         }
+        timings = {key: {"ms": v, "tflops": flops / v / 1e9} for key, v in timings.items()}
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
     print(f"elapsed {time.time() - t0:.1f} s")
