@@ -116,11 +116,12 @@ def test_ffn_matches_dense_float64(kind: str, m: int, k: int, n: int, slots: int
     assert cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)), "not deterministic"
 
 
+@pytest.mark.parametrize("path", ["epilogue", "pack"])
 @pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES[:5] + CASES[7:])
-def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots: int):
+def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots: int, path: str):
     p = with_special_rows(problem(kind, m, k, n, seed=7 + m))
     x, wg = to_gpu(p.x), to_gpu(p.w_gate)
-    h = ffn_gpu.gate(x, wg, tile=256, slots=slots)
+    h = ffn_gpu.gate(x, wg, tile=256, slots=slots, path=path)
     assert isinstance(h, Hybrid)
     h.validate()
     pre = p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T
@@ -148,7 +149,7 @@ def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots:
     assert set(np.nonzero(overflow)[0].tolist()) <= rows
     assert rows <= set(np.nonzero(overflow)[0].tolist()) | nonfinite
     # Deterministic bits.
-    again = ffn_gpu.gate(x, wg, tile=256, slots=slots)
+    again = ffn_gpu.gate(x, wg, tile=256, slots=slots, path=path)
     assert cp.array_equal(h.packed, again.packed)
     assert cp.array_equal(h.dense.view(cp.uint16), again.dense.view(cp.uint16))
 
@@ -177,14 +178,17 @@ def test_down_of_a_float32_hybrid_from_dense():
     assert_close(y, reference.down(to_host(hg), w_down))
 
 
+@pytest.mark.parametrize("path", ["epilogue", "pack"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), PACK_CASES)
-def test_pack_path(kind: str, m: int, k: int, n: int, slots: int, gated: bool):
+def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool, path: str):
     p = with_special_rows(problem(kind, m, k, n, seed=m + 2 * k))
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
-    y = ffn_gpu.SparseFFN(wg, wu, wd, 256, slots, path="pack")(x)
+    block = ffn_gpu.SparseFFN(wg, wu, wd, 256, slots, path=path)
+    y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
+    assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
 
 
 def test_prepared_block_equals_functional_ffn():
@@ -205,7 +209,8 @@ def test_other_input_dtypes_round_trip(dtype: type):
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
 
 
-def test_large_m_not_multiple_of_anything():
+@pytest.mark.parametrize("path", ["fused", "epilogue"])
+def test_large_m_not_multiple_of_anything(path: str):
     m, k, n = 131072 + 37, 256, 512
     rng = np.random.default_rng(2)
     # Built on the GPU (the CPU workload generator is slow at this size).
@@ -217,7 +222,7 @@ def test_large_m_not_multiple_of_anything():
     wd = cp.asarray(rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(n))
     x[1000] *= 6  # a heavy row
     xb, wgb, wub, wdb = (ffn_gpu.as_bf16(a) for a in (x, wg, wu, wd))
-    y = to_f64(ffn_gpu.ffn(xb, wgb, wub, wdb))
+    y = to_f64(ffn_gpu.SparseFFN(wgb, wub, wdb, path=path)(xb))
     rows = np.r_[0:64, 1000, m - 64 : m]
     ref = reference.forward.ffn_dense(to_f64(xb)[rows], to_f64(wgb), to_f64(wub), to_f64(wdb))
     assert_close(y[rows], ref)
@@ -292,7 +297,8 @@ def test_version_1_sparse_kernel(gated: bool):
     assert rel_err(a, b) < 1e-2
 
 
-def test_ffn_can_be_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("path", ["fused", "epilogue"])
+def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
     """No host synchronisation on the ffn path: capture, replay, same bits as eager.
 
     The gate GEMM goes through torch when torch is imported (CuPy refuses cuBLAS during
@@ -300,7 +306,7 @@ def test_ffn_can_be_captured_in_a_cuda_graph():
     pytest.importorskip("torch")
     p = with_special_rows(problem("heavy", 200, 512, 1024, seed=21))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    block = ffn_gpu.SparseFFN(wg, wu, wd)
+    block = ffn_gpu.SparseFFN(wg, wu, wd, path=path)
     eager = block(x)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -359,6 +365,73 @@ from twell.testing import strategies as tst  # noqa: E402
 _GPU_SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+
+
+# ------------------------------------------------------------------ gate_gemm.cu
+def _gate_gemm_problem(m: int, n: int, k: int, seed: int, dense_every: int = 50) -> tuple:
+    """Pre-activations ~ N(-2.6, 1) (about 0.5% positive); every ``dense_every``-th row
+    about half positive (it overflows); rows 1 and 2 carry NaN and +Inf when M allows."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    x[:, 0], w[:, 0] = 1.0, -2.6
+    x[::dense_every, 0] = 0.0
+    if m > 2:
+        x[1, k // 2] = np.nan
+        x[2, k - 1] = np.inf
+    return ffn_gpu.as_bf16(cp.asarray(x)), ffn_gpu.as_bf16(cp.asarray(w))
+
+
+def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -> None:
+    """The epilogue's TwELL words and heavy flags equal, bit for bit, pack.cu applied to
+    the same kernel's dense output (mode 1); that output is cuBLAS's GEMM up to rounding."""
+    from twell.kernels import gate_gemm
+
+    x, w = _gate_gemm_problem(m, n, k, seed)
+    pre = ffn_gpu._empty_bf16((m, n))  # poisoned
+    gate_gemm.launch(x, w, tile=tile, slots=slots, pre=pre)
+    ref = to_f64(ffn_gpu.gemm_nt(x, w))
+    assert_close(to_f64(pre), ref, 1e-2)
+    packed, heavy = ffn_gpu.gate_pack(x, w, tile, slots)
+    want_packed, want_heavy = ffn_gpu.pack(pre, tile, slots)
+    assert cp.array_equal(heavy, want_heavy)
+    assert cp.array_equal(packed, want_packed)
+    if m > 2:
+        assert bool(heavy[1]) and bool(heavy[2])  # NaN and Inf rows go dense
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tile", "slots"),
+    [
+        (1, 256, 8, 256, 32),  # one row, K smaller than a k step
+        (300, 512, 128, 256, 32),
+        (257, 768, 264, 256, 64),  # K not a multiple of 64
+        (1000, 5632, 2048, 256, 32),
+        (64, 384, 72, 128, 64),  # N not a multiple of the CTA's 256 columns
+        (130, 512, 40, 32, 32),
+        (200, 512, 96, 64, 2),  # every nonzero overflows its tile
+        (513, 1024, 256, 256, 128),
+    ],
+)
+def test_gate_gemm_epilogue_equals_pack_of_its_gemm(m, n, k, tile, slots):
+    _check_gate_gemm(m, n, k, tile, slots, seed=m + n + k)
+
+
+@_GPU_SETTINGS
+@given(
+    st.integers(1, 300),
+    st.integers(1, 6),
+    st.integers(1, 40),
+    st.sampled_from([(256, 32), (256, 2), (128, 128), (64, 16), (32, 32)]),
+    st.integers(0, 2**31 - 1),
+)
+def test_hypothesis_gate_gemm(m: int, n_blocks: int, k8: int, geometry: tuple, seed: int):
+    tile, slots = geometry
+    _check_gate_gemm(m, n_blocks * tile, 8 * k8, tile, slots, seed)
+
+
+def test_gate_gemm_at_large_m():
+    _check_gate_gemm(131072 + 37, 512, 256, 256, 32, seed=3)
 
 
 def _hybrid_to_gpu(h: Hybrid) -> Hybrid:

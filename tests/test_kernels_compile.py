@@ -36,7 +36,10 @@ CONFIGS += [
         (4096, 256, 128), (8, 32, 2), (136, 64, 16), (1032, 128, 4),
     ]
     for gated in (0, 1)
-] + [("dense_rows.cu", {}), ("convert.cu", {})]  # fmt: skip
+] + [("dense_rows.cu", {}), ("convert.cu", {})] + [
+    ("gate_gemm.cu", {"TILE": tile, "SLOTS": slots})
+    for tile, slots in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
+]  # fmt: skip
 
 
 def _nvrtc_ready() -> str | None:
@@ -89,3 +92,17 @@ def test_prelude_rejects_bad_names() -> None:
 def test_unknown_source_raises() -> None:
     with pytest.raises(ValueError, match="expected one of"):
         kc.source("nope.cu")
+
+
+def test_gate_gemm_launcher_matches_its_source() -> None:
+    """The launcher's tile and shared-memory figures are the ones gate_gemm.cu uses."""
+    from twell.kernels import gate_gemm
+
+    defines = dict(re.findall(r"^#define (\w+) (\d+)\b", kc.source("gate_gemm.cu"), re.M))
+    assert (int(defines["BM"]), int(defines["BN"]), int(defines["BK"])) == (
+        gate_gemm.BLOCK_M, gate_gemm.BLOCK_N, gate_gemm.BLOCK_K,
+    )  # fmt: skip
+    stages, consumers = int(defines["STAGES"]), int(defines["CONSUMERS"])
+    assert (stages, consumers) == (gate_gemm._STAGES, gate_gemm._CONSUMERS)
+    ring = stages * (gate_gemm.BLOCK_M + gate_gemm.BLOCK_N) * gate_gemm.BLOCK_K * 2
+    assert gate_gemm.SMEM_BYTES == ring + 2 * stages * 8 + 1024 <= 232448

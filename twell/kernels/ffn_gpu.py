@@ -471,26 +471,42 @@ def check_width(k: int, name: str = "x") -> None:
         )
 
 
-def gate(x: Any, w_gate: Any, *, tile: int = 256, slots: int = 32) -> Any:
+def gate(x: Any, w_gate: Any, *, tile: int = 256, slots: int = 32, path: str = "epilogue") -> Any:
     """``relu(x @ w_gate.T)`` as a CuPy-backed :class:`twell.formats.Hybrid`.
 
-    Synchronises once (to read the number of heavy rows, which sizes ``dense_rows``).
-    The dense part holds bf16 values (relu applied, NaN kept).
+    ``path="epilogue"`` (default): gate_gemm.cu packs TwELL in the GEMM's epilogue and the
+    heavy rows' values are recomputed on tensor cores (dense_rows.cu); ``path="pack"``:
+    cuBLAS writes the dense pre-activation, pack.cu packs it. Synchronises once (to read
+    the number of heavy rows, which sizes ``dense_rows``). The dense part holds bf16
+    values (relu applied, NaN kept).
     """
     from twell.formats import Hybrid, TwELL
 
+    if path not in ("epilogue", "pack"):
+        raise ValueError(f"path: expected 'epilogue' or 'pack', got {path!r}")
+    cp = _cupy()
     xb, wb = as_bf16(x), as_bf16(w_gate)
     m, n = xb.shape[0], wb.shape[0]
-    pre = gemm_nt(xb, wb)
-    packed, heavy = pack(pre, tile, slots)
+    if path == "epilogue":
+        packed, heavy = gate_pack(xb, wb, tile, slots)
+    else:
+        pre = gemm_nt(xb, wb)
+        packed, heavy = pack(pre, tile, slots)
     ids, count = compact_rows(heavy)
     r = int(count.get()[0])
     rows = ids[:r].copy()
     dense = _empty_bf16((r, n))
     if r:
+        if path == "epilogue":  # the heavy rows' pre-activations, then relu below
+            pre = _empty_bf16((r, n))
+            dense_rows(xb, wb, pre, rows, count, r, a_by_id=True, out_by_id=False)
+            source_rows = cp.arange(r, dtype=cp.int32)
+        else:
+            source_rows = rows
         kernel("pack.cu", "twell_gather_relu_rows", {"TILE": tile, "SLOTS": slots})(
-            (_grid_1d(r * n),), (256,), (_u16(pre), rows, np.int32(r), np.int32(n), _u16(dense))
-        )
+            (_grid_1d(r * n),), (256,),
+            (_u16(pre), source_rows, np.int32(r), np.int32(n), _u16(dense)),
+        )  # fmt: skip
     return Hybrid(TwELL(packed, (m, n), tile, slots), rows, dense)
 
 
