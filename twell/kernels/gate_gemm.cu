@@ -6,21 +6,23 @@
 //               SLOTS-1 nonzeros or a non-finite pre-activation (never cleared: the
 //               caller zeroes heavy first, every CTA touching the row may set it)
 //
-// The dense pre-activation never reaches global memory (mode 0). Mode 1 writes it instead
-// of packing (bf16 [M, N], no relu): the same GEMM, for tests and for timing the GEMM alone.
+// The dense pre-activation never reaches global memory (mode 0). Mode 1 writes it instead of
+// packing (bf16 [M, N], no relu): the same GEMM, for tests. Mode 2 stores nothing (timing
+// of the main loop).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
-// (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0 is the producer:
-// one thread issues TMA loads of x [128 x 64] and w [256 x 64] (128-byte swizzle) into a
-// STAGES-deep ring guarded by mbarriers. Warpgroups 1 and 2 are consumers: each owns 64
-// rows of the tile and runs wgmma.m64n256k16 over the ring (fp32 accumulators in
-// registers, 128 per thread), releasing a stage once the wgmma reading it has retired.
-// Epilogue, straight from the accumulator registers: a row of the tile lives in a quad of
-// lanes (columns 8j + 2q + {0, 1} in lane q), so the quad rounds its values to bf16,
-// swaps 64-bit nonzero masks and writes the row's TwELL words itself: the count, each
-// entry at its rank among the row-tile's nonzeros (ascending columns, as pack.cu), and
-// zeros in the unused words so the output bits are deterministic. Meanwhile the producer
-// already loads the next tile's first stages.
+// (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
+// issues TMA loads of x [128 x 64] and w [256 x 64] (128-byte swizzle) into a STAGES-deep
+// ring guarded by mbarriers; its other three warps are the packers. Warpgroups 1 and 2 are
+// the consumers: each owns 64 rows of the tile and runs wgmma.m64n256k16 over the ring
+// (fp32 accumulators in registers, 128 per thread), releasing a stage once the wgmma
+// reading it has retired.
+// Epilogue: the consumers round their accumulators to bf16 into a padded tile in shared
+// memory and go on with the next tile at once; meanwhile the packer warps turn the tile
+// into TwELL words (a warp per row, lane = 8 consecutive columns, segmented prefix sum per
+// TwELL tile, as pack.cu: entries in ascending column order, unused words 0, so the bits
+// are deterministic) and set the heavy flags. Two named barriers pass the tile back and
+// forth, so packing overlaps the tensor-core work of the next tile.
 //
 // Limits: K % 8 == 0 (TMA row pitch), N % TWELL_TILE == 0, TWELL_TILE divides 256,
 // TWELL_SLOTS <= TWELL_TILE; x and w 16-byte aligned. Rows and columns past M, N and K
@@ -38,15 +40,19 @@ typedef unsigned long long uint64_t;
 #define BM 128
 #define BN 256
 #define BK 64
-#define STAGES 4
+#define STAGES 3
 #define CONSUMERS 2
 #define THREADS (128 * (CONSUMERS + 1))
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
-#define BARRIER_OFFSET (STAGES * STAGE_BYTES)
+#define PACKER_WARPS 3          // warps 1-3 of warpgroup 0
+#define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
+#define EPI_BYTES (BM * EPI_PITCH)
+#define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher must ask for (1024 bytes of slack for alignment).
 #define SMEM_BYTES (BARRIER_OFFSET + 2 * STAGES * 8 + 1024)
+#define LANES_PER_TILE (TWELL_TILE / 8)
 
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
 
@@ -159,69 +165,63 @@ __device__ __forceinline__ uint32_t relu_nonzero(uint32_t b) {
 
 __device__ __forceinline__ bool non_finite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
 
-// Epilogue for one row of the tile, held by a quad of lanes: lane q of the quad holds the
-// bf16 pairs w[j] = columns (8j + 2q, 8j + 2q + 1), j < 32. Writes the row's TwELL words
-// for the CTA's 256 columns (256/TILE TwELL tiles): count, entries in ascending column
-// order, unused words 0 (the bits are deterministic); sets heavy[m] when needed.
-__device__ __forceinline__ void pack_row(const uint32_t (&w)[32], int q, bool row_ok,
-                                         uint32_t* __restrict__ dst, int tiles_here,
-                                         int col0, uint8_t* heavy_flag) {
-  unsigned long long mine = 0;  // bit 2j + b: column 8j + 2q + b is nonzero after relu
+// Named barriers between the consumers (they fill the bf16 tile) and the packer warps
+// (they drain it). Barrier 0 is __syncthreads'.
+#define BAR_TILE_FULL 1
+#define BAR_TILE_FREE 2
+#define BAR_COUNT (CONSUMERS * 128 + PACKER_WARPS * 32)
+__device__ __forceinline__ void bar_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(BAR_COUNT) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BAR_COUNT) : "memory");
+}
+
+// One row of the bf16 tile -> its TwELL words for the CTA's 256 columns (256/TILE TwELL
+// tiles) and its heavy flag; a whole warp, lane l owning columns [8l, 8l + 8).
+__device__ __forceinline__ void pack_row(const uint8_t* row, uint32_t* __restrict__ dst,
+                                         int tiles_here, int col0, int lane,
+                                         uint8_t* __restrict__ heavy_flag) {
+  const uint4 q = *reinterpret_cast<const uint4*>(row + lane * 16);
+  const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
+  uint32_t mask = 0;
   bool bad = false;
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const uint32_t lo = w[j] & 0xffffu, hi = w[j] >> 16;
-    mine |= (unsigned long long)(relu_nonzero(lo) | (relu_nonzero(hi) << 1)) << (2 * j);
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = raw[i] & 0xffffu, hi = raw[i] >> 16;
+    mask |= (relu_nonzero(lo) | (relu_nonzero(hi) << 1)) << (2 * i);
     bad |= non_finite(lo) | non_finite(hi);
   }
-  const int lane = threadIdx.x & 31, quad0 = lane & ~3;
-  unsigned long long masks[4];
+  const int mine = __popc(mask);
+  const int seg_lane = lane & (LANES_PER_TILE - 1);
+  int incl = mine;
 #pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const uint32_t lo = __shfl_sync(0xffffffffu, (uint32_t)mine, quad0 + p);
-    const uint32_t hi = __shfl_sync(0xffffffffu, (uint32_t)(mine >> 32), quad0 + p);
-    masks[p] = ((unsigned long long)hi << 32) | lo;
+  for (int d = 1; d < LANES_PER_TILE; d <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, incl, d);
+    if (seg_lane >= d) incl += t;
   }
-  bad |= __shfl_xor_sync(0xffffffffu, bad ? 1 : 0, 1) != 0;
-  bad |= __shfl_xor_sync(0xffffffffu, bad ? 1 : 0, 2) != 0;
-  constexpr int TPC = 256 / TWELL_TILE;  // TwELL tiles in the CTA's columns
-  constexpr int CHUNKS = TWELL_TILE / 8;  // 8-column chunks per TwELL tile
-  bool over_any = false;
+  const int total = __shfl_sync(0xffffffffu, incl, lane | (LANES_PER_TILE - 1));
+  const bool over = total > TWELL_SLOTS - 1;
+  if (__any_sync(0xffffffffu, over || bad) && lane == 0) *heavy_flag = 1;
+  const int seg = lane / LANES_PER_TILE;
+  if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
+  uint32_t* out = dst + seg * TWELL_SLOTS;
+  // Words: 0 = count; 1..total = entries (their owners write them); the rest 0.
+  for (int w = seg_lane; w < TWELL_SLOTS; w += LANES_PER_TILE) {
+    if (w == 0) out[0] = (uint32_t)total;
+    else if (over || w > total) out[w] = 0u;
+  }
+  if (!over && mask) {
+    int slot = 1 + incl - mine;
+    const uint32_t col = (uint32_t)(col0 + lane * 8);
 #pragma unroll
-  for (int t = 0; t < TPC; ++t) {
-    const unsigned long long tile_bits =
-        (CHUNKS == 32 ? ~0ull : ((1ull << (2 * CHUNKS)) - 1ull)) << (2 * CHUNKS * t);
-    const int count = __popcll(masks[0] & tile_bits) + __popcll(masks[1] & tile_bits) +
-                      __popcll(masks[2] & tile_bits) + __popcll(masks[3] & tile_bits);
-    const bool over = count > TWELL_SLOTS - 1;
-    over_any |= over;
-    if (!row_ok || t >= tiles_here) continue;
-    uint32_t* out = dst + t * TWELL_SLOTS;
-    if (q == 0) out[0] = (uint32_t)count;
-    const int first_zero = over ? 1 : count + 1;
-#pragma unroll
-    for (int p = 4; p < TWELL_SLOTS + 4; p += 4) {  // words q + 4i, i >= 1 ... and word q
-      const int word = p - 4 + q;
-      if (word >= first_zero && word < TWELL_SLOTS) out[word] = 0u;
-    }
-    if (over) continue;
-#pragma unroll
-    for (int j = t * CHUNKS; j < (t + 1) * CHUNKS; ++j) {
-      const uint32_t bits = (uint32_t)(mine >> (2 * j)) & 3u;
-      if (bits == 0u) continue;
-      const unsigned long long before = (1ull << (2 * j)) - 1ull;  // chunks < j
-      const unsigned long long in_tile_before = before & tile_bits;
-      int pos = 1 + __popcll(masks[0] & in_tile_before) + __popcll(masks[1] & in_tile_before) +
-                __popcll(masks[2] & in_tile_before) + __popcll(masks[3] & in_tile_before);
-#pragma unroll
-      for (int p = 0; p < 3; ++p)
-        if (p < q) pos += __popc((uint32_t)(masks[p] >> (2 * j)) & 3u);
-      const uint32_t col = (uint32_t)(col0 + 8 * j + 2 * q);
-      if (bits & 1u) out[pos++] = col | (w[j] << 16);
-      if (bits & 2u) out[pos] = (col + 1) | (w[j] & 0xffff0000u);
+    for (int e = 0; e < 8; ++e) {
+      if (mask & (1u << e)) {
+        const uint32_t bits = (e & 1) ? (raw[e / 2] & 0xffff0000u) : (raw[e / 2] << 16);
+        out[slot++] = (col + e) | bits;
+      }
     }
   }
-  if (row_ok && q == 0 && (over_any || bad)) *heavy_flag = 1;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -233,7 +233,9 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
                 int M, int N, int K, int mode) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t sbase = (raw + 1023u) & ~1023u;  // 1024-aligned (the swizzle's period)
+  uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
+  const uint32_t sbase = smem_addr(smem);
+  uint8_t* tile_smem = smem + STAGES * STAGE_BYTES;  // the bf16 tile, EPI_PITCH-byte rows
   const uint32_t full_bar = sbase + BARRIER_OFFSET;  // STAGES barriers, 8 bytes each
   const uint32_t empty_bar = full_bar + STAGES * 8;
 
@@ -242,6 +244,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
   const int kblocks = (K + BK - 1) / BK;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
+  const int lane = tid % 32;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -252,9 +255,8 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (tid == 0) {
+  if (wg == 0) {
+    if (tid == 0) {  // the producer: TMA loads into the ring
       int it = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
@@ -268,15 +270,41 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
         }
       }
     }
+    if (tid < 32 || mode == 2) return;
+    // Packer warps: drain each finished bf16 tile while the consumers compute the next.
+    const int pw = tid / 32 - 1;
+    bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+      const int cols = min(BN, N - n0);
+      bar_sync(BAR_TILE_FULL);
+      if (mode == 0) {
+        const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
+        const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
+#pragma unroll 2
+        for (int r = pw; r < BM; r += PACKER_WARPS) {
+          const long long m = (long long)m0 + r;
+          if (m < M)
+            pack_row(tile_smem + r * EPI_PITCH, packed + m * row_words + first,
+                     cols / TWELL_TILE, n0, lane, heavy + m);
+        }
+      } else {
+        for (int r = pw; r < BM; r += PACKER_WARPS) {
+          const long long m = (long long)m0 + r;
+          if (m < M && lane * 8 < cols)
+            *reinterpret_cast<uint4*>(pre + m * N + n0 + lane * 8) =
+                *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
+        }
+      }
+      if (tile + (int)gridDim.x < tiles) bar_arrive(BAR_TILE_FREE);  // the next sync's
+    }
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
-  const int warp = tid / 32, lane = tid % 32, q = lane & 3;
+  const int warp = tid / 32;
   int it = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;
@@ -299,32 +327,17 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
     if (tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
     if (mode == 2) continue;  // timing of the main loop alone
 
-    // Epilogue, from registers: this thread holds rows r and r + 8 of the tile, columns
-    // 8j + 2q + {0, 1} (the wgmma accumulator layout).
-    const int r = m0 + c * 64 + warp * 16 + lane / 4;
-    uint32_t wa[32], wb[32];
+    // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns
+    // 8j + 2(lane % 4) + {0, 1}: the wgmma accumulator layout), then hand it over.
+    bar_sync(BAR_TILE_FREE);
+    const int r = c * 64 + warp * 16 + lane / 4;
+    uint8_t* p0 = tile_smem + r * EPI_PITCH + (lane % 4) * 4;
+    uint8_t* p1 = p0 + 8 * EPI_PITCH;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      wa[j] = pack_bf16x2(d[4 * j], d[4 * j + 1]);
-      wb[j] = pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+      *reinterpret_cast<uint32_t*>(p0 + j * 16) = pack_bf16x2(d[4 * j], d[4 * j + 1]);
+      *reinterpret_cast<uint32_t*>(p1 + j * 16) = pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
     }
-    if (mode == 1) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int col = n0 + 8 * j + 2 * q;
-        if (col < N) {
-          if (r < M) *reinterpret_cast<uint32_t*>(pre + (long long)r * N + col) = wa[j];
-          if (r + 8 < M) *reinterpret_cast<uint32_t*>(pre + (long long)(r + 8) * N + col) = wb[j];
-        }
-      }
-      continue;
-    }
-    const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
-    const int tiles_here = min(BN, N - n0) / TWELL_TILE;
-    const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
-    pack_row(wa, q, r < M, packed + (long long)r * row_words + first, tiles_here, n0,
-             heavy + r);
-    pack_row(wb, q, r + 8 < M, packed + (long long)(r + 8) * row_words + first, tiles_here, n0,
-             heavy + r + 8);
+    bar_arrive(BAR_TILE_FULL);
   }
 }

@@ -19,10 +19,13 @@ from twell.kernels.compile import device_info, kernel
 
 #: Output tile of one CTA (gate_gemm.cu's BM x BN) and its k step.
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-_STAGES, _CONSUMERS = 4, 2  # must match gate_gemm.cu
-#: Dynamic shared memory of the kernel (gate_gemm.cu's SMEM_BYTES): the TMA ring, its
-#: mbarriers, and slack to align the ring to 1024 bytes.
-SMEM_BYTES = _STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + 2 * _STAGES * 8 + 1024
+_STAGES, _CONSUMERS = 3, 2  # must match gate_gemm.cu
+_EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
+#: Dynamic shared memory of the kernel (gate_gemm.cu's SMEM_BYTES): the TMA ring, the
+#: epilogue's bf16 tile, the mbarriers, and slack to align the ring to 1024 bytes.
+SMEM_BYTES = (
+    _STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * _EPI_PITCH + 2 * _STAGES * 8 + 1024
+)
 _THREADS = 128 * (_CONSUMERS + 1)
 
 # CUtensorMap enums (cuda.h)
