@@ -177,42 +177,49 @@ __device__ __forceinline__ void bar_arrive(int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BAR_COUNT) : "memory");
 }
 
-// One row of the bf16 tile -> its TwELL words for the CTA's 256 columns (256/TILE TwELL
-// tiles) and its heavy flag; a whole warp, lane l owning columns [8l, 8l + 8).
-__device__ __forceinline__ void pack_row(const uint8_t* row, uint32_t* __restrict__ dst,
-                                         int tiles_here, int col0, int lane,
-                                         uint8_t* __restrict__ heavy_flag) {
-  const uint4 q = *reinterpret_cast<const uint4*>(row + lane * 16);
+// One row of the bf16 tile (this lane's 8 columns [8l, 8l + 8) in q) -> its TwELL words
+// for the CTA's 256 columns (256/TILE TwELL tiles) and its heavy flag; a whole warp.
+// Prefix sums by ballots of the count bits (no chain of shuffles).
+__device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, int tiles_here,
+                                         int col0, int lane, uint8_t* __restrict__ heavy_flag) {
   const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
-  uint32_t mask = 0;
-  bool bad = false;
+  uint32_t mask = 0, bad = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = raw[i] & 0xffffu, hi = raw[i] >> 16;
-    mask |= (relu_nonzero(lo) | (relu_nonzero(hi) << 1)) << (2 * i);
-    bad |= non_finite(lo) | non_finite(hi);
+  for (int i = 0; i < 4; ++i) {  // both halves as the top bits of a 32-bit word
+    const uint32_t hi = raw[i] & 0xffff0000u, lo = raw[i] << 16;
+    // relu(h) != 0: positive nonzero (sign clear, not 0), or NaN of either sign
+    const uint32_t nz_lo = ((int)lo > 0) | ((lo & 0x7fffffffu) > 0x7f800000u);
+    const uint32_t nz_hi = ((int)hi > 0) | ((hi & 0x7fffffffu) > 0x7f800000u);
+    mask |= (nz_lo | (nz_hi << 1)) << (2 * i);
+    bad |= ((lo & 0x7f800000u) == 0x7f800000u) | ((hi & 0x7f800000u) == 0x7f800000u);
   }
-  const int mine = __popc(mask);
-  const int seg_lane = lane & (LANES_PER_TILE - 1);
-  int incl = mine;
-#pragma unroll
-  for (int d = 1; d < LANES_PER_TILE; d <<= 1) {
-    const int t = __shfl_up_sync(0xffffffffu, incl, d);
-    if (seg_lane >= d) incl += t;
-  }
-  const int total = __shfl_sync(0xffffffffu, incl, lane | (LANES_PER_TILE - 1));
+  const uint32_t mine = __popc(mask);  // 0..8: four bits
+  const uint32_t seg_mask =
+      LANES_PER_TILE == 32 ? 0xffffffffu
+                           : ((1u << LANES_PER_TILE) - 1u) << (lane & ~(LANES_PER_TILE - 1));
+  const uint32_t below = seg_mask & ((1u << lane) - 1u);
+  const uint32_t b0 = __ballot_sync(0xffffffffu, mine & 1u);
+  const uint32_t b1 = __ballot_sync(0xffffffffu, mine & 2u);
+  const uint32_t b2 = __ballot_sync(0xffffffffu, mine & 4u);
+  const uint32_t b3 = __ballot_sync(0xffffffffu, mine & 8u);
+  const int excl = __popc(b0 & below) + 2 * __popc(b1 & below) + 4 * __popc(b2 & below) +
+                   8 * __popc(b3 & below);
+  const int total = __popc(b0 & seg_mask) + 2 * __popc(b1 & seg_mask) +
+                    4 * __popc(b2 & seg_mask) + 8 * __popc(b3 & seg_mask);
   const bool over = total > TWELL_SLOTS - 1;
-  if (__any_sync(0xffffffffu, over || bad) && lane == 0) *heavy_flag = 1;
-  const int seg = lane / LANES_PER_TILE;
+  if (__ballot_sync(0xffffffffu, over || bad) && lane == 0) *heavy_flag = 1;
+  const int seg = lane / LANES_PER_TILE, seg_lane = lane % LANES_PER_TILE;
   if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
   uint32_t* out = dst + seg * TWELL_SLOTS;
   // Words: 0 = count; 1..total = entries (their owners write them); the rest 0.
-  for (int w = seg_lane; w < TWELL_SLOTS; w += LANES_PER_TILE) {
+#pragma unroll
+  for (int w0 = 0; w0 < TWELL_SLOTS; w0 += LANES_PER_TILE) {
+    const int w = w0 + seg_lane;
     if (w == 0) out[0] = (uint32_t)total;
-    else if (over || w > total) out[w] = 0u;
+    else if (w < TWELL_SLOTS && (over || w > total)) out[w] = 0u;
   }
   if (!over && mask) {
-    int slot = 1 + incl - mine;
+    int slot = 1 + excl;
     const uint32_t col = (uint32_t)(col0 + lane * 8);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -222,6 +229,14 @@ __device__ __forceinline__ void pack_row(const uint8_t* row, uint32_t* __restric
       }
     }
   }
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -281,12 +296,17 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
       if (mode == 0) {
         const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
         const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
-#pragma unroll 2
-        for (int r = pw; r < BM; r += PACKER_WARPS) {
-          const long long m = (long long)m0 + r;
+        const uint32_t tile_addr = smem_addr(tile_smem) + lane * 16;
+        for (int r = pw; r < BM; r += 2 * PACKER_WARPS) {  // two rows in flight
+          const int r2 = r + PACKER_WARPS;
+          const uint4 q1 = lds128(tile_addr + r * EPI_PITCH);
+          const uint4 q2 = lds128(tile_addr + min(r2, BM - 1) * EPI_PITCH);
+          const long long m = (long long)m0 + r, m2 = (long long)m0 + r2;
           if (m < M)
-            pack_row(tile_smem + r * EPI_PITCH, packed + m * row_words + first,
-                     cols / TWELL_TILE, n0, lane, heavy + m);
+            pack_row(q1, packed + m * row_words + first, cols / TWELL_TILE, n0, lane, heavy + m);
+          if (r2 < BM && m2 < M)
+            pack_row(q2, packed + m2 * row_words + first, cols / TWELL_TILE, n0, lane,
+                     heavy + m2);
         }
       } else {
         for (int r = pw; r < BM; r += PACKER_WARPS) {
