@@ -47,12 +47,16 @@ typedef unsigned long long uint64_t;
 #define B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define PACKER_WARPS 3          // warps 1-3 of warpgroup 0
+#define ROWS_IN_FLIGHT 4
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
 #define EPI_BYTES (BM * EPI_PITCH)
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher must ask for (1024 bytes of slack for alignment).
 #define SMEM_BYTES (BARRIER_OFFSET + 2 * STAGES * 8 + 1024)
 #define LANES_PER_TILE (TWELL_TILE / 8)
+#ifndef TWELL_PACK_VARIANT
+#define TWELL_PACK_VARIANT 0
+#endif
 
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
 
@@ -182,16 +186,19 @@ __device__ __forceinline__ void bar_arrive(int id) {
 // Prefix sums by ballots of the count bits (no chain of shuffles).
 __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, int tiles_here,
                                          int col0, int lane, uint8_t* __restrict__ heavy_flag) {
+#if TWELL_PACK_VARIANT == 3
+  q = make_uint4(0, 0, 0, 0);
+#endif
   const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
   uint32_t mask = 0, bad = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // both halves as the top bits of a 32-bit word
     const uint32_t hi = raw[i] & 0xffff0000u, lo = raw[i] << 16;
-    // relu(h) != 0: positive nonzero (sign clear, not 0), or NaN of either sign
-    const uint32_t nz_lo = ((int)lo > 0) | ((lo & 0x7fffffffu) > 0x7f800000u);
-    const uint32_t nz_hi = ((int)hi > 0) | ((hi & 0x7fffffffu) > 0x7f800000u);
+    // relu(h) != 0: positive nonzero (sign clear, not 0; +NaN included), or -NaN
+    const uint32_t nz_lo = ((int)lo > 0) | (lo > 0xff800000u);
+    const uint32_t nz_hi = ((int)hi > 0) | (hi > 0xff800000u);
     mask |= (nz_lo | (nz_hi << 1)) << (2 * i);
-    bad |= ((lo & 0x7f800000u) == 0x7f800000u) | ((hi & 0x7f800000u) == 0x7f800000u);
+    bad |= ((lo << 1) >= 0xff000000u) | ((hi << 1) >= 0xff000000u);  // exponent all ones
   }
   const uint32_t mine = __popc(mask);  // 0..8: four bits
   const uint32_t seg_mask =
@@ -208,6 +215,9 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
                     4 * __popc(b2 & seg_mask) + 8 * __popc(b3 & seg_mask);
   const bool over = total > TWELL_SLOTS - 1;
   if (__ballot_sync(0xffffffffu, over || bad) && lane == 0) *heavy_flag = 1;
+#if TWELL_PACK_VARIANT == 1
+  return;
+#endif
   const int seg = lane / LANES_PER_TILE, seg_lane = lane % LANES_PER_TILE;
   if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
   uint32_t* out = dst + seg * TWELL_SLOTS;
@@ -218,15 +228,17 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
     if (w == 0) out[0] = (uint32_t)total;
     else if (w < TWELL_SLOTS && (over || w > total)) out[w] = 0u;
   }
-  if (!over && mask) {
+#if TWELL_PACK_VARIANT == 2
+  return;
+#endif
+  if (!over) {  // entries: only this lane's set bits (most lanes have none)
     int slot = 1 + excl;
     const uint32_t col = (uint32_t)(col0 + lane * 8);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      if (mask & (1u << e)) {
-        const uint32_t bits = (e & 1) ? (raw[e / 2] & 0xffff0000u) : (raw[e / 2] << 16);
-        out[slot++] = (col + e) | bits;
-      }
+    for (uint32_t left = mask; left; left &= left - 1u) {
+      const int e = __ffs(left) - 1;
+      const uint32_t word = e < 4 ? (e < 2 ? raw[0] : raw[1]) : (e < 6 ? raw[2] : raw[3]);
+      const uint32_t bits = (e & 1) ? (word & 0xffff0000u) : (word << 16);
+      out[slot++] = (col + e) | bits;
     }
   }
 }
@@ -297,16 +309,20 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
         const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
         const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
         const uint32_t tile_addr = smem_addr(tile_smem) + lane * 16;
-        for (int r = pw; r < BM; r += 2 * PACKER_WARPS) {  // two rows in flight
-          const int r2 = r + PACKER_WARPS;
-          const uint4 q1 = lds128(tile_addr + r * EPI_PITCH);
-          const uint4 q2 = lds128(tile_addr + min(r2, BM - 1) * EPI_PITCH);
-          const long long m = (long long)m0 + r, m2 = (long long)m0 + r2;
-          if (m < M)
-            pack_row(q1, packed + m * row_words + first, cols / TWELL_TILE, n0, lane, heavy + m);
-          if (r2 < BM && m2 < M)
-            pack_row(q2, packed + m2 * row_words + first, cols / TWELL_TILE, n0, lane,
-                     heavy + m2);
+        // ROWS_IN_FLIGHT independent rows per step: the packers are latency-bound.
+        for (int r0 = pw; r0 < BM; r0 += ROWS_IN_FLIGHT * PACKER_WARPS) {
+          uint4 q[ROWS_IN_FLIGHT];
+#pragma unroll
+          for (int i = 0; i < ROWS_IN_FLIGHT; ++i)
+            q[i] = lds128(tile_addr + min(r0 + i * PACKER_WARPS, BM - 1) * EPI_PITCH);
+#pragma unroll
+          for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
+            const int r = r0 + i * PACKER_WARPS;
+            const long long m = (long long)m0 + r;
+            if (r < BM && m < M)
+              pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane,
+                       heavy + m);
+          }
         }
       } else {
         for (int r = pw; r < BM; r += PACKER_WARPS) {
