@@ -333,11 +333,12 @@ def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
             stream.end_capture()
 
 
+@pytest.mark.parametrize("path", ffn_gpu.PATHS)
 @pytest.mark.parametrize("max_row_nnz", [0, 5, 1024])
-def test_row_routing_threshold_does_not_change_results(max_row_nnz: int):
+def test_row_routing_threshold_does_not_change_results(max_row_nnz: int, path: str):
     p = with_special_rows(problem("heavy", 400, 512, 1024, seed=17))
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
-    block = ffn_gpu.SparseFFN(*args[1:], max_row_nnz=max_row_nnz)
+    block = ffn_gpu.SparseFFN(*args[1:], max_row_nnz=max_row_nnz, path=path)
     y = to_f64(block(args[0]))
     assert_close(y, reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
 

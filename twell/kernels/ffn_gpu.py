@@ -379,11 +379,14 @@ def twell_rows(
     slots: int,
     min_blocks: int | None = None,
     units: int | None = None,
+    max_row_nnz: int | None = None,
 ) -> None:
-    """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped)."""
+    """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped). With
+    ``max_row_nnz``, rows holding more entries get ``heavy[m] = 1`` instead (dense path)."""
     _launch_rows(
         "sparse_rows.cu", "twell_twell_rows", _ROW_WARPS, x, packed, heavy, w_up, w_down_t, y,
         tile=tile, slots=slots, min_blocks=min_blocks, units=units,
+        extra=(np.int32(2**31 - 1 if max_row_nnz is None else max_row_nnz),),
     )  # fmt: skip
 
 
@@ -576,8 +579,8 @@ class SparseFFN:
             ``"epilogue"`` (gate_gemm.cu packs TwELL in the gate GEMM's epilogue, then
             ``twell_twell_rows`` reads it) or ``"pack"`` (cuBLAS GEMM, pack.cu, then
             ``twell_twell_rows``), for comparisons.
-        max_row_nnz: tokens with more active units take the dense path (fused path only;
-            default :func:`default_max_row_nnz`). Any value gives the same result.
+        max_row_nnz: tokens with more active units take the dense path (default
+            :func:`default_max_row_nnz`). Any value gives the same result.
     """
 
     def __init__(
@@ -651,6 +654,7 @@ def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
         twell_rows(
             xb if gated else None, packed, heavy, prepared.w_up if gated else None,
             prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
+            max_row_nnz=prepared.max_row_nnz,
         )  # fmt: skip
         ids, count = compact_rows(heavy)
         # The heavy rows' pre-activations, recomputed on tensor cores into their rows of

@@ -395,17 +395,27 @@ twell_fused_rows_wide(const uint16_t* __restrict__ x,         // [M, K] (gated o
 extern "C" __global__ void __launch_bounds__(ROW_WARPS * 32, TWELL_MIN_BLOCKS)
 twell_twell_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
                  const uint32_t* __restrict__ packed,    // [M, N/TILE*SLOTS]
-                 const uint8_t* __restrict__ heavy,      // [M] rows to skip
+                 uint8_t* __restrict__ heavy,            // [M] rows to skip (in/out)
                  const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                 int M, int N) {
+                 int M, int N, int max_row_nnz) {
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * ROW_WARPS + warp;
   if (row >= M || heavy[row]) return;
   const int tiles = N / TWELL_TILE;
   const uint32_t* words = packed + row * (long long)tiles * TWELL_SLOTS;
+  if (max_row_nnz < tiles * (TWELL_SLOTS - 1)) {
+    // Rows with more active units than max_row_nnz go to the dense path (heavy = 1).
+    int nnz = 0;
+    for (int j = lane; j < tiles; j += 32) nnz += (int)__ldg(words + j * TWELL_SLOTS);
+    nnz = __reduce_add_sync(0xffffffffu, nnz);
+    if (nnz > max_row_nnz) {
+      if (lane == 0) heavy[row] = 1;
+      return;
+    }
+  }
   uint32_t* list = sm.list[warp];
   const uint4* xs = load_x(sm, x, row, warp, lane);
   ZERO_ACC(acc)
