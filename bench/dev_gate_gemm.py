@@ -109,9 +109,6 @@ def main():
             "wgmma_dense": ours(pre=pre),
             "wgmma_main_loop": ours(main_loop_only=True),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
-            "pack_no_stores": ours(packed=packed, heavy=heavy, variant=1),
-            "pack_no_entries": ours(packed=packed, heavy=heavy, variant=2),
-            "pack_zero_input": ours(packed=packed, heavy=heavy, variant=3),
             "cublas_plus_pack": lambda: ffn_gpu.pack(ffn_gpu.gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}

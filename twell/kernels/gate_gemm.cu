@@ -54,9 +54,6 @@ typedef unsigned long long uint64_t;
 // Dynamic shared memory the launcher must ask for (1024 bytes of slack for alignment).
 #define SMEM_BYTES (BARRIER_OFFSET + 2 * STAGES * 8 + 1024)
 #define LANES_PER_TILE (TWELL_TILE / 8)
-#ifndef TWELL_PACK_VARIANT
-#define TWELL_PACK_VARIANT 0
-#endif
 
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
 
@@ -186,9 +183,6 @@ __device__ __forceinline__ void bar_arrive(int id) {
 // Prefix sums by ballots of the count bits (no chain of shuffles).
 __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, int tiles_here,
                                          int col0, int lane, uint8_t* __restrict__ heavy_flag) {
-#if TWELL_PACK_VARIANT == 3
-  q = make_uint4(0, 0, 0, 0);
-#endif
   const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
   uint32_t mask = 0, bad = 0;
 #pragma unroll
@@ -215,9 +209,6 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
                     4 * __popc(b2 & seg_mask) + 8 * __popc(b3 & seg_mask);
   const bool over = total > TWELL_SLOTS - 1;
   if (__ballot_sync(0xffffffffu, over || bad) && lane == 0) *heavy_flag = 1;
-#if TWELL_PACK_VARIANT == 1
-  return;
-#endif
   const int seg = lane / LANES_PER_TILE, seg_lane = lane % LANES_PER_TILE;
   if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
   uint32_t* out = dst + seg * TWELL_SLOTS;
@@ -228,9 +219,6 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
     if (w == 0) out[0] = (uint32_t)total;
     else if (w < TWELL_SLOTS && (over || w > total)) out[w] = 0u;
   }
-#if TWELL_PACK_VARIANT == 2
-  return;
-#endif
   if (!over) {  // entries: only this lane's set bits (most lanes have none)
     int slot = 1 + excl;
     const uint32_t col = (uint32_t)(col0 + lane * 8);

@@ -92,7 +92,6 @@ def launch(
     heavy: Any | None = None,
     pre: Any | None = None,
     main_loop_only: bool = False,
-    variant: int = 0,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
@@ -109,10 +108,7 @@ def launch(
         raise ValueError("launch: give packed and heavy (mode 0), or pre (mode 1)")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
     grid = (max(1, min(tiles, device_info().multiprocessors)),)
-    params = {"TILE": tile, "SLOTS": slots}
-    if variant:
-        params["PACK_VARIANT"] = variant
-    fn = kernel("gate_gemm.cu", "twell_gate_gemm", params)
+    fn = kernel("gate_gemm.cu", "twell_gate_gemm", {"TILE": tile, "SLOTS": slots})
     if fn.max_dynamic_shared_size_bytes < SMEM_BYTES:
         fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     null = np.uint64(0)
