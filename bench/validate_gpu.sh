@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's validation on the device machine, in two calls that fit its limits:
 #   bash bench/validate_gpu.sh tests   GPU facts, cold/warm JIT, GPU tests, demo and check
-#   bash bench/validate_gpu.sh bench   BENCH.md benchmark (JSON) and the 2B decoder
+#   bash bench/validate_gpu.sh bench   gate GEMM timings, BENCH.md benchmark (JSON), 2B decoder
 # Logs and JSON go under $OUT (or /tmp/twell_out); each step has its own time limit.
 set -u
 OUT=${OUT:-/tmp/twell_out}
@@ -28,8 +28,10 @@ tests)
   tail -30 "$OUT/cli.log"
   ;;
 bench)
-  timeout 240 python3 -m twell bench --workloads uniform heavy paperlike --M 16384 65536 \
-    --out "$OUT" > "$OUT/bench.log" 2>&1
+  timeout 60 python3 bench/dev_gate_gemm.py full --out "$OUT" > "$OUT/gate_gemm.log" 2>&1
+  tail -2 "$OUT/gate_gemm.log"
+  timeout 300 python3 -m twell bench --workloads uniform heavy paperlike --M 16384 65536 \
+    --paths fused epilogue --out "$OUT" > "$OUT/bench.log" 2>&1
   timeout 120 python3 -m twell bench --workloads uniform --M 1 64 4096 16384 --nongated \
     --out "$OUT" >> "$OUT/bench.log" 2>&1
   timeout 90 python3 -m twell bench --workloads density=0.001 density=0.02 --M 16384 \
