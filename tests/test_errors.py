@@ -330,3 +330,14 @@ def test_hybrid_constructor_rejects_torch_parts():
         Hybrid(ell, torch.tensor([1], dtype=torch.int32), np.zeros((1, 64), np.float32))
     with pytest.raises(TypeError, match=r"^dense: "):
         Hybrid(ell, np.array([1], np.int32), torch.zeros((1, 64)))
+
+
+def test_sparse_ffn_path_must_be_known():
+    a = arrays()
+    with pytest.raises(ValueError, match=r"path: expected one of \('fused', 'epilogue', 'pack'\)"):
+        twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], tile=TILE, slots=SLOTS, path="x")
+    for path in ("fused", "epilogue", "pack"):  # NumPy weights: every path is the reference
+        block = twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], tile=TILE, slots=SLOTS,
+                                path=path)  # fmt: skip
+        assert block.path == path
+        np.testing.assert_allclose(block(a["x"]), call("ffn"))

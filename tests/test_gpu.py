@@ -235,6 +235,8 @@ def test_public_ops_with_cupy_and_torch():
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
     oracle = reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
     assert_close(to_f64(twell.ffn(*args)), oracle)
+    for path in ffn_gpu.PATHS:
+        assert_close(to_f64(twell.SparseFFN(*args[1:], path=path)(args[0])), oracle)
     torch = pytest.importorskip("torch")
     tensors = [torch.from_dlpack(a) for a in args]
     y = twell.ffn(*tensors)

@@ -20,6 +20,7 @@ import numpy as np
 from twell import reference
 from twell._arrays import FLOAT_DTYPES, library_of
 from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE, Hybrid, check_layout
+from twell.kernels.ffn_gpu import PATHS
 
 _TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
 
@@ -318,6 +319,10 @@ class SparseFFN:
         w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout); NumPy, CuPy or
             torch CUDA arrays, all of one library.
         tile, slots: TwELL geometry of the hidden activation.
+        path: the GPU pipeline: ``"fused"`` (default; cuBLAS gate GEMM, then one kernel
+            scans the pre-activation and gathers), ``"epilogue"`` (the gate GEMM packs
+            TwELL in its epilogue, then the gather reads it) or ``"pack"`` (cuBLAS, a
+            packing kernel, the gather). Same results; timings in docs/kernel_notes.md.
 
     Example:
         >>> block = twell.SparseFFN(w_gate, w_up, w_down)   # doctest: +SKIP
@@ -332,9 +337,13 @@ class SparseFFN:
         *,
         tile: int = DEFAULT_TILE,
         slots: int = DEFAULT_SLOTS,
+        path: str = "fused",
     ) -> None:
+        if path not in PATHS:
+            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
         self._weights = {"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
         inputs = _validate(weights=self._weights, tile=tile, slots=slots)
+        self.path = path
         self.library = inputs.library
         self.tile, self.slots = int(tile), int(slots)
         self.shape = (int(w_up.shape[0]), int(w_up.shape[1]))  # (N, K)
@@ -342,7 +351,7 @@ class SparseFFN:
         if self.library != "numpy":
             with _on_gpu(inputs) as g:
                 self._prepared = _kernels().SparseFFN(
-                    g.get("w_gate"), g["w_up"], g["w_down"], tile=tile, slots=slots
+                    g.get("w_gate"), g["w_up"], g["w_down"], tile=tile, slots=slots, path=path
                 )
 
     @property

@@ -6,23 +6,27 @@ torch's stream for torch callers). Computation is bf16 with fp32 accumulation; o
 float dtypes are converted to bf16 on entry and the output is returned in ``x``'s dtype.
 
 Pipeline of :func:`ffn` / :meth:`SparseFFN.forward` (no host synchronisation, so
-``SparseFFN.forward`` can be captured in a CUDA graph):
+``SparseFFN.forward`` can be captured in a CUDA graph), default ``path="fused"``:
 
 1. ``pre = x @ w_gate.T`` — cuBLAS bf16 GEMM (fp32 accumulation) into a bf16 buffer
    (``w_up`` instead for the non-gated block); :func:`gemm_nt`.
 2. ``twell_fused_rows`` (sparse_rows.cu; ``twell_fused_rows_wide`` for M <= 1024) — per
    token: relu and the heavy decision from ``pre`` (tile over slots-1, non-finite, or
    more than ``max_row_nnz`` active units), then the light rows' gathered up/down.
-   (``path="pack"``: pack.cu writes TwELL, then ``twell_twell_rows`` reads it; version
-   1's sparse_ffn.cu stays as the simple baseline, :func:`sparse_rows`.)
 3. ``twell_compact_rows`` — heavy row ids in ascending order and their count, on the
    device (a prefix sum: deterministic).
 4. ``twell_dense_rows_tiled`` (+ ``twell_dense_rows_reduce`` when the reduction is
    split) — heavy rows: tensor-core dense math, grid sized for the worst case, reading
    the count on the device (dense_rows.cu).
 
-:func:`gate` packs with pack.cu; :func:`gated_down` and :func:`down` read TwELL with
-``twell_twell_rows`` (sparse_rows.cu) and the dense part with dense_rows.cu.
+``path="epilogue"``: step 1 is gate_gemm.cu (wgmma, relu and TwELL packing in the GEMM's
+epilogue: :func:`gate_pack`), step 2 ``twell_twell_rows`` reading that TwELL, and the
+heavy rows' pre-activations are recomputed by dense_rows.cu before step 4.
+``path="pack"``: cuBLAS, pack.cu, then ``twell_twell_rows``. Version 1's sparse_ffn.cu
+stays as the simple baseline (:func:`sparse_rows`).
+
+:func:`gate` packs with gate_gemm.cu (or cuBLAS + pack.cu); :func:`gated_down` and
+:func:`down` read TwELL with ``twell_twell_rows`` and the dense part with dense_rows.cu.
 
 Same inputs give the same output bits: no step uses atomics.
 """
