@@ -16,7 +16,7 @@ tests)
   export CUPY_CACHE_DIR
   CUPY_CACHE_DIR=$(mktemp -d)
   for start in cold warm; do
-    echo "$start start, all kernels of the common paths: $(timeout 120 python3 bench/jit_time.py) s" \
+    echo "$start start, all kernels of the common paths: $(timeout 120 python3 bench/jit_time.py)" \
       | tee -a "$OUT/gpu.txt"
   done
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_gpu.py \

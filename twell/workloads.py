@@ -37,8 +37,22 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from scipy.optimize import brentq
-from scipy.special import ndtr, ndtri
+
+
+# SciPy is imported on first use (it costs a noticeable part of a second at import time).
+def _ndtr(x: Any) -> Any:
+    """The standard normal CDF Φ (scipy.special.ndtr)."""
+    from scipy.special import ndtr as phi
+
+    return phi(x)
+
+
+def _ndtri(p: Any) -> Any:
+    """The inverse standard normal CDF Φ⁻¹ (scipy.special.ndtri)."""
+    from scipy.special import ndtri as phi_inverse
+
+    return phi_inverse(p)
+
 
 __all__ = [
     "Problem",
@@ -290,7 +304,7 @@ def uniform(M: int, K: int, N: int, p: float = 0.005, *, seed: int = 0) -> Probl
     M, K, N = _check_shape(M, K, N)
     p = _check_real("p", p, 0.0, 1.0, closed=False)
     seed = _check_int("seed", seed, 0)
-    z = float(-ndtri(p))
+    z = float(-_ndtri(p))
     x = _tokens(seed, M, K)
     w_gate = _gate_weights(seed, K, N, np.full(N, z, dtype=np.float32))
     return _problem("uniform", x, w_gate, seed, {"p": p, "z": z, "design_l0": p * N})
@@ -329,13 +343,13 @@ def heavy(
     frac = _check_real("frac", frac, 0.0, 1.0, closed=True)
     scale = _check_positive("scale", scale)
     seed = _check_int("seed", seed, 0)
-    z = float(-ndtri(p))
+    z = float(-_ndtri(p))
     n_heavy = 0 if frac == 0.0 else max(1, round(frac * M))
     rows = np.sort(_rng(seed, _STREAM_HEAVY_ROWS).choice(M, size=n_heavy, replace=False))
     x = _tokens(seed, M, K)
     x[rows, 1:] *= np.float32(scale)
     w_gate = _gate_weights(seed, K, N, np.full(N, z, dtype=np.float32))
-    heavy_rate = float(ndtr(-z / scale))
+    heavy_rate = float(_ndtr(-z / scale))
     design_l0 = N * ((M - n_heavy) * p + n_heavy * heavy_rate) / M
     params = {
         "p": p,
@@ -354,7 +368,7 @@ def _expected_l0(
     weights: np.ndarray,
 ) -> float:
     """Σ_n E_s[Φ(-z_n / s)] with the token scale s given as quadrature ``(scales, weights)``."""
-    return float(ndtr(-threshold[:, None] / scales[None, :]).sum(axis=0) @ weights)
+    return float(_ndtr(-threshold[:, None] / scales[None, :]).sum(axis=0) @ weights)
 
 
 def _calibrate_log_rate_mean(
@@ -373,11 +387,11 @@ def _calibrate_log_rate_mean(
     i.e. threshold ``z_n = -Φ⁻¹(rate)``; the expected L0 is monotone in μ, so a bracketed
     root search (Brent) finds μ deterministically.
     """
-    dead = n_dead * float(ndtr(-dead_z / scales) @ weights)
+    dead = n_dead * float(_ndtr(-dead_z / scales) @ weights)
 
     def excess(mu: float) -> float:
         rate = np.minimum(np.exp(mu + log_rate_noise), max_rate)
-        return dead + _expected_l0(-ndtri(rate), scales, weights) - target_l0
+        return dead + _expected_l0(-_ndtri(rate), scales, weights) - target_l0
 
     low = math.log(1e-300) - float(log_rate_noise.min())
     high = math.log(max_rate) - float(log_rate_noise.min())
@@ -387,6 +401,8 @@ def _calibrate_log_rate_mean(
             f"target_l0 must lie in ({lowest:.4g}, {highest:.4g}) for these unit "
             f"parameters, got {target_l0!r}"
         )
+    from scipy.optimize import brentq
+
     return float(brentq(excess, low, high, xtol=1e-12, rtol=1e-12, maxiter=500))
 
 
@@ -497,7 +513,7 @@ def paperlike(
     )
     threshold = np.empty(N, dtype=np.float64)
     threshold[dead_units] = dead_z
-    threshold[alive_units] = -ndtri(np.minimum(np.exp(mu + log_rate_noise), max_rate))
+    threshold[alive_units] = -_ndtri(np.minimum(np.exp(mu + log_rate_noise), max_rate))
 
     x = _tokens(seed, M, K)
     token_scale = np.exp(

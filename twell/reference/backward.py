@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import scipy.sparse
 
 from twell.formats import Hybrid, TwELL
 from twell.reference.forward import relu, rowwise_dot, upcast
@@ -121,6 +120,8 @@ def _sparse(xf, wg, wu, wd, dyf, a, scale):  # noqa: ANN001, ANN202
     wd_t = np.ascontiguousarray(wd.T)  # [N, K]: unit n's down column is row n
 
     def csr(values: np.ndarray) -> Any:
+        import scipy.sparse  # imported on use: it costs a third of a second
+
         return scipy.sparse.csr_matrix((values, (m, n)), shape=(rows, columns))
 
     active = a[m, n]

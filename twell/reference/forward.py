@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import scipy.sparse
 
 from twell._arrays import round_bf16
 from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE, Hybrid
@@ -65,6 +64,8 @@ def _light_csr(h: Hybrid, values: np.ndarray | None = None, dtype: Any = np.floa
     """The light rows of ``h`` as a SciPy CSR matrix (optionally with other values)."""
     m, n, v = h.ell.entries(h.light_mask())
     data = (v if values is None else values).astype(dtype, copy=False)
+    import scipy.sparse  # imported on use: it costs a third of a second
+
     return scipy.sparse.csr_matrix((data, (m, n)), shape=h.shape)
 
 
@@ -83,6 +84,8 @@ def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any, *, dtype: Any = np.flo
     light = g.light_mask()
     m, n, gate_values = g.ell.entries(light)
     hidden = gate_values.astype(dtype) * rowwise_dot(xf, m, wu, n)
+    import scipy.sparse
+
     y = np.asarray(scipy.sparse.csr_matrix((hidden, (m, n)), shape=g.shape) @ wd.T)
     if g.dense_rows.size:
         rows = g.dense_rows
