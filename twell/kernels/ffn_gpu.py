@@ -653,37 +653,33 @@ def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
         return y
     gated = prepared.w_gate is not None
     w_first = prepared.w_gate if gated else prepared.w_up
-    if prepared.path == "epilogue":
-        packed, heavy = gate_pack(xb, w_first, prepared.tile, prepared.slots)
-        twell_rows(
-            xb if gated else None, packed, heavy, prepared.w_up if gated else None,
-            prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
-            max_row_nnz=prepared.max_row_nnz,
+    x_up, w_up = (xb, prepared.w_up) if gated else (None, None)
+    pre = None  # the dense pre-activation, where the path writes it
+    if prepared.path == "fused":
+        pre = gemm_nt(xb, w_first)
+        heavy = _alloc((m,), np.uint8)
+        fused_rows(
+            x_up, pre, heavy, w_up, prepared.w_down_t, y, tile=prepared.tile,
+            slots=prepared.slots, max_row_nnz=prepared.max_row_nnz,
         )  # fmt: skip
-        ids, count = compact_rows(heavy)
+    else:
+        if prepared.path == "epilogue":
+            packed, heavy = gate_pack(xb, w_first, prepared.tile, prepared.slots)
+        else:
+            pre = gemm_nt(xb, w_first)
+            packed, heavy = pack(pre, prepared.tile, prepared.slots)
+        scratch.append(packed)
+        twell_rows(
+            x_up, packed, heavy, w_up, prepared.w_down_t, y, tile=prepared.tile,
+            slots=prepared.slots, max_row_nnz=prepared.max_row_nnz,
+        )  # fmt: skip
+    ids, count = compact_rows(heavy)
+    if pre is None:
         # The heavy rows' pre-activations, recomputed on tensor cores into their rows of
         # an [M, N] buffer (nothing else of it is written or read).
         pre = _empty_bf16((m, prepared.w_up.shape[0]))
-        scratch += [packed, pre]
         scratch.append(dense_rows(xb, w_first, pre, ids, count, m, a_by_id=True, out_by_id=True))
-        return _heavy_rows(xb, prepared, pre, heavy, ids, count, y, scratch)
-    pre = gemm_nt(xb, w_first)
     scratch.append(pre)
-    if prepared.path == "pack":
-        packed, heavy = pack(pre, prepared.tile, prepared.slots)
-        scratch.append(packed)
-        twell_rows(
-            xb if gated else None, packed, heavy, prepared.w_up if gated else None,
-            prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
-        )  # fmt: skip
-    else:
-        heavy = _alloc((m,), np.uint8)
-        fused_rows(
-            xb if gated else None, pre, heavy, prepared.w_up if gated else None,
-            prepared.w_down_t, y, tile=prepared.tile, slots=prepared.slots,
-            max_row_nnz=prepared.max_row_nnz,
-        )  # fmt: skip
-    ids, count = compact_rows(heavy)
     return _heavy_rows(xb, prepared, pre, heavy, ids, count, y, scratch)
 
 
