@@ -209,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="layers to diagnose (MLP input statistics and timings), then exit",
     )
+    parser.add_argument(
+        "--dense-capacity",
+        type=float,
+        default=0.0,
+        help="SparseFFN dense_capacity: fraction of tokens whose heavy rows use cuBLAS",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON file to append to")
     args = parser.parse_args(argv)
 
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     l0, dense_share = measure_l0(model, held_out)
     t_dense, y_dense = time_forward(model, ids, args.warmup, args.reps)
     y_dense = y_dense[:2].float().cpu().numpy()
-    replaced = twell.torch.sparsify(model)
+    replaced = twell.torch.sparsify(model, dense_capacity=args.dense_capacity)
     t_twell, y_twell = time_forward(model, ids, args.warmup, args.reps)
     rel_err = relative_error(y_twell[:2].float().cpu().numpy(), y_dense)
     record = {
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "op": "decoder_forward",
         "workload": "llama2b-relu-calibrated",
         "layers": args.layers, "M": args.batch * args.seq, "K": args.hidden, "N": args.ffn,
-        "tile": 256, "slots": 32, "mlps_replaced": replaced,
+        "tile": 256, "slots": 32, "mlps_replaced": replaced, "dense_capacity": args.dense_capacity,
         "t_ms": t_twell, "t_dense_ms": t_dense, "speedup": t_dense / t_twell,
         "rel_err": rel_err, "l0": float(np.mean(l0)), "l0_per_layer": l0,
         "dense_rows_share_per_layer": dense_share,

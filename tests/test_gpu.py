@@ -437,6 +437,21 @@ def test_gate_gemm_at_large_m():
     _check_gate_gemm(131072 + 37, 512, 256, 256, 32, seed=3)
 
 
+@pytest.mark.parametrize("path", ["fused", "epilogue"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("capacity", [0.01, 0.03, 1.0])
+def test_heavy_rows_through_fixed_size_gemms(capacity: float, gated: bool, path: str):
+    """dense_capacity: the first ceil(f*M) heavy rows through cuBLAS GEMMs, the rest (if
+    any) through dense_rows.cu; with NaN/Inf rows; deterministic."""
+    p = with_special_rows(problem("heavy", 600, 512, 1024, seed=31))
+    w_gate = p.w_gate if gated else None
+    x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
+    block = ffn_gpu.SparseFFN(wg, wu, wd, path=path, dense_capacity=capacity)
+    y = block(x)
+    assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
+    assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
+
+
 def _hybrid_to_gpu(h: Hybrid) -> Hybrid:
     ell = TwELL(cp.asarray(h.ell.packed), h.shape, h.tile, h.slots)
     return Hybrid(ell, cp.asarray(h.dense_rows), cp.asarray(h.dense))

@@ -323,6 +323,8 @@ class SparseFFN:
             scans the pre-activation and gathers), ``"epilogue"`` (the gate GEMM packs
             TwELL in its epilogue, then the gather reads it) or ``"pack"`` (cuBLAS, a
             packing kernel, the gather). Same results; timings in docs/kernel_notes.md.
+        dense_capacity: fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the
+            rest by twell's dense-row kernel); pays on models with many heavy tokens.
 
     Example:
         >>> block = twell.SparseFFN(w_gate, w_up, w_down)   # doctest: +SKIP
@@ -338,9 +340,12 @@ class SparseFFN:
         tile: int = DEFAULT_TILE,
         slots: int = DEFAULT_SLOTS,
         path: str = "fused",
+        dense_capacity: float = 0.0,
     ) -> None:
         if path not in PATHS:
             raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+        if not 0.0 <= float(dense_capacity) <= 1.0:
+            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
         self._weights = {"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
         inputs = _validate(weights=self._weights, tile=tile, slots=slots)
         self.path = path
@@ -351,7 +356,13 @@ class SparseFFN:
         if self.library != "numpy":
             with _on_gpu(inputs) as g:
                 self._prepared = _kernels().SparseFFN(
-                    g.get("w_gate"), g["w_up"], g["w_down"], tile=tile, slots=slots, path=path
+                    g.get("w_gate"),
+                    g["w_up"],
+                    g["w_down"],
+                    tile=tile,
+                    slots=slots,
+                    path=path,
+                    dense_capacity=dense_capacity,
                 )
 
     @property

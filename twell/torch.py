@@ -53,6 +53,8 @@ class SparseMLP(nn.Module):
         gate_proj, up_proj: ``nn.Linear(K, N, bias=False)``.
         down_proj: ``nn.Linear(N, K, bias=False)``.
         tile, slots: TwELL geometry of the hidden activation (``N % tile == 0``).
+        dense_capacity: see :class:`twell.SparseFFN` (fraction of tokens whose heavy rows
+            go through fixed-size cuBLAS GEMMs).
 
     Raises:
         TypeError: a layer is not an ``nn.Linear``.
@@ -67,6 +69,7 @@ class SparseMLP(nn.Module):
         *,
         tile: int = DEFAULT_TILE,
         slots: int = DEFAULT_SLOTS,
+        dense_capacity: float = 0.0,
     ) -> None:
         super().__init__()
         for name, layer in (
@@ -89,6 +92,7 @@ class SparseMLP(nn.Module):
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.tile, self.slots = int(tile), int(slots)
+        self.dense_capacity = float(dense_capacity)
         self._block: SparseFFN | None = None
         self._block_key: tuple | None = None
 
@@ -121,8 +125,9 @@ class SparseMLP(nn.Module):
         key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
         if self._block is None or key != self._block_key:
             self._block = SparseFFN(
-                *(w.detach() for w in weights), tile=self.tile, slots=self.slots
-            )
+                *(w.detach() for w in weights), tile=self.tile, slots=self.slots,
+                dense_capacity=self.dense_capacity,
+            )  # fmt: skip
             self._block_key = key
         return self._block
 
@@ -136,10 +141,17 @@ class SparseMLP(nn.Module):
         return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def sparsify(model: nn.Module, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_SLOTS) -> int:
+def sparsify(
+    model: nn.Module,
+    *,
+    tile: int = DEFAULT_TILE,
+    slots: int = DEFAULT_SLOTS,
+    dense_capacity: float = 0.0,
+) -> int:
     """Replace every Llama-style ReLU MLP inside ``model`` by a :class:`SparseMLP`.
 
     Parameters are shared, not copied. MLPs with another activation are left alone.
+    ``tile``, ``slots`` and ``dense_capacity`` go to every :class:`SparseMLP`.
 
     Returns:
         The number of MLPs replaced.
@@ -151,5 +163,8 @@ def sparsify(model: nn.Module, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT
         if not isinstance(child, SparseMLP) and is_relu_mlp(child)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, SparseMLP.from_module(child, tile=tile, slots=slots))
+        replacement = SparseMLP.from_module(
+            child, tile=tile, slots=slots, dense_capacity=dense_capacity
+        )
+        setattr(parent, name, replacement)
     return len(targets)

@@ -585,6 +585,10 @@ class SparseFFN:
             ``twell_twell_rows``), for comparisons.
         max_row_nnz: tokens with more active units take the dense path (default
             :func:`default_max_row_nnz`). Any value gives the same result.
+        dense_capacity: a fraction f of M: the first ``ceil(f * M)`` heavy rows go through
+            cuBLAS GEMMs of that fixed size (gathered, then scattered back), the rest
+            through dense_rows.cu. The GEMMs cost the same however many rows are heavy, so
+            this pays where many rows are (skewed models), not on sparse ones. Default 0.
     """
 
     def __init__(
@@ -597,6 +601,7 @@ class SparseFFN:
         *,
         path: str = "fused",
         max_row_nnz: int | None = None,
+        dense_capacity: float = 0.0,
     ) -> None:
         if path not in PATHS:
             raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
@@ -619,6 +624,9 @@ class SparseFFN:
         if not 0 <= int(max_row_nnz) <= 1024:
             raise ValueError(f"max_row_nnz: expected an int in [0, 1024], got {max_row_nnz}")
         self.max_row_nnz = int(max_row_nnz)
+        if not 0.0 <= float(dense_capacity) <= 1.0:
+            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
+        self.dense_capacity = float(dense_capacity)
         self.w_down_t = transpose(self.w_down)
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
@@ -698,21 +706,70 @@ def _heavy_rows(
     m = xb.shape[0]
     gated = prepared.w_gate is not None
     scratch += [heavy, ids, count]
+    capacity = min(m, math.ceil(prepared.dense_capacity * m))
+    if capacity:
+        ids, count = _heavy_rows_gemm(xb, prepared, pre, ids, count, capacity, y, scratch)
+        if capacity == m:
+            return y
+    max_rows = m - capacity
     if gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
         scratch.append(
-            dense_rows(xb, prepared.w_up, pre, ids, count, m, a_by_id=True, out_by_id=True,
+            dense_rows(xb, prepared.w_up, pre, ids, count, max_rows, a_by_id=True, out_by_id=True,
                        gate=pre, gate_by_id=True, relu_gate=True)
         )  # fmt: skip
         scratch.append(
-            dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True)
+            dense_rows(pre, prepared.w_down, y, ids, count, max_rows, a_by_id=True, out_by_id=True)
         )
     else:
         scratch.append(
-            dense_rows(pre, prepared.w_down, y, ids, count, m, a_by_id=True, out_by_id=True,
-                       relu_a=True)
+            dense_rows(pre, prepared.w_down, y, ids, count, max_rows, a_by_id=True,
+                       out_by_id=True, relu_a=True)
         )  # fmt: skip
     return y
+
+
+def _heavy_rows_gemm(
+    xb: Any,
+    prepared: SparseFFN,
+    pre: Any,
+    ids: Any,
+    count: Any,
+    capacity: int,
+    y: Any,
+    scratch: list[Any],
+) -> tuple[Any, Any]:
+    """The first ``capacity`` heavy rows through cuBLAS GEMMs of ``capacity`` rows: gather
+    x and the pre-activation rows (zeros past the count), ``h = relu(g) * (x @ w_up.T)``
+    (or ``relu(g)``), ``h @ w_down.T``, scatter. Returns the ids and device count of the
+    heavy rows left over (for dense_rows.cu)."""
+    cp = _cupy()
+    m, k = xb.shape
+    n = prepared.w_up.shape[0]
+    gated = prepared.w_gate is not None
+    rest = _alloc((1,), cp.int32)
+    grid = (_grid_1d(capacity * max(k, n) // 8),)
+    gather = kernel("pack.cu", "twell_gather_rows", {"TILE": 256, "SLOTS": 32})
+    x_c = _empty_bf16((capacity, k))
+    gather(grid, (256,), (_u16(xb), np.int32(k), ids, count, np.int32(capacity), np.int32(0),
+                          _u16(x_c), rest))  # fmt: skip
+    g_c = _empty_bf16((capacity, n))
+    gather(grid, (256,), (_u16(pre), np.int32(n), ids, count, np.int32(capacity),
+                          np.int32(0 if gated else 1), _u16(g_c), rest))  # fmt: skip
+    if gated:
+        u_c = gemm_nt(x_c, prepared.w_up)
+        kernel("pack.cu", "twell_relu_mul", {"TILE": 256, "SLOTS": 32})(
+            (_grid_1d(capacity * n // 2),), (256,),
+            (_u16(g_c), _u16(u_c), _u16(g_c), np.int64(capacity * n)),
+        )  # fmt: skip
+        scratch.append(u_c)
+    y_c = gemm_nt(g_c, prepared.w_down)
+    kernel("pack.cu", "twell_scatter_rows", {"TILE": 256, "SLOTS": 32})(
+        (_grid_1d(capacity * k // 8),), (256,),
+        (_u16(y_c), np.int32(k), ids, count, np.int32(capacity), _u16(y)),
+    )  # fmt: skip
+    scratch += [x_c, g_c, y_c, rest]
+    return ids[capacity:], rest
 
 
 def ffn(

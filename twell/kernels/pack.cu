@@ -150,3 +150,76 @@ extern "C" __global__ void twell_gather_relu_rows(const uint16_t* __restrict__ p
     dense[k] = relu_nonzero(b) ? (uint16_t)b : (uint16_t)0;
   }
 }
+
+// ---- heavy rows through fixed-size GEMMs (SparseFFN's dense_capacity) ----------------
+// dst[i] = src[ids[i]] for i < min(count, C), zeros for count <= i < C (relu applied when
+// relu != 0, NaN kept); rest[0] = max(count - C, 0) (the rows left to dense_rows.cu).
+// Rows are `width` bf16 wide (width % 8 == 0), moved 16 bytes at a time.
+extern "C" __global__ void twell_gather_rows(const uint16_t* __restrict__ src, int width,
+                                             const int* __restrict__ ids,
+                                             const int* __restrict__ count, int C, int relu,
+                                             uint16_t* __restrict__ dst, int* __restrict__ rest) {
+  const int n = count[0];
+  if (blockIdx.x == 0 && threadIdx.x == 0) rest[0] = max(n - C, 0);
+  const int per_row = width / 8;
+  const long long total = (long long)C * per_row;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(k / per_row), c = (int)(k % per_row);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (i < n) {
+      v = reinterpret_cast<const uint4*>(src + (long long)ids[i] * width)[c];
+      if (relu) {
+        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t out = 0;
+#pragma unroll
+          for (int s = 0; s < 32; s += 16) {
+            const uint32_t h = (w[q] >> s) & 0xffffu;
+            out |= (((h & 0x7fffu) > 0x7f80u || !(h & 0x8000u)) ? h : 0u) << s;
+          }
+          w[q] = out;
+        }
+      }
+    }
+    reinterpret_cast<uint4*>(dst + (long long)i * width)[c] = v;
+  }
+}
+
+// h = bf16(relu(g) * u) elementwise over n bf16 (n % 2 == 0); relu keeps NaN.
+extern "C" __global__ void twell_relu_mul(const uint16_t* __restrict__ g,
+                                          const uint16_t* __restrict__ u,
+                                          uint16_t* __restrict__ h, long long n) {
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; 2 * k < n;
+       k += (long long)gridDim.x * blockDim.x) {
+    const uint32_t gw = reinterpret_cast<const uint32_t*>(g)[k];
+    const uint32_t uw = reinterpret_cast<const uint32_t*>(u)[k];
+    float r[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t gb = (gw >> (16 * s)) & 0xffffu;
+      const float gv = __uint_as_float(gb << 16);
+      const float relu_g = ((gb & 0x7fffu) > 0x7f80u || !(gb & 0x8000u)) ? gv : 0.f;
+      r[s] = relu_g * __uint_as_float(((uw >> (16 * s)) & 0xffffu) << 16);
+    }
+    __nv_bfloat162 v = __floats2bfloat162_rn(r[0], r[1]);
+    reinterpret_cast<uint32_t*>(h)[k] = *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// dst[ids[i]] = src[i] for i < min(count, C); rows `width` bf16 wide (width % 8 == 0).
+extern "C" __global__ void twell_scatter_rows(const uint16_t* __restrict__ src, int width,
+                                              const int* __restrict__ ids,
+                                              const int* __restrict__ count, int C,
+                                              uint16_t* __restrict__ dst) {
+  const int n = min(count[0], C);
+  const int per_row = width / 8;
+  const long long total = (long long)n * per_row;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(k / per_row), c = (int)(k % per_row);
+    reinterpret_cast<uint4*>(dst + (long long)ids[i] * width)[c] =
+        reinterpret_cast<const uint4*>(src + (long long)i * width)[c];
+  }
+}
