@@ -152,6 +152,7 @@ def bench_config(
     paths: tuple[str, ...] = ("fused",),
     graphs: bool = False,
     max_row_nnz: int | None = None,
+    dense_capacity: float = 0.0,
 ) -> list[dict[str, Any]]:
     import cupy as cp
     import torch
@@ -176,7 +177,10 @@ def bench_config(
         xs.append(x)
         blocks.append(
             {
-                p: ffn_gpu.SparseFFN(wg, wu, wd, tile, slots, path=p, max_row_nnz=max_row_nnz)
+                p: ffn_gpu.SparseFFN(
+                    wg, wu, wd, tile, slots, path=p, max_row_nnz=max_row_nnz,
+                    dense_capacity=dense_capacity,
+                )  # fmt: skip
                 for p in paths
             }
         )
@@ -296,6 +300,7 @@ def bench_config(
             l0=l0,
             heavy_rows=heavy_rows,
             max_row_nnz=b.max_row_nnz,
+            dense_capacity=b.dense_capacity,
             rotation_sets=sets,
             **versions(),
         )
@@ -385,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
     parser.add_argument("--out", default=os.path.join("bench", "results"))
     parser.add_argument("--max-row-nnz", type=int, default=None)
+    parser.add_argument("--dense-capacity", type=float, default=0.0,
+                        help="fraction of M of heavy rows done by fixed-size cuBLAS GEMMs")  # fmt: skip
     parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
     parser.add_argument("--paths", nargs="+", default=["fused"], choices=list(PATHS))
     args = parser.parse_args(argv)
@@ -396,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     rs = bench_config(
                         workload, m, args.K, args.N, gated=gated, slots=slots,
                         stages=args.stages, paths=tuple(args.paths), graphs=m <= args.graph_below,
-                        max_row_nnz=args.max_row_nnz,
+                        max_row_nnz=args.max_row_nnz, dense_capacity=args.dense_capacity,
                     )  # fmt: skip
                     records += rs
                     for r in rs:
