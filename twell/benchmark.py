@@ -178,7 +178,13 @@ def bench_config(
         blocks.append(
             {
                 p: ffn_gpu.SparseFFN(
-                    wg, wu, wd, tile, slots, path=p, max_row_nnz=max_row_nnz,
+                    wg,
+                    wu,
+                    wd,
+                    tile,
+                    slots,
+                    path=p,
+                    max_row_nnz=max_row_nnz,
                     dense_capacity=dense_capacity,
                 )  # fmt: skip
                 for p in paths
@@ -390,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
     parser.add_argument("--out", default=os.path.join("bench", "results"))
     parser.add_argument("--max-row-nnz", type=int, default=None)
-    parser.add_argument("--dense-capacity", type=float, default=0.0,
-                        help="fraction of M of heavy rows done by fixed-size cuBLAS GEMMs")  # fmt: skip
+    parser.add_argument(
+        "--dense-capacity", type=float, default=0.0, help="fraction of M: heavy rows via cuBLAS"
+    )
     parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
     parser.add_argument("--paths", nargs="+", default=["fused"], choices=list(PATHS))
     args = parser.parse_args(argv)
