@@ -341,3 +341,10 @@ def test_sparse_ffn_path_must_be_known():
                                 path=path)  # fmt: skip
         assert block.path == path
         np.testing.assert_allclose(block(a["x"]), call("ffn"))
+
+
+@pytest.mark.parametrize("capacity", [-0.1, 1.5])
+def test_sparse_ffn_dense_capacity_must_be_a_fraction(capacity):
+    a = arrays()
+    with pytest.raises(ValueError, match="dense_capacity: expected a fraction in"):
+        twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], dense_capacity=capacity)
