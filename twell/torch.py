@@ -58,7 +58,8 @@ class SparseMLP(nn.Module):
 
     Raises:
         TypeError: a layer is not an ``nn.Linear``.
-        ValueError: a layer has a bias, or the shapes do not chain.
+        ValueError: a layer has a bias, the shapes do not chain, or ``dense_capacity`` is
+            not in [0, 1].
     """
 
     def __init__(
@@ -92,6 +93,8 @@ class SparseMLP(nn.Module):
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.tile, self.slots = int(tile), int(slots)
+        if not 0.0 <= float(dense_capacity) <= 1.0:
+            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
         self.dense_capacity = float(dense_capacity)
         self._block: SparseFFN | None = None
         self._block_key: tuple | None = None
