@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/twell_cupy_cache
 timeout "${HYP_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   -k hypothesis 2>&1 | tee "$OUT/hypothesis.log" | tail -25
-SUBSET='(ffn_matches_dense_float64 and (129 or 300 or 257 or 70 or 2000)) or dense_rows_kernels or graph or version_1 or gate_gemm_epilogue or (other_paths and epilogue and 300)'
+SUBSET='(ffn_matches_dense_float64 and (129 or 300 or 257 or 70 or 2000)) or dense_rows_kernels or graph or version_1 or gate_gemm_epilogue or (other_paths and epilogue and 300) or fixed_size'
 timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "$SUBSET" 2>&1 \
   | tee "$OUT/memcheck.log" | grep -v "Warning" | tail -25
