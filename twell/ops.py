@@ -20,7 +20,7 @@ import numpy as np
 from twell import reference
 from twell._arrays import FLOAT_DTYPES, library_of
 from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE, Hybrid, check_layout
-from twell.kernels.ffn_gpu import PATHS
+from twell.kernels.ffn_gpu import check_options
 
 _TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
 
@@ -342,10 +342,7 @@ class SparseFFN:
         path: str = "fused",
         dense_capacity: float = 0.0,
     ) -> None:
-        if path not in PATHS:
-            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
-        if not 0.0 <= float(dense_capacity) <= 1.0:
-            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
+        check_options(path=path, dense_capacity=dense_capacity)
         self._weights = {"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
         inputs = _validate(weights=self._weights, tile=tile, slots=slots)
         self.path = path

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE
+from twell.kernels.ffn_gpu import check_options
 from twell.ops import SparseFFN
 
 __all__ = ["SparseMLP", "is_relu_mlp", "sparsify"]
@@ -93,8 +94,7 @@ class SparseMLP(nn.Module):
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.tile, self.slots = int(tile), int(slots)
-        if not 0.0 <= float(dense_capacity) <= 1.0:
-            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
+        check_options(dense_capacity=dense_capacity)
         self.dense_capacity = float(dense_capacity)
         self._block: SparseFFN | None = None
         self._block_key: tuple | None = None

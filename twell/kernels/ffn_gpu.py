@@ -457,6 +457,15 @@ def dense_rows(
     return ws
 
 
+def check_options(*, path: str = "fused", dense_capacity: float = 0.0) -> None:
+    """``ValueError`` unless ``path`` is one of :data:`PATHS` and ``dense_capacity`` a
+    fraction in [0, 1] (the options of :class:`SparseFFN`, checked before any launch)."""
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    if not 0.0 <= float(dense_capacity) <= 1.0:
+        raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
+
+
 def default_max_row_nnz(n: int) -> int:
     """Active units per token above which ``ffn`` sends the token to the dense path.
 
@@ -603,8 +612,7 @@ class SparseFFN:
         max_row_nnz: int | None = None,
         dense_capacity: float = 0.0,
     ) -> None:
-        if path not in PATHS:
-            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+        check_options(path=path, dense_capacity=dense_capacity)
         self.path = path
         self.w_gate = None if w_gate is None else as_bf16(w_gate)
         self.w_up = as_bf16(w_up)
@@ -624,8 +632,6 @@ class SparseFFN:
         if not 0 <= int(max_row_nnz) <= 1024:
             raise ValueError(f"max_row_nnz: expected an int in [0, 1024], got {max_row_nnz}")
         self.max_row_nnz = int(max_row_nnz)
-        if not 0.0 <= float(dense_capacity) <= 1.0:
-            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {dense_capacity}")
         self.dense_capacity = float(dense_capacity)
         self.w_down_t = transpose(self.w_down)
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
@@ -682,19 +688,18 @@ def _ffn(xb: Any, prepared: SparseFFN, scratch: list[Any]) -> Any:
             slots=prepared.slots, max_row_nnz=prepared.max_row_nnz,
         )  # fmt: skip
     ids, count = compact_rows(heavy)
-    if pre is None:
-        # The heavy rows' pre-activations, recomputed on tensor cores into their rows of
-        # an [M, N] buffer (nothing else of it is written or read).
+    recompute = pre is None
+    if recompute:  # the heavy rows' pre-activations get recomputed into their rows only
         pre = _empty_bf16((m, prepared.w_up.shape[0]))
-        scratch.append(dense_rows(xb, w_first, pre, ids, count, m, a_by_id=True, out_by_id=True))
     scratch.append(pre)
-    return _heavy_rows(xb, prepared, pre, heavy, ids, count, y, scratch)
+    return _heavy_rows(xb, prepared, pre, recompute, heavy, ids, count, y, scratch)
 
 
 def _heavy_rows(
     xb: Any,
     prepared: SparseFFN,
     pre: Any,
+    recompute: bool,
     heavy: Any,
     ids: Any,
     count: Any,
@@ -702,16 +707,24 @@ def _heavy_rows(
     scratch: list[Any],
 ) -> Any:
     """Dense math for the heavy rows ``ids[:count]``, whose pre-activations are the same
-    rows of ``pre``; writes their rows of ``y`` and returns ``y``."""
+    rows of ``pre`` (with ``recompute``: computed here first, from ``x``, into those rows);
+    writes their rows of ``y`` and returns ``y``."""
     m = xb.shape[0]
     gated = prepared.w_gate is not None
+    w_first = prepared.w_gate if gated else prepared.w_up
     scratch += [heavy, ids, count]
     capacity = min(m, math.ceil(prepared.dense_capacity * m))
     if capacity:
-        ids, count = _heavy_rows_gemm(xb, prepared, pre, ids, count, capacity, y, scratch)
+        ids, count = _heavy_rows_gemm(
+            xb, prepared, None if recompute else pre, ids, count, capacity, y, scratch
+        )
         if capacity == m:
             return y
     max_rows = m - capacity
+    if recompute:
+        scratch.append(
+            dense_rows(xb, w_first, pre, ids, count, max_rows, a_by_id=True, out_by_id=True)
+        )
     if gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
         scratch.append(
@@ -740,9 +753,9 @@ def _heavy_rows_gemm(
     scratch: list[Any],
 ) -> tuple[Any, Any]:
     """The first ``capacity`` heavy rows through cuBLAS GEMMs of ``capacity`` rows: gather
-    x and the pre-activation rows (zeros past the count), ``h = relu(g) * (x @ w_up.T)``
-    (or ``relu(g)``), ``h @ w_down.T``, scatter. Returns the ids and device count of the
-    heavy rows left over (for dense_rows.cu)."""
+    x and the pre-activation rows (zeros past the count; ``pre=None``: recomputed from the
+    gathered x), ``h = relu(g) * (x @ w_up.T)`` (or ``relu(g)``), ``h @ w_down.T``, scatter.
+    Returns the ids and device count of the heavy rows left over (for dense_rows.cu)."""
     cp = _cupy()
     m, k = xb.shape
     n = prepared.w_up.shape[0]
@@ -751,18 +764,21 @@ def _heavy_rows_gemm(
     grid = (_grid_1d(capacity * max(k, n) // 8),)
     gather = kernel("pack.cu", "twell_gather_rows", {"TILE": 256, "SLOTS": 32})
     x_c = _empty_bf16((capacity, k))
-    gather(grid, (256,), (_u16(xb), np.int32(k), ids, count, np.int32(capacity), np.int32(0),
+    gather(grid, (256,), (_u16(xb), np.int32(k), ids, count, np.int32(capacity),
                           _u16(x_c), rest))  # fmt: skip
-    g_c = _empty_bf16((capacity, n))
-    gather(grid, (256,), (_u16(pre), np.int32(n), ids, count, np.int32(capacity),
-                          np.int32(0 if gated else 1), _u16(g_c), rest))  # fmt: skip
-    if gated:
-        u_c = gemm_nt(x_c, prepared.w_up)
-        kernel("pack.cu", "twell_relu_mul", {"TILE": 256, "SLOTS": 32})(
-            (_grid_1d(capacity * n // 2),), (256,),
-            (_u16(g_c), _u16(u_c), _u16(g_c), np.int64(capacity * n)),
-        )  # fmt: skip
-        scratch.append(u_c)
+    if pre is None:
+        g_c = gemm_nt(x_c, prepared.w_gate if gated else prepared.w_up)
+    else:
+        g_c = _empty_bf16((capacity, n))
+        gather(grid, (256,), (_u16(pre), np.int32(n), ids, count, np.int32(capacity),
+                              _u16(g_c), rest))  # fmt: skip
+    u_c = gemm_nt(x_c, prepared.w_up) if gated else None
+    kernel("pack.cu", "twell_relu_mul", {"TILE": 256, "SLOTS": 32})(  # h = relu(g) (* u)
+        (_grid_1d(capacity * n // 2),), (256,),
+        (_u16(g_c), np.uint64(0) if u_c is None else _u16(u_c), _u16(g_c),
+         np.int64(capacity * n)),
+    )  # fmt: skip
+    scratch.append(u_c)
     y_c = gemm_nt(g_c, prepared.w_down)
     kernel("pack.cu", "twell_scatter_rows", {"TILE": 256, "SLOTS": 32})(
         (_grid_1d(capacity * k // 8),), (256,),

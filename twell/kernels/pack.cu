@@ -152,12 +152,12 @@ extern "C" __global__ void twell_gather_relu_rows(const uint16_t* __restrict__ p
 }
 
 // ---- heavy rows through fixed-size GEMMs (SparseFFN's dense_capacity) ----------------
-// dst[i] = src[ids[i]] for i < min(count, C), zeros for count <= i < C (relu applied when
-// relu != 0, NaN kept); rest[0] = max(count - C, 0) (the rows left to dense_rows.cu).
-// Rows are `width` bf16 wide (width % 8 == 0), moved 16 bytes at a time.
+// dst[i] = src[ids[i]] for i < min(count, C), zeros for count <= i < C;
+// rest[0] = max(count - C, 0) (the rows left to dense_rows.cu). Rows are `width` bf16
+// wide (width % 8 == 0), moved 16 bytes at a time.
 extern "C" __global__ void twell_gather_rows(const uint16_t* __restrict__ src, int width,
                                              const int* __restrict__ ids,
-                                             const int* __restrict__ count, int C, int relu,
+                                             const int* __restrict__ count, int C,
                                              uint16_t* __restrict__ dst, int* __restrict__ rest) {
   const int n = count[0];
   if (blockIdx.x == 0 && threadIdx.x == 0) rest[0] = max(n - C, 0);
@@ -166,35 +166,21 @@ extern "C" __global__ void twell_gather_rows(const uint16_t* __restrict__ src, i
   for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
        k += (long long)gridDim.x * blockDim.x) {
     const int i = (int)(k / per_row), c = (int)(k % per_row);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (i < n) {
-      v = reinterpret_cast<const uint4*>(src + (long long)ids[i] * width)[c];
-      if (relu) {
-        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          uint32_t out = 0;
-#pragma unroll
-          for (int s = 0; s < 32; s += 16) {
-            const uint32_t h = (w[q] >> s) & 0xffffu;
-            out |= (((h & 0x7fffu) > 0x7f80u || !(h & 0x8000u)) ? h : 0u) << s;
-          }
-          w[q] = out;
-        }
-      }
-    }
+    const uint4 v = i < n ? reinterpret_cast<const uint4*>(src + (long long)ids[i] * width)[c]
+                          : make_uint4(0, 0, 0, 0);
     reinterpret_cast<uint4*>(dst + (long long)i * width)[c] = v;
   }
 }
 
-// h = bf16(relu(g) * u) elementwise over n bf16 (n % 2 == 0); relu keeps NaN.
+// h = bf16(relu(g) * u) elementwise over n bf16 (n % 2 == 0), or relu(g) when u is null;
+// relu keeps NaN.
 extern "C" __global__ void twell_relu_mul(const uint16_t* __restrict__ g,
                                           const uint16_t* __restrict__ u,
                                           uint16_t* __restrict__ h, long long n) {
   for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; 2 * k < n;
        k += (long long)gridDim.x * blockDim.x) {
     const uint32_t gw = reinterpret_cast<const uint32_t*>(g)[k];
-    const uint32_t uw = reinterpret_cast<const uint32_t*>(u)[k];
+    const uint32_t uw = u == nullptr ? 0x3f803f80u : reinterpret_cast<const uint32_t*>(u)[k];
     float r[2];
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
