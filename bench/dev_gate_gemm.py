@@ -14,39 +14,43 @@ import time
 import cupy as cp
 import numpy as np
 
-from twell.kernels import ffn_gpu, gate_gemm
+from twell.kernels import gate_gemm
+from twell.kernels.buffers import empty_bf16
+from twell.kernels.convert import as_bf16, from_bf16
+from twell.kernels.cublas import gemm_nt
+from twell.kernels.pack import pack
 
 
 def rand_bf16(shape, seed, scale=1.0):
     rng = cp.random.default_rng(seed)
-    return ffn_gpu.as_bf16(rng.standard_normal(shape, dtype=cp.float32) * scale)
+    return as_bf16(rng.standard_normal(shape, dtype=cp.float32) * scale)
 
 
 def sparse_problem(m, n, k, seed):
     """x, w with pre-activations ~ N(-2.6, 1): ~0.5% positive, every 50th row dense."""
-    x = ffn_gpu.from_bf16(rand_bf16((m, k), seed), np.float32)
-    w = ffn_gpu.from_bf16(rand_bf16((n, k), seed + 1, 1.0 / np.sqrt(k)), np.float32)
+    x = from_bf16(rand_bf16((m, k), seed), np.float32)
+    w = from_bf16(rand_bf16((n, k), seed + 1, 1.0 / np.sqrt(k)), np.float32)
     x[:, 0] = 1.0
     x[::50, 0] = 0.0
     w[:, 0] = -2.6
-    return ffn_gpu.as_bf16(x), ffn_gpu.as_bf16(w)
+    return as_bf16(x), as_bf16(w)
 
 
 def check(m, n, k, tile=256, slots=32, seed=0):
     x, w = sparse_problem(m, n, k, seed)
-    ref = ffn_gpu.gemm_nt(x, w)
-    pre = ffn_gpu._empty_bf16((m, n))
+    ref = gemm_nt(x, w)
+    pre = empty_bf16((m, n))
     pre.view(cp.uint16).fill(0xFFFF)
-    gate_gemm.launch(x, w, tile=tile, slots=slots, pre=pre)
-    a = ffn_gpu.from_bf16(pre, np.float32)
-    b = ffn_gpu.from_bf16(ref, np.float32)
+    gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_DENSE, pre=pre)
+    a = from_bf16(pre, np.float32)
+    b = from_bf16(ref, np.float32)
     rel = float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
     same = float((pre.view(cp.uint16) == ref.view(cp.uint16)).mean())
     # packing epilogue vs pack.cu on this kernel's own dense output
     packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
     heavy = cp.zeros((m,), dtype=cp.uint8)
     gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy)
-    p_ref, h_ref = ffn_gpu.pack(pre, tile, slots)
+    p_ref, h_ref = pack(pre, tile, slots)
     cp.cuda.runtime.deviceSynchronize()
     pack_equal = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
     return {"m": m, "n": n, "k": k, "tile": tile, "slots": slots, "rel_vs_cublas": rel,
@@ -91,7 +95,7 @@ def main():
         m, n, k = 16384, 5632, 2048
         x = rand_bf16((m, k), 5)
         ws = [rand_bf16((n, k), 6 + i, 1.0 / np.sqrt(k)) for i in range(2)]
-        pre = ffn_gpu._empty_bf16((m, n))
+        pre = empty_bf16((m, n))
         packed = cp.empty((m, n // 256 * 32), dtype=cp.uint32)
         heavy = cp.zeros((m,), dtype=cp.uint8)
         flops = 2.0 * m * n * k
@@ -105,11 +109,11 @@ def main():
             return lambda: gate_gemm.launch(x, ws[rot()], tile=256, slots=32, **kw)
 
         candidates = {
-            "cublas": lambda: ffn_gpu.gemm_nt(x, ws[rot()], pre),
-            "wgmma_dense": ours(pre=pre),
-            "wgmma_main_loop": ours(main_loop_only=True),
+            "cublas": lambda: gemm_nt(x, ws[rot()], pre),
+            "wgmma_dense": ours(output=gate_gemm.OUTPUT_DENSE, pre=pre),
+            "wgmma_main_loop": ours(output=gate_gemm.OUTPUT_NONE),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
-            "cublas_plus_pack": lambda: ffn_gpu.pack(ffn_gpu.gemm_nt(x, ws[rot()], pre), 256, 32),
+            "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}
         for _ in range(5):  # interleaved rounds; the best median of each (clocks drift)

@@ -1,4 +1,4 @@
-"""One launch of gate_gemm.cu's packing kernel at the BENCH.md shape, for a profiler:
+"""One launch of gate_gemm.cu's packing kernel at the benchmark's main shape, for a profiler:
 
     ncu --clock-control none -k regex:twell_gate_gemm -c 1 --section WarpStateStats \
         --section SourceCounters python3 bench/profile_gate_gemm.py
@@ -7,9 +7,9 @@
 import cupy as cp
 
 from bench.dev_gate_gemm import sparse_problem
-from twell.kernels import ffn_gpu
+from twell.kernels.gate_gemm import gate_pack
 
 x, w = sparse_problem(16384, 5632, 2048, seed=0)
-packed, heavy = ffn_gpu.gate_pack(x, w, 256, 32)
+packed, heavy = gate_pack(x, w, 256, 32)
 cp.cuda.runtime.deviceSynchronize()
 print("heavy rows", int(heavy.sum()))

@@ -1,4 +1,4 @@
-"""Bad input (SPEC.md §6): every public entry raises TypeError/ValueError naming the argument."""
+"""Bad input (docs/ops.md): every public entry raises TypeError/ValueError naming the argument."""
 
 from __future__ import annotations
 
@@ -339,7 +339,7 @@ def test_sparse_ffn_path_must_be_known():
     for path in ("fused", "epilogue", "pack"):  # NumPy weights: every path is the reference
         block = twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], tile=TILE, slots=SLOTS,
                                 path=path)  # fmt: skip
-        assert block.path == path
+        assert block.options.path == path
         np.testing.assert_allclose(block(a["x"]), call("ffn"))
 
 

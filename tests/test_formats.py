@@ -1,4 +1,4 @@
-"""TwELL and Hybrid (SPEC.md §2–3): round trips, statistics, the packed words themselves."""
+"""TwELL and Hybrid (docs/format.md): round trips, statistics, the packed words themselves."""
 
 from __future__ import annotations
 

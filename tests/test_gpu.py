@@ -26,7 +26,12 @@ if _REASON is not None:
 import cupy as cp  # noqa: E402
 
 from twell.benchmark import to_device as to_gpu  # noqa: E402
-from twell.kernels import ffn_gpu  # noqa: E402
+from twell.kernels import buffers, gate_gemm, heavy_rows, hybrid_ops  # noqa: E402
+from twell.kernels.convert import as_bf16  # noqa: E402
+from twell.kernels.cublas import gemm_nt  # noqa: E402
+from twell.kernels.pack import pack  # noqa: E402
+from twell.kernels.pipeline import PreparedBlock  # noqa: E402
+from twell.options import PATHS, Options  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -38,7 +43,7 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
         out.view(cp.uint8)[...] = 0xFF
         return out
 
-    monkeypatch.setattr(ffn_gpu, "_alloc", poisoned)
+    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
 
 
 def to_f64(a: object) -> np.ndarray:
@@ -105,14 +110,14 @@ def test_ffn_matches_dense_float64(kind: str, m: int, k: int, n: int, slots: int
     p = with_special_rows(problem(kind, m, k, n, seed=m + k))
     w_gate = p.w_gate if gated else None
     args = [to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down)]
-    y = ffn_gpu.ffn(*args, tile=256, slots=slots)
+    y = hybrid_ops.ffn(*args, Options(slots=slots))
     assert y.shape == (m, k) and np.dtype(y.dtype) == BF16
     oracle = reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down)
     y64 = to_f64(y)
     assert_close(y64, oracle)
     if m > 3:
         assert np.all(y64[0] == 0)
-    again = ffn_gpu.ffn(*args, tile=256, slots=slots)
+    again = hybrid_ops.ffn(*args, Options(slots=slots))
     assert cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)), "not deterministic"
 
 
@@ -121,7 +126,7 @@ def test_ffn_matches_dense_float64(kind: str, m: int, k: int, n: int, slots: int
 def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots: int, path: str):
     p = with_special_rows(problem(kind, m, k, n, seed=7 + m))
     x, wg = to_gpu(p.x), to_gpu(p.w_gate)
-    h = ffn_gpu.gate(x, wg, tile=256, slots=slots, path=path)
+    h = hybrid_ops.gate(x, wg, Options(slots=slots), path=path)
     assert isinstance(h, Hybrid)
     h.validate()
     pre = p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T
@@ -149,7 +154,7 @@ def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots:
     assert set(np.nonzero(overflow)[0].tolist()) <= rows
     assert rows <= set(np.nonzero(overflow)[0].tolist()) | nonfinite
     # Deterministic bits.
-    again = ffn_gpu.gate(x, wg, tile=256, slots=slots, path=path)
+    again = hybrid_ops.gate(x, wg, Options(slots=slots), path=path)
     assert cp.array_equal(h.packed, again.packed)
     assert cp.array_equal(h.dense.view(cp.uint16), again.dense.view(cp.uint16))
 
@@ -158,11 +163,11 @@ def test_gate_packs_like_the_reference(kind: str, m: int, k: int, n: int, slots:
 def test_down_and_gated_down_match_the_reference(kind: str, m: int, k: int, n: int, slots: int):
     p = with_special_rows(problem(kind, m, k, n, seed=3 + m))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    g = ffn_gpu.gate(x, wg, tile=256, slots=slots)
+    g = hybrid_ops.gate(x, wg, Options(slots=slots))
     g_host = to_host(g)
-    y = to_f64(ffn_gpu.gated_down(x, g, wu, wd))
+    y = to_f64(hybrid_ops.gated_down(x, g, wu, wd))
     assert_close(y, reference.gated_down(p.x, g_host, p.w_up, p.w_down))
-    y = to_f64(ffn_gpu.down(g, wd))
+    y = to_f64(hybrid_ops.down(g, wd))
     assert_close(y, reference.down(g_host, p.w_down))
 
 
@@ -174,7 +179,7 @@ def test_down_of_a_float32_hybrid_from_dense():
     w_down = (rng.standard_normal((k, n)) / np.sqrt(n)).astype(BF16)
     hg = Hybrid.from_dense(cp.asarray(h), 256, 32)
     assert 5 in cp.asnumpy(hg.dense_rows).tolist()
-    y = to_f64(ffn_gpu.down(hg, to_gpu(w_down)))
+    y = to_f64(hybrid_ops.down(hg, to_gpu(w_down)))
     assert_close(y, reference.down(to_host(hg), w_down))
 
 
@@ -185,7 +190,7 @@ def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool,
     p = with_special_rows(problem(kind, m, k, n, seed=m + 2 * k))
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
-    block = ffn_gpu.SparseFFN(wg, wu, wd, 256, slots, path=path)
+    block = PreparedBlock(wg, wu, wd, Options(slots=slots, path=path))
     y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
     assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
@@ -194,9 +199,9 @@ def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool,
 def test_prepared_block_equals_functional_ffn():
     p = problem("heavy", 513, 512, 1024, seed=5)
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
-    block = ffn_gpu.SparseFFN(args[1], args[2], args[3], tile=256, slots=32)
+    block = PreparedBlock(args[1], args[2], args[3], Options())
     a = block(args[0])
-    b = ffn_gpu.ffn(*args, tile=256, slots=32)
+    b = hybrid_ops.ffn(*args, Options())
     assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
 
 
@@ -204,7 +209,7 @@ def test_prepared_block_equals_functional_ffn():
 def test_other_input_dtypes_round_trip(dtype: type):
     p = problem("uniform", 100, 256, 512, seed=9)
     x = cp.asarray(p.x.astype(dtype))
-    y = ffn_gpu.ffn(x, to_gpu(p.w_gate), to_gpu(p.w_up), to_gpu(p.w_down))
+    y = hybrid_ops.ffn(x, to_gpu(p.w_gate), to_gpu(p.w_up), to_gpu(p.w_down), Options())
     assert y.dtype == np.dtype(dtype)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
 
@@ -221,8 +226,8 @@ def test_large_m_not_multiple_of_anything(path: str):
     wu = cp.asarray(rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k))
     wd = cp.asarray(rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(n))
     x[1000] *= 6  # a heavy row
-    xb, wgb, wub, wdb = (ffn_gpu.as_bf16(a) for a in (x, wg, wu, wd))
-    y = to_f64(ffn_gpu.SparseFFN(wgb, wub, wdb, path=path)(xb))
+    xb, wgb, wub, wdb = (as_bf16(a) for a in (x, wg, wu, wd))
+    y = to_f64(PreparedBlock(wgb, wub, wdb, Options(path=path))(xb))
     rows = np.r_[0:64, 1000, m - 64 : m]
     ref = reference.forward.ffn_dense(to_f64(xb)[rows], to_f64(wgb), to_f64(wub), to_f64(wdb))
     assert_close(y[rows], ref)
@@ -235,7 +240,7 @@ def test_public_ops_with_cupy_and_torch():
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
     oracle = reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
     assert_close(to_f64(twell.ffn(*args)), oracle)
-    for path in ffn_gpu.PATHS:
+    for path in PATHS:
         assert_close(to_f64(twell.SparseFFN(*args[1:], path=path)(args[0])), oracle)
     torch = pytest.importorskip("torch")
     tensors = [torch.from_dlpack(a) for a in args]
@@ -246,16 +251,16 @@ def test_public_ops_with_cupy_and_torch():
 
 def test_twell_object_is_a_cupy_twell():
     p = problem("uniform", 50, 256, 512)
-    h = ffn_gpu.gate(to_gpu(p.x), to_gpu(p.w_gate))
+    h = hybrid_ops.gate(to_gpu(p.x), to_gpu(p.w_gate), Options())
     assert isinstance(h.ell, TwELL) and isinstance(h.ell.packed, cp.ndarray)
 
 
 @pytest.mark.parametrize(
-    ("tiled", "red", "outc", "nrows"),
-    [(True, 264, 200, 77), (False, 264, 200, 77), (True, 5632, 136, 3), (True, 1024, 512, 150)],
-    ids=["tiled", "simple", "tiled-split", "tiled-split2"],
+    ("red", "outc", "nrows"),
+    [(264, 200, 77), (5632, 136, 3), (1024, 512, 150)],
+    ids=["tiled", "tiled-split", "tiled-split2"],
 )
-def test_dense_rows_kernels(tiled: bool, red: int, outc: int, nrows: int):
+def test_heavy_rows_matmul(red: int, outc: int, nrows: int):
     """Heavy-row kernels against float64: gathered rows, a gate, ragged sizes, and few
     rows with a long reduction (split across blocks, then reduced in order)."""
     rng = np.random.default_rng(4)
@@ -266,9 +271,9 @@ def test_dense_rows_kernels(tiled: bool, red: int, outc: int, nrows: int):
     rows = np.sort(rng.choice(m, nrows, replace=False)).astype(np.int32)
     out = to_gpu(np.zeros((m, outc), BF16))
     ids, count = cp.asarray(rows), cp.asarray(np.array([rows.size], np.int32))
-    ffn_gpu.dense_rows(
+    heavy_rows.matmul(
         to_gpu(a), to_gpu(b), out, ids, count, m, a_by_id=True, out_by_id=True,
-        relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True, tiled=tiled,
+        relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True,
     )  # fmt: skip
     a64 = np.maximum(a.astype(np.float64), 0)
     ref = np.zeros((m, outc))
@@ -277,26 +282,6 @@ def test_dense_rows_kernels(tiled: bool, red: int, outc: int, nrows: int):
     assert_close(got[rows], ref[rows])
     untouched = np.setdiff1d(np.arange(m), rows)
     assert np.all(got[untouched] == 0)
-
-
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-def test_version_1_sparse_kernel(gated: bool):
-    """The simple baseline kernel (sparse_ffn.cu) on the light rows of a TwELL."""
-    p = with_special_rows(problem("heavy", 300, 512, 1024, seed=13))
-    x, w_first, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    pre = ffn_gpu.gemm_nt(x, w_first)
-    packed, heavy = ffn_gpu.pack(pre, 256, 32)
-    y = to_gpu(np.zeros((300, 512), BF16))
-    wdt = ffn_gpu.transpose(wd)
-    ffn_gpu.sparse_rows(x if gated else None, packed, heavy, wu if gated else None, wdt, y,
-                        tile=256, slots=32)  # fmt: skip
-    y2 = to_gpu(np.zeros((300, 512), BF16))
-    ffn_gpu.twell_rows(x if gated else None, packed, heavy, wu if gated else None, wdt, y2,
-                       tile=256, slots=32)  # fmt: skip
-    light = cp.asnumpy(heavy) == 0
-    assert light.sum() > 250
-    a, b = to_f64(y)[light], to_f64(y2)[light]
-    assert rel_err(a, b) < 1e-2
 
 
 @pytest.mark.parametrize("path", ["fused", "epilogue"])
@@ -308,7 +293,7 @@ def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
     pytest.importorskip("torch")
     p = with_special_rows(problem("heavy", 200, 512, 1024, seed=21))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    block = ffn_gpu.SparseFFN(wg, wu, wd, path=path)
+    block = PreparedBlock(wg, wu, wd, Options(path=path))
     eager = block(x)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -330,17 +315,17 @@ def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
         stream.begin_capture()
         try:
             with pytest.raises(RuntimeError, match="capture SparseFFN"):
-                ffn_gpu.ffn(x, wg, wu, wd)
+                hybrid_ops.ffn(x, wg, wu, wd, Options())
         finally:
             stream.end_capture()
 
 
-@pytest.mark.parametrize("path", ffn_gpu.PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("max_row_nnz", [0, 5, 1024])
 def test_row_routing_threshold_does_not_change_results(max_row_nnz: int, path: str):
     p = with_special_rows(problem("heavy", 400, 512, 1024, seed=17))
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
-    block = ffn_gpu.SparseFFN(*args[1:], max_row_nnz=max_row_nnz, path=path)
+    block = PreparedBlock(*args[1:], Options(max_row_nnz=max_row_nnz, path=path))
     y = to_f64(block(args[0]))
     assert_close(y, reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
 
@@ -351,9 +336,9 @@ def test_gemm_through_cupy_and_torch_agree(monkeypatch: pytest.MonkeyPatch):
     p = problem("uniform", 300, 512, 1024, seed=23)
     x, w = to_gpu(p.x), to_gpu(p.w_gate)
     pytest.importorskip("torch")
-    via_torch = to_f64(ffn_gpu.gemm_nt(x, w, via="torch"))
+    via_torch = to_f64(gemm_nt(x, w, via="torch"))
     monkeypatch.delitem(sys.modules, "torch")
-    via_cupy = to_f64(ffn_gpu.gemm_nt(x, w))
+    via_cupy = to_f64(gemm_nt(x, w))
     ref = p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T
     assert_close(via_torch, ref, 1e-2)
     assert_close(via_cupy, ref, 1e-2)
@@ -382,21 +367,20 @@ def _gate_gemm_problem(m: int, n: int, k: int, seed: int, dense_every: int = 50)
     if m > 2:
         x[1, k // 2] = np.nan
         x[2, k - 1] = np.inf
-    return ffn_gpu.as_bf16(cp.asarray(x)), ffn_gpu.as_bf16(cp.asarray(w))
+    return as_bf16(cp.asarray(x)), as_bf16(cp.asarray(w))
 
 
 def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -> None:
     """The epilogue's TwELL words and heavy flags equal, bit for bit, pack.cu applied to
-    the same kernel's dense output (mode 1); that output is cuBLAS's GEMM up to rounding."""
-    from twell.kernels import gate_gemm
-
+    the same kernel's dense output (OUTPUT_DENSE); that output is cuBLAS's GEMM up to
+    rounding."""
     x, w = _gate_gemm_problem(m, n, k, seed)
-    pre = ffn_gpu._empty_bf16((m, n))  # poisoned
-    gate_gemm.launch(x, w, tile=tile, slots=slots, pre=pre)
-    ref = to_f64(ffn_gpu.gemm_nt(x, w))
+    pre = buffers.empty_bf16((m, n))  # poisoned
+    gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_DENSE, pre=pre)
+    ref = to_f64(gemm_nt(x, w))
     assert_close(to_f64(pre), ref, 1e-2)
-    packed, heavy = ffn_gpu.gate_pack(x, w, tile, slots)
-    want_packed, want_heavy = ffn_gpu.pack(pre, tile, slots)
+    packed, heavy = gate_gemm.gate_pack(x, w, tile, slots)
+    want_packed, want_heavy = pack(pre, tile, slots)
     assert cp.array_equal(heavy, want_heavy)
     assert cp.array_equal(packed, want_packed)
     if m > 2:
@@ -442,11 +426,11 @@ def test_gate_gemm_at_large_m():
 @pytest.mark.parametrize("capacity", [0.01, 0.03, 1.0])
 def test_heavy_rows_through_fixed_size_gemms(capacity: float, gated: bool, path: str):
     """dense_capacity: the first ceil(f*M) heavy rows through cuBLAS GEMMs, the rest (if
-    any) through dense_rows.cu; with NaN/Inf rows; deterministic."""
+    any) through heavy_rows.cu; with NaN/Inf rows; deterministic."""
     p = with_special_rows(problem("heavy", 600, 512, 1024, seed=31))
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
-    block = ffn_gpu.SparseFFN(wg, wu, wd, path=path, dense_capacity=capacity)
+    block = PreparedBlock(wg, wu, wd, Options(path=path, dense_capacity=capacity))
     y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
     assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
@@ -466,7 +450,7 @@ def _hybrid_to_gpu(h: Hybrid) -> Hybrid:
 def test_hypothesis_down(h: Hybrid, k: int, seed: int):
     rng = np.random.default_rng(seed)
     w_down = (rng.standard_normal((k, h.shape[1])) / np.sqrt(h.shape[1])).astype(BF16)
-    y = to_f64(ffn_gpu.down(_hybrid_to_gpu(h), to_gpu(w_down)))
+    y = to_f64(hybrid_ops.down(_hybrid_to_gpu(h), to_gpu(w_down)))
     # The GPU flushes subnormals to zero (CuPy compiles with -ftz): flush them in the
     # reference's input too, so the comparison does not depend on denormals.
     dense = np.asarray(h.to_dense(np.float64))
@@ -478,8 +462,8 @@ def test_hypothesis_down(h: Hybrid, k: int, seed: int):
 @given(tst.ffn_problems(k=st.sampled_from([8, 16, 264]), tiles=st.integers(1, 2), tile=256,
                         rows=st.integers(1, 70)))  # fmt: skip
 def test_hypothesis_ffn(p: tst.FFNProblem):
-    args = [None if a is None else ffn_gpu.as_bf16(cp.asarray(a)) for a in p]
-    y = to_f64(ffn_gpu.ffn(*args))
+    args = [None if a is None else as_bf16(cp.asarray(a)) for a in p]
+    y = to_f64(hybrid_ops.ffn(*args, Options()))
     assert_close(y, reference.forward.ffn_dense(*p))
 
 

@@ -1,45 +1,22 @@
 """Every kernel source compiles for sm_90a with NVRTC, on a CPU-only machine, no spills.
 
+The configurations come from each source's declaration (``twell.kernels.compile.Source``:
+its parameters and examples), so a new source or parameter is tested by declaring it.
 Needs ``cuda.bindings`` (NVRTC), ``libnvrtc`` and the CUDA headers (the ``test`` extra
 installs them as pip wheels); skipped with the reason when they are missing.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 
 import pytest
 
+import twell.kernels  # noqa: F401 - imports every launcher, which declares its source
 from twell.kernels import compile as kc
 
-# Representative compile-time parameters of each source (what the launchers pass).
-CONFIGS = [
-    ("pack.cu", {"TILE": tile, "SLOTS": slots})
-    for tile, slots in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
-] + [
-    ("sparse_ffn.cu", {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": gated})
-    for k, tile, slots in [
-        (2048, 256, 32),
-        (2048, 256, 64),
-        (2048, 256, 128),
-        (4096, 256, 32),
-        (8, 32, 2),
-        (136, 64, 16),
-        (1032, 128, 4),
-    ]
-    for gated in (0, 1)
-]
-CONFIGS += [
-    ("sparse_rows.cu", {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": gated})
-    for k, tile, slots in [
-        (2048, 256, 32), (2048, 256, 64), (2048, 256, 128), (4096, 256, 32),
-        (4096, 256, 128), (8, 32, 2), (136, 64, 16), (1032, 128, 4),
-    ]
-    for gated in (0, 1)
-] + [("dense_rows.cu", {}), ("convert.cu", {})] + [
-    ("gate_gemm.cu", {"TILE": tile, "SLOTS": slots})
-    for tile, slots in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
-]  # fmt: skip
+CONFIGS = [(source, params) for source in kc.SOURCES.values() for params in source.examples]
 
 
 def _nvrtc_ready() -> str | None:
@@ -61,10 +38,12 @@ _REASON = _nvrtc_ready()
 
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.mark.parametrize(
-    ("name", "params"), CONFIGS, ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in CONFIGS]
+    ("source", "params"),
+    CONFIGS,
+    ids=[f"{s.name}-{'-'.join(map(str, p.values()))}" for s, p in CONFIGS],
 )
-def test_source_compiles_without_spills(name: str, params: dict[str, int]) -> None:
-    result = kc.compile_cubin(name, params)
+def test_source_compiles_without_spills(source: kc.Source, params: dict[str, int]) -> None:
+    result = kc.compile_cubin(source, params)
     assert result.cubin[:4] == b"\x7fELF"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.log)
     assert spills, f"no ptxas report in the log:\n{result.log}"
@@ -73,37 +52,44 @@ def test_source_compiles_without_spills(name: str, params: dict[str, int]) -> No
     assert all(int(s) == 0 for s in stacks), result.log
 
 
-def test_every_source_is_listed() -> None:
-    import importlib.resources
-
+def test_every_source_is_declared() -> None:
     files = {p.name for p in importlib.resources.files("twell.kernels").iterdir()}
     assert {f for f in files if f.endswith(".cu")} == set(kc.SOURCES)
-    assert {name for name, _ in CONFIGS} == set(kc.SOURCES)
+
+
+def test_every_source_uses_the_common_header_not_copies_of_it() -> None:
+    """Types and helpers live in common.cuh; a source redefining them would drift."""
+    shared = re.findall(r"TWELL_\w+ \w+ (twell_\w+)\(", kc.common_header())
+    assert "twell_relu_keeps" in shared
+    for source in kc.SOURCES.values():
+        text = source.text()
+        assert "typedef" not in text, source.name
+        for name in shared:
+            assert not re.search(rf"\b{name}\s*\([^;)]*\)\s*{{", text), (source.name, name)
+
+
+def test_parameters_are_declared_not_guessed() -> None:
+    source = kc.SOURCES["pack.cu"]
+    with pytest.raises(ValueError, match="expected parameters"):
+        source.defines({"TILE": 256})
+    with pytest.raises(ValueError, match="expected parameters"):
+        kc.SOURCES["heavy_rows.cu"].defines({"TILE": 256, "SLOTS": 32})
+    text = kc.full_source(source, {"TILE": 256, "SLOTS": 32})
+    defines = "#define TWELL_PACK_WARPS 8\n#define TWELL_SLOTS 32\n#define TWELL_TILE 256\n"
+    assert text.startswith(defines)
+    assert kc.common_header() in text
 
 
 def test_prelude_rejects_bad_names() -> None:
     with pytest.raises(ValueError, match="bad parameter name"):
         kc.prelude({"tile; evil": 1})
-    assert kc.prelude({"TILE": 256, "SLOTS": 32}) == (
-        "#define TWELL_SLOTS 32\n#define TWELL_TILE 256\n"
-    )
 
 
-def test_unknown_source_raises() -> None:
-    with pytest.raises(ValueError, match="expected one of"):
-        kc.source("nope.cu")
-
-
-def test_gate_gemm_launcher_matches_its_source() -> None:
-    """The launcher's tile and shared-memory figures are the ones gate_gemm.cu uses."""
+def test_gate_gemm_shared_memory_matches_its_source() -> None:
+    """The launcher's figure is the kernel's (the kernel static_asserts the same sum)."""
     from twell.kernels import gate_gemm
 
-    defines = dict(re.findall(r"^#define (\w+) (\d+)\b", kc.source("gate_gemm.cu"), re.M))
-    assert (int(defines["BM"]), int(defines["BN"]), int(defines["BK"])) == (
-        gate_gemm.BLOCK_M, gate_gemm.BLOCK_N, gate_gemm.BLOCK_K,
-    )  # fmt: skip
-    stages, consumers = int(defines["STAGES"]), int(defines["CONSUMERS"])
-    assert (stages, consumers) == (gate_gemm._STAGES, gate_gemm._CONSUMERS)
-    ring = stages * (gate_gemm.BLOCK_M + gate_gemm.BLOCK_N) * gate_gemm.BLOCK_K * 2
+    ring = gate_gemm.STAGES * (gate_gemm.BLOCK_M + gate_gemm.BLOCK_N) * gate_gemm.BLOCK_K * 2
     tile = gate_gemm.BLOCK_M * (2 * gate_gemm.BLOCK_N + 16)
-    assert gate_gemm.SMEM_BYTES == ring + tile + 2 * stages * 8 + 1024 <= 232448
+    assert gate_gemm.SMEM_BYTES == ring + tile + 2 * gate_gemm.STAGES * 8 + 1024 <= 232448
+    assert "static_assert(TWELL_SMEM_BYTES ==" in kc.SOURCES["gate_gemm.cu"].text()

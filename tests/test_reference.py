@@ -1,4 +1,4 @@
-"""The NumPy reference (SPEC.md §4–5): through the formats it equals plain dense math."""
+"""The NumPy reference (docs/ops.md): through the formats it equals plain dense math."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_ffn_through_the_formats_equals_dense_math(problem, layout):
 
 @given(tst.ffn_problems(rows=st.integers(4, 16), k=st.integers(16, 48)), tst.layouts(tiles=(32,)))
 def test_ffn_meets_the_spec_tolerance(problem, layout):
-    """SPEC.md §5: ‖y − y_ref‖ / ‖y_ref‖ ≤ 1e-2 (at tiny K a few terms may cancel, so K ≥ 16)."""
+    """docs/ops.md: ‖y − y_ref‖ / ‖y_ref‖ ≤ 1e-2 (at tiny K a few terms may cancel, so K ≥ 16)."""
     tile, slots = layout
     assert_relative_error(reference.ffn(*problem, tile=tile, slots=slots), ffn_dense(*problem))
 

@@ -104,7 +104,7 @@ def test_from_module_rejects_other_activations_and_biases() -> None:
     relu_mlp = LlamaLikeMLP(32, 256, nn.ReLU())
     with pytest.raises(ValueError, match="dense_capacity: expected a fraction"):
         SparseMLP.from_module(relu_mlp, dense_capacity=2.0)
-    assert SparseMLP.from_module(relu_mlp, dense_capacity=0.1).dense_capacity == 0.1
+    assert SparseMLP.from_module(relu_mlp, dense_capacity=0.1).options.dense_capacity == 0.1
 
 
 def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:

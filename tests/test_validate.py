@@ -1,4 +1,4 @@
-"""validate() / check_format() (SPEC.md §2, §3, §6): reject corruption, accept valid buffers."""
+"""validate() / check_format() (docs/format.md): reject corruption, accept valid buffers."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_hybrid_rejects_bad_dense_rows(rows, message):
 
 
 def test_hybrid_accepts_extra_dense_rows():
-    """A producer may route light rows too (SPEC.md §3): still valid, same matrix."""
+    """A producer may route light rows too (docs/format.md): still valid, same matrix."""
     h = np.zeros((4, 64), np.float32)
     h[:, 3] = [1, 2, 3, 4]
     ell = TwELL.from_dense(h, 32, 4)

@@ -1,4 +1,4 @@
-"""The synthetic workloads of BENCH.md: reproducible, right shapes, right sparsity."""
+"""The synthetic workloads of docs/benchmark.md: reproducible, right shapes, right sparsity."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Benchmark of the gated/non-gated FFN forward: twell GPU kernels against dense cuBLAS.
 
-Protocol (BENCH.md): CUDA events around each call on one stream, >= 5 warm-ups (JIT
+Protocol (docs/benchmark.md): CUDA events around each call on one stream, >= 5 warm-ups (JIT
 excluded), median of >= 20 timed calls, inputs rotated so the working set exceeds L2,
 torch dense baseline (``F.linear`` + ``relu`` + ``*`` + ``F.linear``) on the same inputs
 in the same process, rel. error of every timed configuration against float64 dense math
@@ -30,7 +30,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def make_problem(workload: str, m: int, k: int, n: int, seed: int = 0) -> Any:
-    """A BENCH.md workload by name; ``density=P`` is the uniform workload at density P."""
+    """A workload of docs/benchmark.md by name (``density=P``: uniform at density P)."""
     from twell import workloads
 
     if workload.startswith("density="):
@@ -159,7 +159,12 @@ def bench_config(
     import torch.nn.functional as F  # noqa: N812
 
     from twell import reference
-    from twell.kernels import ffn_gpu
+    from twell.kernels import cublas, light_rows
+    from twell.kernels.buffers import empty_bf16
+    from twell.kernels.gate_gemm import gate_pack
+    from twell.kernels.pack import pack
+    from twell.kernels.pipeline import PreparedBlock
+    from twell.options import Options
 
     problem = make_problem(workload, m, k, n, seed)
     w_gate = problem.w_gate if gated else None
@@ -177,16 +182,9 @@ def bench_config(
         xs.append(x)
         blocks.append(
             {
-                p: ffn_gpu.SparseFFN(
-                    wg,
-                    wu,
-                    wd,
-                    tile,
-                    slots,
-                    path=p,
-                    max_row_nnz=max_row_nnz,
-                    dense_capacity=dense_capacity,
-                )  # fmt: skip
+                p: PreparedBlock(
+                    wg, wu, wd, Options(tile, slots, p, max_row_nnz, dense_capacity)
+                )
                 for p in paths
             }
         )
@@ -225,47 +223,25 @@ def bench_config(
             record["graph_error"] = f"{type(error).__name__}: {error}"[:300]
     if stages:  # time the pipeline's parts (differences, no counters)
         b = blocks[0][paths[0]]
-        w_first = b.w_gate if gated else b.w_up
-        pre = ffn_gpu.gemm_nt(xs[0], w_first)
-        packed, heavy = ffn_gpu.pack(pre, tile, slots)
-        y = ffn_gpu._empty_bf16((m, k))
-        record["t_pack_ms"] = time_ms(lambda i: ffn_gpu.pack(pre, tile, slots), 1)
-        record["t_sparse_ms"] = time_ms(
-            lambda i: ffn_gpu.sparse_rows(
-                xs[0] if gated else None, packed, heavy, b.w_up if gated else None,
-                b.w_down_t, y, tile=tile, slots=slots,
-            ),
-            1,
-        )  # fmt: skip
-        record["t_gemm_cupy_ms"] = time_ms(lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre), 1)
+        args = dict(tile=tile, slots=slots, max_row_nnz=b.max_row_nnz)
+        x_up, w_up_b = (xs[0], b.w_up) if gated else (None, None)
+        pre = cublas.gemm_nt(xs[0], b.w_first)
+        packed, heavy = pack(pre, tile, slots)
+        y = empty_bf16((m, k))
+        record["t_pack_ms"] = time_ms(lambda i: pack(pre, tile, slots), 1)
+        record["t_gemm_cupy_ms"] = time_ms(lambda i: cublas.gemm_nt(xs[0], b.w_first, pre), 1)
         record["t_gate_epilogue_ms"] = time_ms(
-            lambda i: ffn_gpu.gate_pack(xs[0], w_first, tile, slots), 1
+            lambda i: gate_pack(xs[0], b.w_first, tile, slots), 1
         )
         record["t_gemm_torchpath_ms"] = time_ms(
-            lambda i: ffn_gpu.gemm_nt(xs[0], w_first, pre, via="torch"), 1
+            lambda i: cublas.gemm_nt(xs[0], b.w_first, pre, via="torch"), 1
         )
-        for tag, kw in (("units2", {"units": 2}), ("minblocks12", {"min_blocks": 12})):
-            record[f"t_fused_rows_{tag}_ms"] = time_ms(
-                lambda i, kw=kw: ffn_gpu.fused_rows(
-                    xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
-                    b.w_down_t, y, tile=tile, slots=slots, **kw,
-                ),
-                1,
-            )  # fmt: skip
-        record["t_twell_rows_ms"] = time_ms(
-            lambda i: ffn_gpu.twell_rows(
-                xs[0] if gated else None, packed, heavy, b.w_up if gated else None,
-                b.w_down_t, y, tile=tile, slots=slots,
-            ),
-            1,
-        )  # fmt: skip
-        record["t_fused_rows_ms"] = time_ms(
-            lambda i: ffn_gpu.fused_rows(
-                xs[0] if gated else None, pre, heavy, b.w_up if gated else None,
-                b.w_down_t, y, tile=tile, slots=slots,
-            ),
-            1,
-        )  # fmt: skip
+        record["t_light_rows_from_twell_ms"] = time_ms(
+            lambda i: light_rows.from_twell(x_up, packed, heavy, w_up_b, b.w_down_t, y, **args), 1
+        )
+        record["t_light_rows_from_pre_ms"] = time_ms(
+            lambda i: light_rows.from_pre(x_up, pre, heavy, w_up_b, b.w_down_t, y, **args), 1
+        )
 
     # Correctness: float64 dense math on a row sample, for every timed path.
     rows = np.unique(np.r_[np.linspace(0, m - 1, min(m, check_rows)).astype(int)])
@@ -275,8 +251,8 @@ def bench_config(
     oracle = reference.forward.ffn_dense(problem.x[rows], w_gate, w_up, problem.w_down)
     # L0 and heavy rows from the packed gate.
     b = blocks[0][paths[0]]
-    pre = ffn_gpu.gemm_nt(xs[0], b.w_gate if gated else b.w_up)
-    packed, heavy = ffn_gpu.pack(pre, tile, slots)
+    pre = cublas.gemm_nt(xs[0], b.w_first)
+    packed, heavy = pack(pre, tile, slots)
     l0 = float(packed[:, ::slots].astype(cp.float64).sum().get() / m)
     heavy_rows = int(heavy.astype(cp.int64).sum().get())
     gemm_flops = 2.0 * m * n * k
@@ -306,7 +282,7 @@ def bench_config(
             l0=l0,
             heavy_rows=heavy_rows,
             max_row_nnz=b.max_row_nnz,
-            dense_capacity=b.dense_capacity,
+            dense_capacity=b.options.dense_capacity,
             rotation_sets=sets,
             **versions(),
         )
@@ -317,7 +293,7 @@ def bench_config(
 def demo(problem: Any) -> dict[str, Any]:
     """Run a workload problem through the kernels and time it against dense cuBLAS.
 
-    The GPU part of ``python -m twell demo``: BENCH.md's timer (median of 20 after 5
+    The GPU part of ``python -m twell demo``: the protocol's timer (median of 20 after 5
     warm-ups), the float64 oracle on the first 256 rows, the torch dense baseline when
     torch is installed.
 
@@ -325,16 +301,16 @@ def demo(problem: Any) -> dict[str, Any]:
         ``"hybrid"`` (the GPU :class:`twell.Hybrid` of the gate), the relative error, the
         twell and dense times (ms) and the speedup.
     """
-    from twell.kernels import ffn_gpu
+    import twell
     from twell.reference.forward import ffn_dense
 
     x, w_gate, w_up, w_down = (to_device(a) for a in problem.arrays())
-    block = ffn_gpu.SparseFFN(w_gate, w_up, w_down)
+    block = twell.SparseFFN(w_gate, w_up, w_down)
     y = block(x)
     rows = min(256, x.shape[0])
     ref = ffn_dense(problem.x[:rows], problem.w_gate, problem.w_up, problem.w_down)
     report: dict[str, Any] = {
-        "hybrid": ffn_gpu.gate(x, w_gate if w_gate is not None else w_up),
+        "hybrid": twell.gate(x, w_gate if w_gate is not None else w_up),
         "rel. error": relative_error(y[:rows], ref),
         "twell GPU (ms)": time_ms(lambda i: block(x), 1),
     }
@@ -384,7 +360,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from twell.kernels.ffn_gpu import PATHS
+    from twell.options import PATHS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["uniform"])

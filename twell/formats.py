@@ -2,7 +2,7 @@
 
 Both containers hold NumPy or CuPy arrays and never copy what they are given; every
 method runs on the array library of the data it holds. The layouts are those of
-SPEC.md §2–3 and docs/format.md:
+docs/format.md:
 
 - ``TwELL.packed`` is ``uint32 [M, (N / tile) * slots]``. Row ``m``, tile ``j`` owns the
   ``slots`` words from ``j * slots``: word 0 is the true number ``c`` of nonzeros of
@@ -20,10 +20,7 @@ from typing import Any
 import numpy as np
 
 from twell._arrays import FLOAT_DTYPES, bf16_bits, bf16_values, to_numpy, xp_of
-
-DEFAULT_TILE = 256
-DEFAULT_SLOTS = 32
-MAX_COLUMNS = 65536  # column indices are 16 bits
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, MAX_COLUMNS, check_geometry
 
 
 def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, int]:
@@ -34,14 +31,7 @@ def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, in
             ``N > 65536``, or a negative dimension.
         TypeError: a parameter is not an integer.
     """
-    for name, value in (("tile", tile), ("slots", slots)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    tile, slots = int(tile), int(slots)
-    if not (32 <= tile <= 256) or tile & (tile - 1):
-        raise ValueError(f"tile: expected a power of two in [32, 256], got {tile}")
-    if not (2 <= slots <= tile) or slots & (slots - 1):
-        raise ValueError(f"slots: expected a power of two in [2, tile={tile}], got {slots}")
+    tile, slots = check_geometry(tile, slots)
     if len(shape) != 2:
         raise ValueError(f"shape: expected (M, N), got {shape!r}")
     rows, columns = (int(d) for d in shape)
@@ -54,8 +44,35 @@ def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, in
     return rows, columns
 
 
+def dense_row_mask(
+    counts: Any, non_finite: Any, slots: int, max_row_nnz: int | None = None
+) -> Any:
+    """The routing rule (docs/format.md): which rows must live in a Hybrid's dense part.
+
+    A row goes dense when one of its tiles overflows (more than ``slots - 1`` nonzeros)
+    or it holds a non-finite value; with ``max_row_nnz``, also when it has more nonzeros
+    than that (a speed choice of the producer: the result is the same either way). The
+    kernels apply the same rule, written once in ``twell/kernels/common.cuh``;
+    tests/test_routing_rule.py checks that the two agree.
+
+    Args:
+        counts: true nonzero counts per row-tile, ``[M, N / tile]``.
+        non_finite: boolean ``[M]``, rows holding a non-finite value.
+        slots: words per row-tile (a tile holds ``slots - 1`` entries).
+        max_row_nnz: optional limit on a row's nonzeros.
+
+    Returns:
+        Boolean ``[M]``.
+    """
+    xp = xp_of(counts)
+    dense = (counts > slots - 1).any(axis=1) | xp.asarray(non_finite, dtype=bool)
+    if max_row_nnz is not None:
+        dense |= counts.sum(axis=1) > max_row_nnz
+    return dense
+
+
 class TwELL:
-    """A matrix ``[M, N]`` in tile-wise ELLPACK form (SPEC.md §2).
+    """A matrix ``[M, N]`` in tile-wise ELLPACK form (docs/format.md).
 
     Args:
         packed: ``uint32 [M, (N / tile) * slots]`` words, NumPy or CuPy; not copied.
@@ -288,7 +305,7 @@ class TwELL:
 
 
 class Hybrid:
-    """TwELL for light rows plus a dense backup for heavy rows (SPEC.md §3).
+    """TwELL for light rows plus a dense backup for heavy rows (docs/format.md).
 
     Args:
         ell: the :class:`TwELL` part, shape ``[M, N]``.
@@ -350,10 +367,7 @@ class Hybrid:
         """
         ell = TwELL.from_dense(h, tile, slots)  # checks h first
         xp = ell.xp
-        heavy = (ell.counts() > slots - 1).any(axis=1)
-        heavy |= ~xp.isfinite(h).all(axis=1)
-        if max_row_nnz is not None:
-            heavy |= ell.counts().sum(axis=1) > max_row_nnz
+        heavy = dense_row_mask(ell.counts(), ~xp.isfinite(h).all(axis=1), slots, max_row_nnz)
         if also_dense is not None:
             if tuple(also_dense.shape) != (h.shape[0],):
                 raise ValueError(

@@ -19,8 +19,8 @@ import numpy as np
 
 from twell import reference
 from twell._arrays import FLOAT_DTYPES, library_of
-from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE, Hybrid, check_layout
-from twell.kernels.ffn_gpu import check_options
+from twell.formats import Hybrid, check_layout
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options, check_width
 
 _TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
 
@@ -153,8 +153,6 @@ def _validate(
     if library != "numpy":
         _check_gpu_arrays(flat, hidden)
         if k is not None:
-            from twell.kernels.ffn_gpu import check_width
-
             check_width(k, "x" if x is not None else next(iter(flat)))
     return _Inputs(library, flat, batch_shape)
 
@@ -243,7 +241,7 @@ def gate(x: Any, w_gate: Any, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_
     if inputs.library == "numpy":
         return reference.gate(a["x"], a["w_gate"], tile=tile, slots=slots)
     with _on_gpu(inputs) as g:
-        return _kernels().gate(g["x"], g["w_gate"], tile=tile, slots=slots)
+        return _kernels().gate(g["x"], g["w_gate"], Options(tile, slots))
 
 
 def down(h: Hybrid, w_down: Any) -> Any:
@@ -300,7 +298,7 @@ def ffn(
         y = reference.ffn(a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=tile, slots=slots)
         return _restore(y, inputs)
     with _on_gpu(inputs) as d:
-        y = _kernels().ffn(d["x"], d.get("w_gate"), d["w_up"], d["w_down"], tile=tile, slots=slots)
+        y = _kernels().ffn(d["x"], d.get("w_gate"), d["w_up"], d["w_down"], Options(tile, slots))
         return _restore(y, inputs)
 
 
@@ -322,9 +320,11 @@ class SparseFFN:
         path: the GPU pipeline: ``"fused"`` (default; cuBLAS gate GEMM, then one kernel
             scans the pre-activation and gathers), ``"epilogue"`` (the gate GEMM packs
             TwELL in its epilogue, then the gather reads it) or ``"pack"`` (cuBLAS, a
-            packing kernel, the gather). Same results; timings in docs/kernel_notes.md.
+            packing kernel, the gather). Same results; docs/design.md compares them.
+        max_row_nnz: tokens with more active units take the dense path (default 3% of N);
+            any value gives the same result.
         dense_capacity: fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the
-            rest by twell's dense-row kernel); pays on models with many heavy tokens.
+            rest by twell's heavy-row kernel); pays on models with many heavy tokens.
 
     Example:
         >>> block = twell.SparseFFN(w_gate, w_up, w_down)   # doctest: +SKIP
@@ -340,26 +340,19 @@ class SparseFFN:
         tile: int = DEFAULT_TILE,
         slots: int = DEFAULT_SLOTS,
         path: str = "fused",
+        max_row_nnz: int | None = None,
         dense_capacity: float = 0.0,
     ) -> None:
-        check_options(path=path, dense_capacity=dense_capacity)
+        self.options = Options(tile, slots, path, max_row_nnz, dense_capacity)
         self._weights = {"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
         inputs = _validate(weights=self._weights, tile=tile, slots=slots)
-        self.path = path
         self.library = inputs.library
-        self.tile, self.slots = int(tile), int(slots)
         self.shape = (int(w_up.shape[0]), int(w_up.shape[1]))  # (N, K)
         self._prepared = None
         if self.library != "numpy":
             with _on_gpu(inputs) as g:
-                self._prepared = _kernels().SparseFFN(
-                    g.get("w_gate"),
-                    g["w_up"],
-                    g["w_down"],
-                    tile=tile,
-                    slots=slots,
-                    path=path,
-                    dense_capacity=dense_capacity,
+                self._prepared = _kernels().PreparedBlock(
+                    g.get("w_gate"), g["w_up"], g["w_down"], self.options
                 )
 
     @property
@@ -370,20 +363,20 @@ class SparseFFN:
     def __repr__(self) -> str:
         n, k = self.shape
         kind = "gated" if self.gated else "non-gated"
-        return (
-            f"<SparseFFN {kind} K={k} N={n} tile={self.tile} slots={self.slots} ({self.library})>"
-        )
+        o = self.options
+        return f"<SparseFFN {kind} K={k} N={n} tile={o.tile} slots={o.slots} ({self.library})>"
 
     def __call__(self, x: Any) -> Any:
         """The block's output for ``x`` ``[..., K]``, in the caller's array type."""
         k = self.shape[1]
         if hasattr(x, "shape") and (len(x.shape) < 1 or x.shape[-1] != k):
             raise ValueError(f"x: expected shape [..., {k}] (the block's K), got {tuple(x.shape)}")
-        inputs = _validate(x=x, weights=self._weights, tile=self.tile, slots=self.slots)
+        o = self.options
+        inputs = _validate(x=x, weights=self._weights, tile=o.tile, slots=o.slots)
         a = inputs.arrays
         if inputs.library == "numpy":
             y = reference.ffn(
-                a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=self.tile, slots=self.slots
+                a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=o.tile, slots=o.slots
             )
             return _restore(y, inputs)
         only_x = _Inputs(inputs.library, {"x": a["x"]}, inputs.batch_shape)  # weights are ready

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from twell.formats import DEFAULT_SLOTS, DEFAULT_TILE
-from twell.kernels.ffn_gpu import check_options
 from twell.ops import SparseFFN
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
 __all__ = ["SparseMLP", "is_relu_mlp", "sparsify"]
 
@@ -90,12 +89,10 @@ class SparseMLP(nn.Module):
                 f"{tuple(gate_proj.weight.shape)}, {tuple(up_proj.weight.shape)}, "
                 f"{tuple(down_proj.weight.shape)}"
             )
-        if n % tile:
+        self.options = Options(tile, slots, dense_capacity=dense_capacity)
+        if n % self.options.tile:
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
-        self.tile, self.slots = int(tile), int(slots)
-        check_options(dense_capacity=dense_capacity)
-        self.dense_capacity = float(dense_capacity)
         self._block: SparseFFN | None = None
         self._block_key: tuple | None = None
 
@@ -117,7 +114,7 @@ class SparseMLP(nn.Module):
 
     def extra_repr(self) -> str:
         n, k = self.gate_proj.weight.shape
-        return f"K={k}, N={n}, tile={self.tile}, slots={self.slots}"
+        return f"K={k}, N={n}, tile={self.options.tile}, slots={self.options.slots}"
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
@@ -127,9 +124,10 @@ class SparseMLP(nn.Module):
         weights = self._weights()
         key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
         if self._block is None or key != self._block_key:
+            o = self.options
             self._block = SparseFFN(
-                *(w.detach() for w in weights), tile=self.tile, slots=self.slots,
-                dense_capacity=self.dense_capacity,
+                *(w.detach() for w in weights), tile=o.tile, slots=o.slots, path=o.path,
+                max_row_nnz=o.max_row_nnz, dense_capacity=o.dense_capacity,
             )  # fmt: skip
             self._block_key = key
         return self._block

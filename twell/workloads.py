@@ -1,4 +1,4 @@
-"""The synthetic problems of BENCH.md ("Workloads"), shared by bench, demo and tests.
+"""The synthetic problems of docs/benchmark.md ("Workloads"), shared by bench, demo and tests.
 
 Real sparse checkpoints cannot be downloaded here, so sparsity comes from the gate
 pre-activations themselves, produced by the real GEMM. Every workload uses the same
@@ -71,7 +71,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: The paper's 1.5B model keeps ~29 of 5632 units active per token.
 PAPER_L0_PER_UNIT = 29.0 / 5632.0
 
-#: The densities of the speedup-versus-sparsity sweep (BENCH.md).
+#: The densities of the speedup-versus-sparsity sweep (docs/benchmark.md).
 DENSITIES = (0.001, 0.005, 0.02, 0.05, 0.10)
 
 # Independent random streams: each array comes from its own stream, so that changing one

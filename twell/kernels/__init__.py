@@ -1,15 +1,24 @@
-"""twell's CUDA kernels and their launchers (CuPy ``RawModule``, sm_90a).
+"""twell's CUDA kernels, one launcher module beside each source (CuPy ``RawModule``,
+NVRTC, sm_90a). The map (docs/design.md has the data flow):
 
-- ``compile``: the one compile path (sources, parameters, cache, CPU-side NVRTC).
-- ``ffn_gpu``: the GPU ops on CuPy arrays — :func:`gate`, :func:`down`,
-  :func:`gated_down`, :func:`ffn` — and the prepared :class:`SparseFFN`.
-
-Kernel sources, one per family: ``pack.cu`` (relu + TwELL packing, heavy rows),
-``sparse_rows.cu`` (light rows: gathered up/down, from the pre-activation or from
-TwELL), ``sparse_ffn.cu`` (version 1 of the same, the simple baseline), ``dense_rows.cu``
-(heavy rows on tensor cores), ``convert.cu`` (transpose, dtype conversions).
+- ``compile``: the one compile path (``common.cuh`` + parameters + source; declared
+  parameters per source; the CPU-side NVRTC build).
+- ``common.cuh``: device code every source shares (types, bf16 helpers, routing rule).
+- ``buffers``: the one allocation function (CuPy's pool or torch's allocator), bf16 views.
+- ``convert`` / ``convert.cu``: dtype conversions and the bf16 transpose.
+- ``cublas``: the dense GEMM ``x @ w.T`` from cuBLAS.
+- ``gate_gemm`` / ``gate_gemm.cu``: the wgmma gate GEMM with relu + TwELL packing in its
+  epilogue.
+- ``pack`` / ``pack.cu``: relu + TwELL packing of a dense pre-activation.
+- ``light_rows`` / ``light_rows.cu``: the light rows' gathered up/down projections.
+- ``heavy_rows`` / ``heavy_rows.cu``: heavy rows: compaction, tensor-core dense math,
+  moves to and from fixed-size cuBLAS GEMMs.
+- ``pipeline``: the prepared block's forward pass (routes, then heavy rows).
+- ``hybrid_ops``: ``gate``, ``down``, ``gated_down``, ``ffn`` on CuPy arrays.
+- ``backward``: the home of the backward pass (the state the forward keeps for it).
 """
 
-from twell.kernels.ffn_gpu import SparseFFN, down, ffn, gate, gated_down
+from twell.kernels.hybrid_ops import down, ffn, gate, gated_down
+from twell.kernels.pipeline import ROUTES, PreparedBlock
 
-__all__ = ["SparseFFN", "down", "ffn", "gate", "gated_down"]
+__all__ = ["ROUTES", "PreparedBlock", "down", "ffn", "gate", "gated_down"]

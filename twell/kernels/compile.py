@@ -1,18 +1,24 @@
 """The one place where twell's CUDA sources are compiled.
 
-Kernel sources live next to this file as ``.cu`` files and are read as strings through
-:mod:`importlib.resources`. Compile-time parameters (tile width, slots, model width, ...)
-are injected in one place, :func:`prelude`, as ``#define`` lines in front of the source, so
-every kernel sees the same names (``TWELL_<NAME>``).
+Each kernel source is a ``.cu`` file next to its launcher module (``X.cu`` is launched
+by ``X.py`` alone), read as a string through :mod:`importlib.resources`. A launcher
+declares its source once, as a :class:`Source`: the compile-time parameters it chooses
+per call (tile width, slots, model width, ...), the constants it shares with the kernel
+(block sizes the host needs for its grid), and example configurations for the compile
+test. The text that gets compiled is always
 
-Two back ends share that source text:
+    #define TWELL_<NAME> <value>   (constants and parameters, sorted)
+    common.cuh                     (shared device code: types, bf16 helpers, routing rule)
+    <the source>
 
-- :func:`module` compiles with CuPy's ``RawModule`` (NVRTC) for the current device and
-  caches the result per (device id, source name, parameters) behind a lock. CuPy keeps
-  its own on-disk cache of the cubins too (``CUPY_CACHE_DIR``), so a warm start does not
-  recompile.
+built by :func:`full_source`, for both back ends:
+
+- :meth:`Source.kernel` compiles with CuPy's ``RawModule`` (NVRTC) for the current
+  device and caches the result per (device id, source, parameters) behind a lock. CuPy
+  keeps its own on-disk cache keyed on the whole text (``CUPY_CACHE_DIR``), so a change
+  to ``common.cuh`` recompiles and a warm start does not.
 - :func:`compile_cubin` compiles with ``cuda.bindings.nvrtc`` on any machine, GPU or
-  not (CI uses it to prove that every source builds for sm_90a without spilling).
+  not (the CPU test proves that every source builds for sm_90a without spilling).
 """
 
 from __future__ import annotations
@@ -23,18 +29,9 @@ import os
 import re
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-#: Every kernel source of the package (file names under ``twell/kernels``).
-SOURCES = (
-    "pack.cu",
-    "sparse_ffn.cu",
-    "sparse_rows.cu",
-    "dense_rows.cu",
-    "convert.cu",
-    "gate_gemm.cu",
-)
 
 #: Architecture the kernels are built for (wgmma/setmaxnreg need the ``a`` variant).
 ARCH = "sm_90a"
@@ -43,21 +40,78 @@ ARCH = "sm_90a"
 #: path adds it too so both builds see the same code.
 OPTIONS = ("--std=c++17", f"--gpu-architecture={ARCH}", "-ftz=true")
 
+#: The shared device code put in front of every source.
+COMMON_HEADER = "common.cuh"
+
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
 _kernels: dict[tuple[int, str, tuple[tuple[str, int], ...], str], Any] = {}
 
+#: Every declared source, by file name (filled by the launcher modules' imports).
+SOURCES: dict[str, Source] = {}
+
+
+@dataclass(frozen=True)
+class Source:
+    """A kernel source and its declared compile-time interface.
+
+    Args:
+        name: the file name (``"pack.cu"``).
+        parameters: names of the parameters a launch chooses (``TWELL_<NAME>`` in the
+            source); every compile must give exactly these.
+        constants: fixed values shared by the launcher and the kernel, defined once here.
+        examples: configurations of ``parameters`` the CPU compile test builds.
+        directory: where the file lives (default: this package; benchmarks' ladder
+            sources live under ``bench/``).
+    """
+
+    name: str
+    parameters: tuple[str, ...] = ()
+    constants: Mapping[str, int] = field(default_factory=dict)
+    examples: tuple[Mapping[str, int], ...] = ({},)
+    directory: Path | None = None
+
+    def text(self) -> str:
+        """The source file's text."""
+        return _read(self.name, self.directory)
+
+    def defines(self, params: Mapping[str, int]) -> dict[str, int]:
+        """Constants plus ``params``, checked against the declared parameter names."""
+        if set(params) != set(self.parameters):
+            raise ValueError(
+                f"{self.name}: expected parameters {sorted(self.parameters)}, got {sorted(params)}"
+            )
+        return {**self.constants, **{k: int(v) for k, v in params.items()}}
+
+    def kernel(self, function: str, **params: int) -> Any:
+        """One compiled ``cupy.RawKernel`` (an ``extern "C"`` name of this source) for
+        the current device, with the given parameter values; cached."""
+        return _kernel(self, function, self.defines(params))
+
+
+def declare(source: Source) -> Source:
+    """Register a launcher's source (once per name) and return it."""
+    known = SOURCES.get(source.name)
+    if known is not None and known != source:
+        raise ValueError(f"{source.name} is declared twice with different interfaces")
+    SOURCES[source.name] = source
+    return source
+
 
 @functools.cache
-def source(name: str) -> str:
-    """The text of kernel source ``name`` (a file in ``twell/kernels``)."""
-    if name not in SOURCES:
-        raise ValueError(f"name: expected one of {SOURCES}, got {name!r}")
+def _read(name: str, directory: Path | None) -> str:
+    if directory is not None:
+        return (directory / name).read_text()
     return importlib.resources.files("twell.kernels").joinpath(name).read_text()
 
 
+def common_header() -> str:
+    """The text of ``common.cuh``."""
+    return _read(COMMON_HEADER, None)
+
+
 def prelude(params: Mapping[str, int]) -> str:
-    """``#define TWELL_<NAME> <value>`` lines for the compile-time parameters."""
+    """``#define TWELL_<NAME> <value>`` lines for the compile-time values."""
     lines = []
     for key, value in sorted(params.items()):
         if not re.fullmatch(r"[A-Z][A-Z0-9_]*", key):
@@ -66,9 +120,13 @@ def prelude(params: Mapping[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def full_source(name: str, params: Mapping[str, int]) -> str:
-    """Source ``name`` with its parameter prelude, exactly as both back ends compile it."""
-    return prelude(params) + source(name)
+def full_source(source: Source, params: Mapping[str, int]) -> str:
+    """The text both back ends compile for ``params``: prelude, ``common.cuh``, source."""
+    return _text(source, source.defines(params))
+
+
+def _text(source: Source, defines: Mapping[str, int]) -> str:
+    return prelude(defines) + common_header() + source.text()
 
 
 def _require_cupy() -> Any:
@@ -141,45 +199,33 @@ def _device_info(device_id: int) -> DeviceInfo:
     return DeviceInfo(device_id, sms, (major, minor))
 
 
-def module(name: str, params: Mapping[str, int] | None = None) -> Any:
-    """The compiled ``cupy.RawModule`` of source ``name`` for the current device.
-
-    Cached per (device id, source name, parameters); safe to call from several threads.
+def _kernel(source: Source, function: str, defines: Mapping[str, int]) -> Any:
+    """The compiled kernel ``function`` of ``source`` with ``defines`` (constants and
+    parameters), for the current device; cached, safe to call from several threads.
 
     Raises:
         RuntimeError: CuPy is missing, there is no Hopper GPU, or NVRTC failed (the
             message carries the compiler log).
     """
-    cupy = _require_cupy()
-    info = device_info()
-    frozen = tuple(sorted((str(k), int(v)) for k, v in (params or {}).items()))
-    key = (info.id, name, frozen)
-    with _lock:
-        found = _modules.get(key)
-        if found is not None:
-            return found
-        code = full_source(name, dict(frozen))
-        try:
-            compiled = cupy.RawModule(code=code, options=OPTIONS[:2])
-            compiled.compile()
-        except cupy.cuda.compiler.CompileException as error:
-            raise RuntimeError(
-                f"compiling twell kernel {name} {dict(frozen)} failed:\n{error}"
-            ) from error
-        _modules[key] = compiled
-        return compiled
-
-
-def kernel(name: str, function: str, params: Mapping[str, int] | None = None) -> Any:
-    """One ``cupy.RawKernel`` (``function``, an ``extern "C"`` name) of source ``name``,
-    for the current device; cached like :func:`module`."""
-    frozen = tuple(sorted((str(k), int(v)) for k, v in (params or {}).items()))
-    key = (device_info().id, name, frozen, function)
+    frozen = tuple(sorted(defines.items()))
+    device = device_info().id
+    key = (device, source.name, frozen, function)
     found = _kernels.get(key)
-    if found is None:
-        found = module(name, dict(frozen)).get_function(function)
-        with _lock:
-            _kernels[key] = found
+    if found is not None:
+        return found
+    cupy = _require_cupy()
+    with _lock:
+        compiled = _modules.get(key[:3])
+        if compiled is None:
+            try:
+                compiled = cupy.RawModule(code=_text(source, defines), options=OPTIONS[:2])
+                compiled.compile()
+            except cupy.cuda.compiler.CompileException as error:
+                raise RuntimeError(
+                    f"compiling twell kernel {source.name} {dict(frozen)} failed:\n{error}"
+                ) from error
+            _modules[key[:3]] = compiled
+        found = _kernels[key] = compiled.get_function(function)
     return found
 
 
@@ -229,9 +275,9 @@ class CompileResult:
 
 
 def compile_cubin(
-    name: str, params: Mapping[str, int] | None = None, *, verbose_ptxas: bool = True
+    source: Source, params: Mapping[str, int] | None = None, *, verbose_ptxas: bool = True
 ) -> CompileResult:
-    """Compile source ``name`` for sm_90a with ``cuda.bindings.nvrtc`` (no GPU needed).
+    """Compile ``source`` for sm_90a with ``cuda.bindings.nvrtc`` (no GPU needed).
 
     Raises:
         RuntimeError: ``cuda.bindings`` or the headers are missing, or compilation failed.
@@ -240,7 +286,8 @@ def compile_cubin(
         from cuda.bindings import nvrtc
     except ImportError as error:
         raise RuntimeError("cuda.bindings is not installed (pip install cuda-bindings)") from error
-    code = full_source(name, params or {}).encode()
+    name = source.name
+    code = full_source(source, params or {}).encode()
     options = [o.encode() for o in OPTIONS]
     options += [f"--include-path={d}".encode() for d in include_dirs()]
     if verbose_ptxas:

@@ -1,13 +1,8 @@
 // convert.cu — layout and dtype helpers: a bf16 transpose (w_down [K, N] -> [N, K], done
-// once by a prepared SparseFFN) and conversions between bf16 and float16/32/64.
+// once by a prepared block) and conversions between bf16 and float16/32/64.
 // Grid-stride loops; sizes as 64-bit integers.
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
-// NVRTC has no <stdint.h>; these match its definitions (redeclaring is allowed).
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
 
 // out[c, r] = in[r, c] for in [rows, cols] (2-byte elements), 32x32 tiles via shared memory.
 extern "C" __global__ void twell_transpose_u16(const uint16_t* __restrict__ in,
@@ -39,11 +34,10 @@ __device__ __forceinline__ uint16_t f2bf(float f) {
   __nv_bfloat16 b = __float2bfloat16_rn(f);
   return *reinterpret_cast<uint16_t*>(&b);
 }
-__device__ __forceinline__ float bf2f(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 
 CONVERT(twell_f32_to_bf16, float, uint16_t, f2bf(v))
 CONVERT(twell_f64_to_bf16, double, uint16_t, f2bf((float)v))
 CONVERT(twell_f16_to_bf16, __half, uint16_t, f2bf(__half2float(v)))
-CONVERT(twell_bf16_to_f32, uint16_t, float, bf2f(v))
-CONVERT(twell_bf16_to_f64, uint16_t, double, (double)bf2f(v))
-CONVERT(twell_bf16_to_f16, uint16_t, __half, __float2half_rn(bf2f(v)))
+CONVERT(twell_bf16_to_f32, uint16_t, float, twell_bf16_to_float(v))
+CONVERT(twell_bf16_to_f64, uint16_t, double, (double)twell_bf16_to_float(v))
+CONVERT(twell_bf16_to_f16, uint16_t, __half, __float2half_rn(twell_bf16_to_float(v)))

@@ -2,13 +2,15 @@
 // TMA loads, wgmma on tensor cores, warp specialisation).
 //
 //   pre[m, n] = bf16(sum_k x[m, k] * w[n, k])          (fp32 accumulation)
-//   packed    = TwELL of relu(pre) (SPEC.md §2), heavy[m] = 1 for a row with a tile over
+//   packed    = TwELL of relu(pre) (docs/format.md), heavy[m] = 1 for a row with a tile over
 //               SLOTS-1 nonzeros or a non-finite pre-activation (never cleared: the
 //               caller zeroes heavy first, every CTA touching the row may set it)
 //
-// The dense pre-activation never reaches global memory (mode 0). Mode 1 writes it instead of
-// packing (bf16 [M, N], no relu): the same GEMM, for tests. Mode 2 stores nothing (timing
-// of the main loop).
+// The dense pre-activation never reaches global memory (TWELL_OUTPUT 0, what twell runs).
+// Two other builds of the same source serve checks and measurements, never the ops:
+// TWELL_OUTPUT 1 writes the bf16 pre-activation [M, N] instead of packing (tests compare
+// the packed words with pack.cu applied to it), TWELL_OUTPUT 2 stores nothing (the main
+// loop's time, bench/dev_gate_gemm.py).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
@@ -28,20 +30,17 @@
 // TWELL_SLOTS <= TWELL_TILE; x and w 16-byte aligned. Rows and columns past M, N and K
 // come in as zeros (TMA out-of-bounds fill) and are never stored.
 //
-// Compile-time parameters: TWELL_TILE, TWELL_SLOTS.
+// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT; constants from the
+// launcher: TWELL_BLOCK_M/N/K, TWELL_STAGES, TWELL_CONSUMERS, TWELL_SMEM_BYTES.
 
-#include <cuda_bf16.h>
-// NVRTC has no <stdint.h>; these match its definitions (redeclaring is allowed).
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-typedef unsigned long long uint64_t;
-
-#define BM 128
-#define BN 256
-#define BK 64
-#define STAGES 3
-#define CONSUMERS 2
+// Constants shared with the launcher (gate_gemm.py passes them in the prelude).
+#define BM TWELL_BLOCK_M
+#define BN TWELL_BLOCK_N
+#define BK TWELL_BLOCK_K
+#define STAGES TWELL_STAGES
+#define CONSUMERS TWELL_CONSUMERS
+static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
+              "wgmma.m64n256k16 per consumer warpgroup, 128-byte swizzled k-steps of 64");
 #define THREADS (128 * (CONSUMERS + 1))
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BN * BK * 2)
@@ -51,8 +50,9 @@ typedef unsigned long long uint64_t;
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
 #define EPI_BYTES (BM * EPI_PITCH)
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
-// Dynamic shared memory the launcher must ask for (1024 bytes of slack for alignment).
-#define SMEM_BYTES (BARRIER_OFFSET + 2 * STAGES * 8 + 1024)
+// Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
+static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
+              "gate_gemm.py's SMEM_BYTES");
 #define LANES_PER_TILE (TWELL_TILE / 8)
 
 struct __align__(64) TmaDesc { unsigned long long v[16]; };
@@ -153,19 +153,6 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half), nearest even
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// relu(h) != 0 for a bf16 bit pattern: positive nonzero, or NaN of either sign.
-__device__ __forceinline__ uint32_t relu_nonzero(uint32_t b) {
-  const uint32_t mag = b & 0x7fffu;
-  return (mag > 0x7f80u || (mag != 0u && !(b & 0x8000u))) ? 1u : 0u;
-}
-
-__device__ __forceinline__ bool non_finite(uint32_t b) { return (b & 0x7f80u) == 0x7f80u; }
-
 // Named barriers between the consumers (they fill the bf16 tile) and the packer warps
 // (they drain it). Barrier 0 is __syncthreads'.
 #define BAR_TILE_FULL 1
@@ -188,11 +175,9 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // both halves as the top bits of a 32-bit word
     const uint32_t hi = raw[i] & 0xffff0000u, lo = raw[i] << 16;
-    // relu(h) != 0: positive nonzero (sign clear, not 0; +NaN included), or -NaN
-    const uint32_t nz_lo = ((int)lo > 0) | (lo > 0xff800000u);
-    const uint32_t nz_hi = ((int)hi > 0) | (hi > 0xff800000u);
+    const uint32_t nz_lo = twell_relu_keeps_top(lo), nz_hi = twell_relu_keeps_top(hi);
     mask |= (nz_lo | (nz_hi << 1)) << (2 * i);
-    bad |= ((lo << 1) >= 0xff000000u) | ((hi << 1) >= 0xff000000u);  // exponent all ones
+    bad |= twell_non_finite_top(lo) | twell_non_finite_top(hi);
   }
   const uint32_t mine = __popc(mask);  // 0..8: four bits
   const uint32_t seg_mask =
@@ -207,7 +192,7 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
                    8 * __popc(b3 & below);
   const int total = __popc(b0 & seg_mask) + 2 * __popc(b1 & seg_mask) +
                     4 * __popc(b2 & seg_mask) + 8 * __popc(b3 & seg_mask);
-  const bool over = total > TWELL_SLOTS - 1;
+  const bool over = twell_tile_overflows(total, TWELL_SLOTS);
   if (__ballot_sync(0xffffffffu, over || bad) && lane == 0) *heavy_flag = 1;
   const int seg = lane / LANES_PER_TILE, seg_lane = lane % LANES_PER_TILE;
   if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
@@ -242,10 +227,10 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TmaDesc map_w,  // w [N, K], box 64 x 256
-                uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (mode 0)
-                uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (mode 0)
-                uint16_t* __restrict__ pre,             // [M, N] bf16 (mode 1)
-                int M, int N, int K, int mode) {
+                uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0)
+                uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (OUTPUT 0)
+                uint16_t* __restrict__ pre,             // [M, N] bf16 (OUTPUT 1)
+                int M, int N, int K) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
@@ -285,7 +270,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
         }
       }
     }
-    if (tid < 32 || mode == 2) return;
+    if (tid < 32 || TWELL_OUTPUT == 2) return;
     // Packer warps: drain each finished bf16 tile while the consumers compute the next.
     const int pw = tid / 32 - 1;
     bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
@@ -293,7 +278,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
       const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
       const int cols = min(BN, N - n0);
       bar_sync(BAR_TILE_FULL);
-      if (mode == 0) {
+      if (TWELL_OUTPUT == 0) {
         const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
         const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
         const uint32_t tile_addr = smem_addr(tile_smem) + lane * 16;
@@ -349,7 +334,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
     wgmma_wait<0>();
     fence_accumulators(d);
     if (tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
-    if (mode == 2) continue;  // timing of the main loop alone
+    if (TWELL_OUTPUT == 2) continue;  // the main loop alone
 
     // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns
     // 8j + 2(lane % 4) + {0, 1}: the wgmma accumulator layout), then hand it over.
@@ -359,8 +344,8 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
     uint8_t* p1 = p0 + 8 * EPI_PITCH;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      *reinterpret_cast<uint32_t*>(p0 + j * 16) = pack_bf16x2(d[4 * j], d[4 * j + 1]);
-      *reinterpret_cast<uint32_t*>(p1 + j * 16) = pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+      *reinterpret_cast<uint32_t*>(p0 + j * 16) = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
+      *reinterpret_cast<uint32_t*>(p1 + j * 16) = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
     }
     bar_arrive(BAR_TILE_FULL);
   }

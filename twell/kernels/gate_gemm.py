@@ -15,18 +15,40 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels.compile import device_info, kernel
+from twell.kernels.buffers import alloc
+from twell.kernels.compile import Source, declare, device_info
 
-#: Output tile of one CTA (gate_gemm.cu's BM x BN) and its k step.
+#: Output tile of one CTA (BM x BN) and its k step; the kernel gets them as constants.
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-_STAGES, _CONSUMERS = 3, 2  # must match gate_gemm.cu
+#: Depth of the TMA ring, and consumer warpgroups (64 rows of the tile each).
+STAGES, CONSUMERS = 3, 2
 _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
-#: Dynamic shared memory of the kernel (gate_gemm.cu's SMEM_BYTES): the TMA ring, the
-#: epilogue's bf16 tile, the mbarriers, and slack to align the ring to 1024 bytes.
+#: Dynamic shared memory of the kernel: the TMA ring, the epilogue's bf16 tile, the
+#: mbarriers, and slack to align the ring to 1024 bytes (the kernel checks the sum).
 SMEM_BYTES = (
-    _STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * _EPI_PITCH + 2 * _STAGES * 8 + 1024
+    STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * _EPI_PITCH + 2 * STAGES * 8 + 1024
 )
-_THREADS = 128 * (_CONSUMERS + 1)
+_THREADS = 128 * (CONSUMERS + 1)
+
+#: What the kernel stores (compile-time): TwELL words and heavy flags (what the ops use),
+#: the dense bf16 pre-activation (tests), or nothing (timing of the main loop).
+OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE = 0, 1, 2
+
+SOURCE = declare(
+    Source(
+        "gate_gemm.cu",
+        parameters=("TILE", "SLOTS", "OUTPUT"),
+        constants={
+            "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
+            "STAGES": STAGES, "CONSUMERS": CONSUMERS, "SMEM_BYTES": SMEM_BYTES,
+        },
+        examples=tuple(
+            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED}
+            for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
+        ) + ({"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_DENSE},
+             {"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_NONE}),
+    )
+)  # fmt: skip
 
 # CUtensorMap enums (cuda.h)
 _BFLOAT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
@@ -82,33 +104,49 @@ def _encoded(address: int, rows: int, k: int, box_rows: int) -> np.ndarray:
     return out
 
 
+def gate_pack(x: Any, w: Any, tile: int, slots: int) -> tuple[Any, Any]:
+    """``relu(x @ w.T)`` straight into TwELL (packing in the GEMM's epilogue; the
+    pre-activation never reaches global memory), for bf16 ``x [M, K]``, ``w [N, K]``.
+
+    Returns:
+        ``(packed uint32 [M, N/tile*slots], heavy uint8 [M])``, as ``pack.pack`` does.
+    """
+    m, n = x.shape[0], w.shape[0]
+    packed = alloc((m, n // tile * slots), np.uint32)
+    heavy = alloc((m,), np.uint8)
+    heavy.fill(0)
+    launch(x, w, tile=tile, slots=slots, output=OUTPUT_PACKED, packed=packed, heavy=heavy)
+    return packed, heavy
+
+
 def launch(
     x: Any,
     w: Any,
     *,
     tile: int,
     slots: int,
+    output: int = OUTPUT_PACKED,
     packed: Any | None = None,
     heavy: Any | None = None,
     pre: Any | None = None,
-    main_loop_only: bool = False,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
-    With ``packed`` (uint32 ``[M, N/tile*slots]``) and ``heavy`` (uint8 ``[M]``, zeroed by
-    the caller): relu + TwELL packing (mode 0). With ``pre`` (bf16 ``[M, N]``): the plain
-    bf16 GEMM (mode 1). ``main_loop_only`` stores nothing (mode 2, for timing).
+    ``OUTPUT_PACKED``: relu + TwELL into ``packed`` (uint32 ``[M, N/tile*slots]``) and
+    ``heavy`` (uint8 ``[M]``, zeroed by the caller). ``OUTPUT_DENSE``: the bf16 GEMM into
+    ``pre`` ``[M, N]``. ``OUTPUT_NONE``: nothing stored (timing).
     """
     m, k = x.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    mode = 2 if main_loop_only else 0 if pre is None else 1
-    if mode == 0 and (packed is None or heavy is None):
-        raise ValueError("launch: give packed and heavy (mode 0), or pre (mode 1)")
+    if output == OUTPUT_PACKED and (packed is None or heavy is None):
+        raise ValueError("launch: OUTPUT_PACKED needs packed and heavy")
+    if output == OUTPUT_DENSE and pre is None:
+        raise ValueError("launch: OUTPUT_DENSE needs pre")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
     grid = (max(1, min(tiles, device_info().multiprocessors)),)
-    fn = kernel("gate_gemm.cu", "twell_gate_gemm", {"TILE": tile, "SLOTS": slots})
+    fn = SOURCE.kernel("twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output)
     if fn.max_dynamic_shared_size_bytes < SMEM_BYTES:
         fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     null = np.uint64(0)
@@ -116,9 +154,9 @@ def launch(
         grid, (_THREADS,),
         (
             tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N),
-            packed if mode == 0 else null, heavy if mode == 0 else null,
-            pre.view(np.uint16) if mode == 1 else null,
-            np.int32(m), np.int32(n), np.int32(k), np.int32(mode),
+            null if packed is None else packed, null if heavy is None else heavy,
+            null if pre is None else pre.view(np.uint16),
+            np.int32(m), np.int32(n), np.int32(k),
         ),
         shared_mem=SMEM_BYTES,
     )  # fmt: skip

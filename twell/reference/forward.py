@@ -1,4 +1,4 @@
-"""Forward ops of the FFN block in NumPy, through TwELL/Hybrid (SPEC.md §1, §4, §5).
+"""Forward ops of the FFN block in NumPy, through TwELL/Hybrid (docs/ops.md).
 
 Shapes (``torch.nn.Linear`` layout): ``x [M, K]``, ``w_gate``/``w_up`` ``[N, K]``,
 ``w_down [K, N]``. Arguments are assumed validated (``twell.ops`` does that); these

@@ -1,7 +1,7 @@
 """Assertions for tests of code that produces or consumes twell formats.
 
 Everything here compares through decoding, never slot by slot: the order of entries
-inside a TwELL tile is not part of the format (SPEC.md §2). Arrays may be NumPy, CuPy or
+inside a TwELL tile is not part of the format (docs/format.md). Arrays may be NumPy, CuPy or
 PyTorch (CPU or CUDA); they are copied to the host first.
 
 Example:

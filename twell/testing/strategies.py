@@ -7,7 +7,7 @@ overflows) is drawn by Hypothesis, so it shrinks to a minimal case; columns and 
 come from a NumPy generator seeded by a drawn integer.
 
 Strategies:
-    :func:`layouts`            ``(tile, slots)`` pairs valid under SPEC.md §2.
+    :func:`layouts`            ``(tile, slots)`` pairs valid under docs/format.md.
     :func:`activations`        dense float32 matrices with controlled per-tile counts.
     :func:`packing_problems`   ``(h, tile, slots)``: a layout and an activation for it.
     :func:`twell_matrices`     valid :class:`TwELL` objects (from_dense or raw buffers).
@@ -58,7 +58,7 @@ __all__ = [
     "bf16_values_like",
 ]
 
-#: Tile widths allowed by SPEC.md §2.
+#: Tile widths allowed by docs/format.md.
 TILES = (32, 64, 128, 256)
 
 #: Kinds of corruption :func:`corrupt_packed` produces (each one :meth:`TwELL.validate`
@@ -491,7 +491,7 @@ class FFNProblem(NamedTuple):
     w_down: np.ndarray
 
 
-#: Firing probabilities of the gate units (BENCH.md's ``uniform`` at small N).
+#: Firing probabilities of the gate units (docs/benchmark.md's ``uniform`` at small N).
 _FIRING = (0.02, 0.05, 0.1, 0.3)
 
 
@@ -506,7 +506,7 @@ def ffn_problems(
     tile: int = 32,
     allow_heavy: bool = True,
 ) -> FFNProblem:
-    """Inputs of a gated or non-gated FFN block, sparse like BENCH.md's ``uniform``.
+    """Inputs of a gated or non-gated FFN block, sparse like docs/benchmark.md's ``uniform``.
 
     ``x[:, 0] = 1`` and column 0 of the gating weight (``w_gate``, or ``w_up`` when
     non-gated) is ``-z`` with ``z = Φ⁻¹(1 - p)``, so a fraction ``p`` (drawn from

@@ -1,4 +1,8 @@
-// dense_rows.cu — dense math for the heavy rows of a Hybrid, on tensor cores.
+// heavy_rows.cu — everything about heavy rows: finding them (compaction of the row flags
+// into ascending ids), computing them on tensor cores, and moving them to and from the
+// fixed-size cuBLAS GEMMs of the dense_capacity option.
+//
+// twell_heavy_rows_matmul (+ twell_heavy_rows_reduce) computes
 //
 //   C[i, c] = sum_r A[arow(i), r] * B[c, r]        for i < count[0], c < OUTC, r < RED
 //
@@ -14,164 +18,26 @@
 //
 // The row count lives on the device (count[0]), so the grid is sized for the worst case
 // on the host and every block reads the count and loops over the work that exists: no
-// host synchronisation. Work item = 16 rows x 32 output columns; the block's 4 warps
-// split the reduction (interleaved 32-wide slices) and their partial sums are added in a
-// fixed order through shared memory: deterministic.
+// host synchronisation.
 //
 // mma.sync.m16n8k16 (bf16 in, fp32 accumulate). Each lane loads 16 contiguous bytes of A
 // and of B per 32-wide k-slice; the same permutation of k is used for A and B, so the
 // dot products are exact reorderings of the plain ones.
 // Limits: RED % 8 == 0, OUTC % 8 == 0, 16-byte aligned rows.
 
-#include <cuda_bf16.h>
-// NVRTC has no <stdint.h>; these match its definitions (redeclaring is allowed).
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-
-#define DR_WARPS 4
-#define DR_NT 4  // n8 tiles per work item (32 output columns)
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// relu on two bf16 in one word; NaN (either sign) kept, negatives and -0 to +0.
-__device__ __forceinline__ uint32_t relu2(uint32_t w) {
-  uint32_t out = 0;
-#pragma unroll
-  for (int s = 0; s < 32; s += 16) {
-    const uint32_t h = (w >> s) & 0xffffu;
-    const bool keep = ((h & 0x7fffu) > 0x7f80u) || !(h & 0x8000u);
-    out |= (keep ? h : 0u) << s;
-  }
-  return out;
-}
-
-__device__ __forceinline__ uint4 relu8(uint4 v) {
-  return make_uint4(relu2(v.x), relu2(v.y), relu2(v.z), relu2(v.w));
-}
-
-__device__ __forceinline__ float bf16_to_float(uint16_t b) {
-  return __uint_as_float((uint32_t)b << 16);
-}
-
-extern "C" __global__ void __launch_bounds__(DR_WARPS * 32)
-twell_dense_rows(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
-                 const uint16_t* __restrict__ B, int OUTC, int RED,
-                 const int* __restrict__ ids, const int* __restrict__ count_ptr,
-                 const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
-                 uint16_t* __restrict__ out, int o_by_id) {
-  __shared__ float partial[DR_WARPS][DR_NT][4][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int count = count_ptr[0];
-  const int row_blocks = (count + 15) / 16;
-  const int col_blocks = (OUTC + 8 * DR_NT - 1) / (8 * DR_NT);
-  const long long items = (long long)row_blocks * col_blocks;
-  const int kblocks = (RED + 31) / 32;
-
-  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rb = (int)(item / col_blocks), cb = (int)(item % col_blocks);
-    const int i0 = min(rb * 16 + g, count - 1), i1 = min(rb * 16 + g + 8, count - 1);
-    const long long ar0 = a_by_id ? ids[i0] : i0, ar1 = a_by_id ? ids[i1] : i1;
-    const uint16_t* a0p = A + ar0 * RED + t * 8;
-    const uint16_t* a1p = A + ar1 * RED + t * 8;
-    const uint16_t* bp[DR_NT];
-    bool bvalid[DR_NT];
-#pragma unroll
-    for (int nt = 0; nt < DR_NT; ++nt) {
-      const int col = cb * 32 + nt * 8 + g;
-      bvalid[nt] = cb * 32 + nt * 8 < OUTC;
-      bp[nt] = B + (long long)(bvalid[nt] ? col : 0) * RED + t * 8;
-    }
-    float acc[DR_NT][4];
-#pragma unroll
-    for (int nt = 0; nt < DR_NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-
-#pragma unroll 2
-    for (int kb = warp; kb < kblocks; kb += DR_WARPS) {
-      const int r = kb * 32;
-      const bool kvalid = r + t * 8 < RED;
-      uint4 alo = make_uint4(0, 0, 0, 0), ahi = alo, bq[DR_NT];
-      if (kvalid) {
-        alo = __ldg(reinterpret_cast<const uint4*>(a0p + r));
-        ahi = __ldg(reinterpret_cast<const uint4*>(a1p + r));
-      }
-#pragma unroll
-      for (int nt = 0; nt < DR_NT; ++nt)
-        bq[nt] = (kvalid && bvalid[nt]) ? __ldg(reinterpret_cast<const uint4*>(bp[nt] + r))
-                                        : make_uint4(0, 0, 0, 0);
-      if (relu_a) {
-        alo = relu8(alo);
-        ahi = relu8(ahi);
-      }
-#pragma unroll
-      for (int nt = 0; nt < DR_NT; ++nt) {
-        mma_bf16(acc[nt], alo.x, ahi.x, alo.y, ahi.y, bq[nt].x, bq[nt].y);
-        mma_bf16(acc[nt], alo.z, ahi.z, alo.w, ahi.w, bq[nt].z, bq[nt].w);
-      }
-    }
-
-#pragma unroll
-    for (int nt = 0; nt < DR_NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][nt][e][lane] = acc[nt][e];
-    __syncthreads();
-    {
-      const int nt = warp;  // warp w finishes n8 tile w (DR_NT == DR_WARPS)
-      float c[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        c[e] = ((partial[0][nt][e][lane] + partial[1][nt][e][lane]) + partial[2][nt][e][lane]) +
-               partial[3][nt][e][lane];
-      const int col = cb * 32 + nt * 8 + 2 * t;
-      if (col < OUTC) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = rb * 16 + g + 8 * half;
-          if (i < count) {
-            float v0 = c[2 * half], v1 = c[2 * half + 1];
-            if (gate != nullptr) {
-              const long long gr = g_by_id ? ids[i] : i;
-              float g0 = bf16_to_float(gate[gr * OUTC + col]);
-              float g1 = bf16_to_float(gate[gr * OUTC + col + 1]);
-              if (relu_g) {
-                g0 = g0 <= 0.f ? 0.f : g0;  // NaN stays NaN
-                g1 = g1 <= 0.f ? 0.f : g1;
-              }
-              v0 *= g0;
-              v1 *= g1;
-            }
-            __nv_bfloat162 o = __floats2bfloat162_rn(v0, v1);
-            const long long orow = o_by_id ? ids[i] : i;
-            *reinterpret_cast<__nv_bfloat162*>(out + orow * OUTC + col) = o;
-          }
-        }
-      }
-    }
-    __syncthreads();
-  }
-}
+// No compile-time parameters.
 
 // ---------------------------------------------------------------------------------------
-// twell_dense_rows_tiled — the same contract as twell_dense_rows, as a tiled GEMM: a block
-// computes 64 rows x 64 output columns, staging 32-wide k-slices of A (gathered rows) and
-// B in shared memory through a 3-stage cp.async ring, so each B element read from L2
-// serves 64 rows instead of 16 (this is what keeps many heavy rows affordable).
+// twell_heavy_rows_matmul — a tiled GEMM over the listed rows: a block computes 64 rows x
+// 64 output columns, staging 32-wide k-slices of A (gathered rows) and B in shared memory
+// through a 3-stage cp.async ring, so each B element read from L2 serves 64 rows (the
+// untiled first version, 16 rows, is in bench/ladder/heavy_rows_simple.cu).
 // 4 warps in a 2 x 2 layout, each 32 rows x 32 columns (2 x 4 mma tiles). The k order
 // inside a slice is the same permutation for A and B (16 contiguous bytes per lane), and
 // every output element is reduced by one thread in a fixed order: deterministic.
 // Few rows (decode, rare heavy rows) would leave most of the GPU idle with long k-loops:
 // then the reduction is split across blocks (split_factor, decided on the device from the
-// count) into an fp32 workspace, and twell_dense_rows_reduce adds the splits in order.
+// count) into an fp32 workspace, and twell_heavy_rows_reduce adds the splits in order.
 
 #define DT_ROWS 64
 #define DT_COLS 64
@@ -207,8 +73,8 @@ __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int
                                          int relu_g, uint16_t* __restrict__ out, int o_by_id) {
   if (gate != nullptr) {
     const long long gr = g_by_id ? ids[i] : i;
-    float g0 = bf16_to_float(gate[gr * OUTC + col]);
-    float g1 = bf16_to_float(gate[gr * OUTC + col + 1]);
+    float g0 = twell_bf16_to_float(gate[gr * OUTC + col]);
+    float g1 = twell_bf16_to_float(gate[gr * OUTC + col + 1]);
     if (relu_g) {
       g0 = g0 <= 0.f ? 0.f : g0;  // NaN stays NaN
       g1 = g1 <= 0.f ? 0.f : g1;
@@ -221,7 +87,7 @@ __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int
 }
 
 extern "C" __global__ void __launch_bounds__(128, 1)
-twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
+twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint16_t* __restrict__ B, int OUTC, int RED,
                        const int* __restrict__ ids, const int* __restrict__ count_ptr,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
@@ -298,8 +164,8 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
         a[mt][0] = As[s][wm * 32 + mt * 16 + g][t];
         a[mt][1] = As[s][wm * 32 + mt * 16 + g + 8][t];
         if (relu_a) {
-          a[mt][0] = relu8(a[mt][0]);
-          a[mt][1] = relu8(a[mt][1]);
+          a[mt][0] = twell_relu_bf16x8(a[mt][0]);
+          a[mt][1] = twell_relu_bf16x8(a[mt][1]);
         }
       }
 #pragma unroll
@@ -308,8 +174,8 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          mma_bf16(acc[mt][nt], a[mt][0].x, a[mt][1].x, a[mt][0].y, a[mt][1].y, b[nt].x, b[nt].y);
-          mma_bf16(acc[mt][nt], a[mt][0].z, a[mt][1].z, a[mt][0].w, a[mt][1].w, b[nt].z, b[nt].w);
+          twell_mma_bf16(acc[mt][nt], a[mt][0].x, a[mt][1].x, a[mt][0].y, a[mt][1].y, b[nt].x, b[nt].y);
+          twell_mma_bf16(acc[mt][nt], a[mt][0].z, a[mt][1].z, a[mt][0].w, a[mt][1].w, b[nt].z, b[nt].w);
         }
     }
     cp_async_wait<0>();
@@ -327,7 +193,7 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
           const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
           if (ks == 1) {
             epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
-          } else {  // fp32 partial sums; twell_dense_rows_reduce adds them in split order
+          } else {  // fp32 partial sums; twell_heavy_rows_reduce adds them in split order
             float* w = ws + ((long long)kss * row_blocks * DT_ROWS + i) * OUTC + col;
             w[0] = v0;
             w[1] = v1;
@@ -337,9 +203,9 @@ twell_dense_rows_tiled(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   }
 }
 
-// Sums the split partial sums of twell_dense_rows_tiled in split order (deterministic)
+// Sums the split partial sums of twell_heavy_rows_matmul in split order (deterministic)
 // and applies the epilogue. Does nothing when the tiled kernel did not split.
-extern "C" __global__ void twell_dense_rows_reduce(
+extern "C" __global__ void twell_heavy_rows_reduce(
     const float* __restrict__ ws, const int* __restrict__ count_ptr, int OUTC, int RED,
     int target_items, int ws_units, const int* __restrict__ ids,
     const uint16_t* __restrict__ gate, int g_by_id, int relu_g, uint16_t* __restrict__ out,
@@ -362,5 +228,111 @@ extern "C" __global__ void twell_dense_rows_reduce(
       v1 += w[1];
     }
     epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Heavy row ids in ascending order, by a block-wide prefix sum (no atomics, so the
+// order never depends on scheduling). One block of 1024 threads; thread t scans the
+// contiguous chunk [t*chunk, (t+1)*chunk). Writes ids[0..R) and count[0] = R.
+extern "C" __global__ void __launch_bounds__(1024)
+twell_compact_rows(const uint8_t* __restrict__ heavy, int M, int* __restrict__ ids,
+                   int* __restrict__ count) {
+  __shared__ int sums[1024];
+  const int t = threadIdx.x;
+  const int chunk = (M + 1023) / 1024;
+  const int begin = min(M, t * chunk), end = min(M, begin + chunk);
+  int mine = 0;
+  for (int i = begin; i < end; ++i) mine += heavy[i] ? 1 : 0;
+  sums[t] = mine;
+  __syncthreads();
+  for (int d = 1; d < 1024; d <<= 1) {  // Hillis-Steele inclusive scan
+    const int add = t >= d ? sums[t - d] : 0;
+    __syncthreads();
+    sums[t] += add;
+    __syncthreads();
+  }
+  int out = sums[t] - mine;
+  for (int i = begin; i < end; ++i)
+    if (heavy[i]) ids[out++] = i;
+  if (t == 1023) count[0] = sums[1023];
+}
+
+// heavy[ids[i]] = 1 for i < R (marks the dense rows of a Hybrid given by a caller).
+extern "C" __global__ void twell_mark_rows(const int* __restrict__ ids, int R,
+                                           uint8_t* __restrict__ heavy) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < R) heavy[ids[i]] = 1;
+}
+
+// dense[i, :] = relu(pre[ids[i], :]) for i < R (the dense part of a Hybrid; NaN kept).
+extern "C" __global__ void twell_gather_relu_rows(const uint16_t* __restrict__ pre,
+                                                  const int* __restrict__ ids, int R, int N,
+                                                  uint16_t* __restrict__ dense) {
+  const long long total = (long long)R * N;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const long long i = k / N, n = k - i * N;
+    const uint32_t b = pre[(long long)ids[i] * N + n];
+    dense[k] = twell_relu_keeps(b) ? (uint16_t)b : (uint16_t)0;
+  }
+}
+
+// ---- heavy rows through fixed-size cuBLAS GEMMs (the dense_capacity option) -----------
+// dst[i] = src[ids[i]] for i < min(count, C), zeros for count <= i < C;
+// rest[0] = max(count - C, 0) (the rows left to twell_heavy_rows_matmul). Rows are `width` bf16
+// wide (width % 8 == 0), moved 16 bytes at a time.
+extern "C" __global__ void twell_gather_rows(const uint16_t* __restrict__ src, int width,
+                                             const int* __restrict__ ids,
+                                             const int* __restrict__ count, int C,
+                                             uint16_t* __restrict__ dst, int* __restrict__ rest) {
+  const int n = count[0];
+  if (blockIdx.x == 0 && threadIdx.x == 0) rest[0] = max(n - C, 0);
+  const int per_row = width / 8;
+  const long long total = (long long)C * per_row;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(k / per_row), c = (int)(k % per_row);
+    const uint4 v = i < n ? reinterpret_cast<const uint4*>(src + (long long)ids[i] * width)[c]
+                          : make_uint4(0, 0, 0, 0);
+    reinterpret_cast<uint4*>(dst + (long long)i * width)[c] = v;
+  }
+}
+
+// h = bf16(relu(g) * u) elementwise over n bf16 (n % 2 == 0), or relu(g) when u is null;
+// relu keeps NaN.
+extern "C" __global__ void twell_relu_mul(const uint16_t* __restrict__ g,
+                                          const uint16_t* __restrict__ u,
+                                          uint16_t* __restrict__ h, long long n) {
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; 2 * k < n;
+       k += (long long)gridDim.x * blockDim.x) {
+    const uint32_t gw = reinterpret_cast<const uint32_t*>(g)[k];
+    const uint32_t uw = u == nullptr ? 0x3f803f80u : reinterpret_cast<const uint32_t*>(u)[k];
+    float r[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint32_t gb = (gw >> (16 * s)) & 0xffffu;
+      const float gv = __uint_as_float(gb << 16);
+      const float relu_g = twell_relu_keeps(gb) ? gv : 0.f;
+      r[s] = relu_g * __uint_as_float(((uw >> (16 * s)) & 0xffffu) << 16);
+    }
+    __nv_bfloat162 v = __floats2bfloat162_rn(r[0], r[1]);
+    reinterpret_cast<uint32_t*>(h)[k] = *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// dst[ids[i]] = src[i] for i < min(count, C); rows `width` bf16 wide (width % 8 == 0).
+extern "C" __global__ void twell_scatter_rows(const uint16_t* __restrict__ src, int width,
+                                              const int* __restrict__ ids,
+                                              const int* __restrict__ count, int C,
+                                              uint16_t* __restrict__ dst) {
+  const int n = min(count[0], C);
+  const int per_row = width / 8;
+  const long long total = (long long)n * per_row;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(k / per_row), c = (int)(k % per_row);
+    reinterpret_cast<uint4*>(dst + (long long)ids[i] * width)[c] =
+        reinterpret_cast<const uint4*>(src + (long long)i * width)[c];
   }
 }

@@ -1,4 +1,6 @@
-// sparse_ffn.cu — the sparse up/down projection of the light rows, one warp per token.
+// sparse_ffn_v1.cu — ladder step 1 of twell/kernels/light_rows.cu: the sparse up/down
+// projection of the light rows, one warp per token, reading TwELL tile by tile (no entry
+// list, x and y in registers). Kept runnable as the simple baseline (bench/ladder/run.py).
 //
 // Gated (TWELL_GATED=1):  y[m] = sum over stored (n, g) of row m:  g * (x[m]·w_up[n]) * w_down_t[n]
 // Non-gated (TWELL_GATED=0): y[m] = sum over stored (n, h) of row m: h * w_down_t[n]
@@ -17,54 +19,13 @@
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_TILE, TWELL_SLOTS, TWELL_GATED.
 
-#include <cuda_bf16.h>
-// NVRTC has no <stdint.h>; these match its definitions (redeclaring is allowed).
-typedef unsigned char uint8_t;
-typedef unsigned short uint16_t;
-typedef unsigned int uint32_t;
-
 #define NCH ((TWELL_KDIM + 255) / 256)
 #define FULL_CHUNKS (TWELL_KDIM % 256 == 0)
 #define WPL ((TWELL_SLOTS + 31) / 32)  // packed words per lane per tile
 #define SPARSE_WARPS 4
 #define GROUP 8                         // chunks loaded together (bounds registers)
 #define X_IN_SMEM (NCH > GROUP)
-#ifdef TWELL_MIN_BLOCKS  // optional override (register cap = 65536 / (128 * blocks))
-#define SPARSE_MIN_BLOCKS TWELL_MIN_BLOCKS
-#else
 #define SPARSE_MIN_BLOCKS (NCH > GROUP ? 1 : 2)  // 2: <= 255 registers, no spills at K=2048
-#endif
-
-__device__ __forceinline__ float lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
-  float s = lo_bf16(a.x) * lo_bf16(b.x);
-  s = fmaf(hi_bf16(a.x), hi_bf16(b.x), s);
-  s = fmaf(lo_bf16(a.y), lo_bf16(b.y), s);
-  s = fmaf(hi_bf16(a.y), hi_bf16(b.y), s);
-  s = fmaf(lo_bf16(a.z), lo_bf16(b.z), s);
-  s = fmaf(hi_bf16(a.z), hi_bf16(b.z), s);
-  s = fmaf(lo_bf16(a.w), lo_bf16(b.w), s);
-  s = fmaf(hi_bf16(a.w), hi_bf16(b.w), s);
-  return s;
-}
-
-__device__ __forceinline__ void axpy8(float h, uint4 b, float* acc) {
-  acc[0] = fmaf(h, lo_bf16(b.x), acc[0]);
-  acc[1] = fmaf(h, hi_bf16(b.x), acc[1]);
-  acc[2] = fmaf(h, lo_bf16(b.y), acc[2]);
-  acc[3] = fmaf(h, hi_bf16(b.y), acc[3]);
-  acc[4] = fmaf(h, lo_bf16(b.z), acc[4]);
-  acc[5] = fmaf(h, hi_bf16(b.z), acc[5]);
-  acc[6] = fmaf(h, lo_bf16(b.w), acc[6]);
-  acc[7] = fmaf(h, hi_bf16(b.w), acc[7]);
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half)
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 __device__ __forceinline__ bool chunk_valid(int c, int lane) {
   return FULL_CHUNKS || (c * 256 + lane * 8 < TWELL_KDIM);
@@ -137,7 +98,7 @@ twell_sparse_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
       }
       const int n = entry & 0xffffu;
       if (n >= N) continue;  // warp-uniform
-      const float value = hi_bf16(entry);
+      const float value = twell_hi_bf16(entry);
       const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
 #if TWELL_GATED
       const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
@@ -155,7 +116,7 @@ twell_sparse_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
       }
       float part = 0.f;
 #pragma unroll
-      for (int c = 0; c < NCH; ++c) part += dot8(xr[c], a[c]);
+      for (int c = 0; c < NCH; ++c) part += twell_dot8(xr[c], a[c], 0.f);
 #else
       float part = 0.f;
 #pragma unroll
@@ -167,7 +128,7 @@ twell_sparse_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
                                                               : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int c = 0; c < GROUP; ++c)
-          if (c0 + c < NCH) part += dot8(xs[warp][(c0 + c) * 32 + lane], a[c]);
+          if (c0 + c < NCH) part += twell_dot8(xs[warp][(c0 + c) * 32 + lane], a[c], 0.f);
       }
 #endif
 #pragma unroll
@@ -178,7 +139,7 @@ twell_sparse_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
 #endif
 #if TWELL_GATED && !X_IN_SMEM
 #pragma unroll
-      for (int c = 0; c < NCH; ++c) axpy8(h, b[c], acc[c]);
+      for (int c = 0; c < NCH; ++c) twell_axpy8(h, b[c], acc[c]);
 #else
 #pragma unroll
       for (int c0 = 0; c0 < NCH; c0 += GROUP) {
@@ -189,7 +150,7 @@ twell_sparse_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
                                                               : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int c = 0; c < GROUP; ++c)
-          if (c0 + c < NCH) axpy8(h, b[c], acc[c0 + c]);
+          if (c0 + c < NCH) twell_axpy8(h, b[c], acc[c0 + c]);
       }
 #endif
     }
@@ -200,10 +161,10 @@ twell_sparse_rows(const uint16_t* __restrict__ x,         // [M, K] (gated only)
   for (int c = 0; c < NCH; ++c) {
     if (chunk_valid(c, lane)) {
       uint4 v;
-      v.x = pack_bf16x2(acc[c][0], acc[c][1]);
-      v.y = pack_bf16x2(acc[c][2], acc[c][3]);
-      v.z = pack_bf16x2(acc[c][4], acc[c][5]);
-      v.w = pack_bf16x2(acc[c][6], acc[c][7]);
+      v.x = twell_pack_bf16x2(acc[c][0], acc[c][1]);
+      v.y = twell_pack_bf16x2(acc[c][2], acc[c][3]);
+      v.z = twell_pack_bf16x2(acc[c][4], acc[c][5]);
+      v.w = twell_pack_bf16x2(acc[c][6], acc[c][7]);
       __stcs(out + c * 32 + lane, v);
     }
   }

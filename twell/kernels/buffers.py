@@ -1,0 +1,70 @@
+"""Device buffers of the launchers: one allocation function, bf16 views, grid sizes.
+
+Every output and scratch buffer a launcher makes comes from :func:`alloc`. Which
+allocator it uses is decided by the caller of the op, for the duration of the call
+(:func:`allocating_with`): CuPy's memory pool by default, or torch's caching allocator
+when the op was called with torch tensors (so torch's CUDA-graph capture, which gives a
+captured call a private memory pool, owns those buffers too). The GPU tests replace
+:func:`alloc`'s backing function to fill every buffer with 0xFF bytes (NaN in bf16), so
+an element a kernel forgot to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from twell._arrays import bfloat16
+
+_allocator: contextvars.ContextVar[Callable[[tuple[int, ...], Any], Any] | None] = (
+    contextvars.ContextVar("twell_allocator", default=None)
+)
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+def cupy_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialised CuPy array from CuPy's memory pool (the default allocator)."""
+    return _cupy().empty(shape, dtype=dtype)
+
+
+def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialised CuPy array on the current device, from the current allocator."""
+    allocate = _allocator.get()
+    return (allocate or cupy_empty)(shape, dtype)
+
+
+@contextlib.contextmanager
+def allocating_with(allocate: Callable[[tuple[int, ...], Any], Any] | None) -> Iterator[None]:
+    """Within the block, :func:`alloc` calls ``allocate(shape, dtype)`` (None: CuPy)."""
+    token = _allocator.set(allocate)
+    try:
+        yield
+    finally:
+        _allocator.reset(token)
+
+
+def empty_bf16(shape: tuple[int, ...]) -> Any:
+    """An uninitialised bf16 CuPy array (from :func:`alloc`)."""
+    return alloc(shape, np.uint16).view(bfloat16)
+
+
+def u16(array: Any) -> Any:
+    """A bf16 (or any 2-byte) array's bits as uint16 (a view, no copy)."""
+    return array.view(np.uint16)
+
+
+def grid_1d(n: int, block: int = 256) -> int:
+    """Blocks for a grid-stride loop over ``n`` items: enough to fill the GPU, no more."""
+    from twell.kernels.compile import device_info
+
+    return max(1, min(math.ceil(n / block), device_info().multiprocessors * 32))

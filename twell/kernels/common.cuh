@@ -1,0 +1,130 @@
+// common.cuh — device code shared by every twell kernel source.
+//
+// twell/kernels/compile.py puts this header in front of each source (after the
+// `#define TWELL_<NAME>` parameter lines), for the GPU build (CuPy/NVRTC) and the
+// CPU-side NVRTC build alike, so both compile the same text.
+//
+// It holds:
+// - the fixed-width integer types (NVRTC has no <stdint.h>);
+// - bf16 helpers: unpacking the halves of a 32-bit word, rounding pairs of floats,
+//   8-wide dot products and axpy on 16-byte vectors;
+// - the one routing rule of docs/format.md: which bf16 values are kept by ReLU, which
+//   are non-finite, when a tile overflows and when a row has too many active units.
+//   The rule is written with plain integer operations (TWELL_HOST_DEVICE), so a host
+//   compiler can build it too: tests/test_routing_rule.py compiles this header with the
+//   machine's C++ compiler and checks it against twell.formats, bit pattern by bit
+//   pattern.
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define TWELL_DEVICE __device__ __forceinline__
+#define TWELL_HOST_DEVICE __host__ __device__ __forceinline__
+#else  // a host compiler (the routing-rule test)
+#define TWELL_HOST_DEVICE inline
+#endif
+
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+// ---------------------------------------------------------------- the routing rule
+// relu(h) != 0 for a bf16 bit pattern: a positive nonzero value, or NaN of either sign
+// (relu propagates NaN, as dense math does). Subnormals count (the GPU flushes them to
+// zero only in arithmetic).
+TWELL_HOST_DEVICE bool twell_relu_keeps(uint32_t bits16) {
+  const uint32_t mag = bits16 & 0x7fffu;
+  return mag > 0x7f80u || (mag != 0u && !(bits16 & 0x8000u));
+}
+
+// The same test on a bf16 held in the top 16 bits of a word whose low 16 bits are zero
+// (the form gate_gemm.cu's packer works on: two compares, no masking).
+TWELL_HOST_DEVICE bool twell_relu_keeps_top(uint32_t top) {
+  return (int)top > 0 || top > 0xff800000u;
+}
+
+// A bf16 bit pattern is non-finite (Inf or NaN): exponent bits all ones.
+TWELL_HOST_DEVICE bool twell_non_finite(uint32_t bits16) {
+  return (bits16 & 0x7f80u) == 0x7f80u;
+}
+
+// The same on a bf16 held in the top 16 bits of a word with zero low bits.
+TWELL_HOST_DEVICE bool twell_non_finite_top(uint32_t top) { return (top << 1) >= 0xff000000u; }
+
+// A row-tile with `count` nonzeros overflows a TwELL tile of `slots` words (one of them
+// is the count word): its row must be read from the dense backup.
+TWELL_HOST_DEVICE bool twell_tile_overflows(int count, int slots) { return count > slots - 1; }
+
+// A row with `nnz` active units is sent to the dense path when it exceeds the limit
+// (a gathered unit costs two weight rows from L2; past the limit, the row's dense math
+// on tensor cores is cheaper). Any limit gives the same result.
+TWELL_HOST_DEVICE bool twell_row_over_limit(int nnz, int max_row_nnz) {
+  return nnz > max_row_nnz;
+}
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#include <cuda_bf16.h>
+
+// ---------------------------------------------------------------- bf16 helpers
+// The bf16 in the low / high half of a 32-bit word, as a float.
+TWELL_DEVICE float twell_lo_bf16(uint32_t w) { return __uint_as_float(w << 16); }
+TWELL_DEVICE float twell_hi_bf16(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+TWELL_DEVICE float twell_bf16_to_float(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+// Two floats rounded to bf16 (nearest even) in one word; `lo` in the low half.
+TWELL_DEVICE uint32_t twell_pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// s + a·b over 8 bf16 pairs, fp32, in element order.
+TWELL_DEVICE float twell_dot8(uint4 a, uint4 b, float s) {
+  s = fmaf(twell_lo_bf16(a.x), twell_lo_bf16(b.x), s);
+  s = fmaf(twell_hi_bf16(a.x), twell_hi_bf16(b.x), s);
+  s = fmaf(twell_lo_bf16(a.y), twell_lo_bf16(b.y), s);
+  s = fmaf(twell_hi_bf16(a.y), twell_hi_bf16(b.y), s);
+  s = fmaf(twell_lo_bf16(a.z), twell_lo_bf16(b.z), s);
+  s = fmaf(twell_hi_bf16(a.z), twell_hi_bf16(b.z), s);
+  s = fmaf(twell_lo_bf16(a.w), twell_lo_bf16(b.w), s);
+  s = fmaf(twell_hi_bf16(a.w), twell_hi_bf16(b.w), s);
+  return s;
+}
+
+// acc[i] += h·b[i] over 8 bf16, fp32.
+TWELL_DEVICE void twell_axpy8(float h, uint4 b, float* acc) {
+  acc[0] = fmaf(h, twell_lo_bf16(b.x), acc[0]);
+  acc[1] = fmaf(h, twell_hi_bf16(b.x), acc[1]);
+  acc[2] = fmaf(h, twell_lo_bf16(b.y), acc[2]);
+  acc[3] = fmaf(h, twell_hi_bf16(b.y), acc[3]);
+  acc[4] = fmaf(h, twell_lo_bf16(b.z), acc[4]);
+  acc[5] = fmaf(h, twell_hi_bf16(b.z), acc[5]);
+  acc[6] = fmaf(h, twell_lo_bf16(b.w), acc[6]);
+  acc[7] = fmaf(h, twell_hi_bf16(b.w), acc[7]);
+}
+
+// relu on the two bf16 of a word, on bits: negative values (but NaN) become +0. (It lets
+// +0 through unchanged, which twell_relu_keeps would zero: the same bits, one test less.)
+TWELL_DEVICE uint32_t twell_relu_bf16x2(uint32_t w) {
+  uint32_t out = 0;
+#pragma unroll
+  for (int s = 0; s < 32; s += 16) {
+    const uint32_t h = (w >> s) & 0xffffu;
+    out |= (((h & 0x7fffu) > 0x7f80u || !(h & 0x8000u)) ? h : 0u) << s;
+  }
+  return out;
+}
+
+TWELL_DEVICE uint4 twell_relu_bf16x8(uint4 v) {
+  return make_uint4(twell_relu_bf16x2(v.x), twell_relu_bf16x2(v.y), twell_relu_bf16x2(v.z),
+                    twell_relu_bf16x2(v.w));
+}
+// d += A (16 x 16, row) * B (16 x 8, col), bf16 in, fp32 accumulate (mma.sync; the
+// fragments as the PTX manual lays them out).
+TWELL_DEVICE void twell_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                 uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif

@@ -1,0 +1,133 @@
+"""Launcher of ``heavy_rows.cu``: finding heavy rows, their dense math, and moving them
+to and from fixed-size cuBLAS GEMMs.
+
+Row lists live on the device: ``ids`` (int32, ascending) and ``count`` (an int32 array of
+one element). Kernels that work on them read the count on the device and size nothing
+from it on the host, so no call here synchronises.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from twell.kernels.buffers import alloc, grid_1d, u16
+from twell.kernels.compile import Source, declare, device_info
+
+SOURCE = declare(Source("heavy_rows.cu"))
+_NULL = np.uint64(0)
+
+
+def compact_rows(heavy: Any) -> tuple[Any, Any]:
+    """Ascending ids of the rows with ``heavy != 0`` (``ids[:count]``) and the count,
+    both on the device (a block-wide prefix sum: deterministic)."""
+    m = heavy.shape[0]
+    ids = alloc((max(m, 1),), np.int32)
+    count = alloc((1,), np.int32)
+    if m:
+        SOURCE.kernel("twell_compact_rows")((1,), (1024,), (heavy, np.int32(m), ids, count))
+    else:
+        count.fill(0)
+    return ids, count
+
+
+def mark_rows(rows: Any, m: int) -> Any:
+    """uint8 ``[m]`` flags, 1 at ``rows`` (an int32 device vector), 0 elsewhere."""
+    heavy = alloc((m,), np.uint8)
+    heavy.fill(0)
+    r = rows.shape[0]
+    if r:
+        SOURCE.kernel("twell_mark_rows")((math.ceil(r / 256),), (256,), (rows, np.int32(r), heavy))
+    return heavy
+
+
+def matmul(
+    a: Any,
+    b: Any,
+    out: Any,
+    ids: Any,
+    count: Any,
+    max_rows: int,
+    *,
+    a_by_id: bool,
+    out_by_id: bool,
+    relu_a: bool = False,
+    gate: Any | None = None,
+    gate_by_id: bool = False,
+    relu_gate: bool = False,
+) -> Any:
+    """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
+
+    ``a`` is ``[*, RED]``, ``b`` ``[OUTC, RED]``, ``out`` and ``gate`` ``[*, OUTC]``, all
+    bf16. A row map is ``ids[i]`` where ``*_by_id`` is set, else ``i``. ``relu_a`` /
+    ``relu_gate`` apply relu (NaN kept) on load. ``count`` holds at most ``max_rows``
+    (which sizes the grid). Returns the fp32 workspace it used (None if none), for
+    callers that must keep it alive (CUDA-graph capture).
+    """
+    outc, red = b.shape
+    if max_rows == 0 or outc == 0:
+        return None
+    gate_args = (
+        _NULL if gate is None else u16(gate), np.int32(gate_by_id), np.int32(relu_gate),
+        u16(out), np.int32(out_by_id),
+    )  # fmt: skip
+    sms = device_info().multiprocessors
+    # Split the reduction when few rows leave the GPU idle: the kernels pick the split
+    # from the device count; the workspace is sized for the largest split they may pick.
+    target = sms * 4
+    col_blocks = math.ceil(outc / 64)
+    kblocks = math.ceil(red / 32)
+    ws_units = min(target // col_blocks + 1, math.ceil(max_rows / 64) * max(1, kblocks // 4))
+    ws = alloc((max(1, ws_units * 64 * outc),), np.float32)
+    max_items = math.ceil(max_rows / 64) * col_blocks * max(1, kblocks // 4)
+    SOURCE.kernel("twell_heavy_rows_matmul")(
+        (max(1, min(max_items, target)),), (128,),
+        (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
+         ids, count, *gate_args, ws, np.int32(target), np.int32(ws_units)),
+    )  # fmt: skip
+    if ws_units >= 2 and target // col_blocks >= 2 and kblocks >= 8:  # a split may happen
+        SOURCE.kernel("twell_heavy_rows_reduce")(
+            (max(1, min(math.ceil(ws_units * 64 * outc / 2 / 256), sms * 8)),), (256,),
+            (ws, count, np.int32(outc), np.int32(red), np.int32(target), np.int32(ws_units),
+             ids, *gate_args),
+        )  # fmt: skip
+    return ws
+
+
+def gather_relu_rows(pre: Any, rows: Any, dense: Any) -> None:
+    """``dense[i] = relu(pre[rows[i]])`` for the ``R`` rows of ``dense`` (NaN kept)."""
+    r, n = dense.shape
+    if r:
+        SOURCE.kernel("twell_gather_relu_rows")(
+            (grid_1d(r * n),), (256,), (u16(pre), rows, np.int32(r), np.int32(n), u16(dense))
+        )
+
+
+def gather_rows(src: Any, ids: Any, count: Any, out: Any, rest: Any) -> None:
+    """``out[i] = src[ids[i]]`` for ``i < min(count, C)`` (``C`` = rows of ``out``), zeros
+    below; ``rest[0] = max(count - C, 0)``, the rows left over."""
+    capacity, width = out.shape
+    SOURCE.kernel("twell_gather_rows")(
+        (grid_1d(capacity * width // 8),), (256,),
+        (u16(src), np.int32(width), ids, count, np.int32(capacity), u16(out), rest),
+    )  # fmt: skip
+
+
+def relu_mul(g: Any, u: Any | None, h: Any) -> None:
+    """``h = bf16(relu(g) * u)`` elementwise (``relu(g)`` when ``u`` is None); NaN kept."""
+    size = g.size
+    SOURCE.kernel("twell_relu_mul")(
+        (grid_1d(size // 2),), (256,),
+        (u16(g), _NULL if u is None else u16(u), u16(h), np.int64(size)),
+    )  # fmt: skip
+
+
+def scatter_rows(src: Any, ids: Any, count: Any, out: Any) -> None:
+    """``out[ids[i]] = src[i]`` for ``i < min(count, C)`` (``C`` = rows of ``src``)."""
+    capacity, width = src.shape
+    SOURCE.kernel("twell_scatter_rows")(
+        (grid_1d(capacity * width // 8),), (256,),
+        (u16(src), np.int32(width), ids, count, np.int32(capacity), u16(out)),
+    )  # fmt: skip

@@ -1,0 +1,237 @@
+"""The FFN block on the GPU: the kernels composed into one forward pass.
+
+A :class:`PreparedBlock` holds the weights in the layouts the kernels want (bf16, and
+``w_down`` transposed so a unit's down column is contiguous), built once. Its forward
+pass has two stages (docs/design.md draws them):
+
+1. **Light rows** — a *route* from :data:`ROUTES` (the ``path`` option): it computes the
+   gate, decides which rows are heavy (the routing rule), and writes the light rows of
+   ``y``. Every route has the signature ``route(block, x, y) -> LightRows``:
+
+   - ``"fused"``: cuBLAS gate GEMM into a dense bf16 pre-activation, then one kernel
+     scans it and gathers (light_rows.from_pre);
+   - ``"epilogue"``: the gate GEMM packs TwELL in its epilogue (gate_gemm.cu), then the
+     gather reads TwELL; no dense pre-activation exists, so heavy rows recompute theirs;
+   - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL.
+
+2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
+   device and their dense math runs on tensor cores (heavy_rows.cu), the first
+   ``ceil(dense_capacity * M)`` of them optionally through fixed-size cuBLAS GEMMs.
+
+Nothing synchronises with the host, so a forward pass can be captured in a CUDA graph;
+no step uses atomics, so the same inputs give the same output bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from twell.kernels import gate_gemm, heavy_rows, light_rows
+from twell.kernels.backward import Activations
+from twell.kernels.buffers import alloc, empty_bf16
+from twell.kernels.convert import as_bf16, from_bf16, transpose
+from twell.kernels.cublas import gemm_nt
+from twell.kernels.pack import pack
+from twell.options import Options, check_width
+
+
+@dataclass
+class LightRows:
+    """What a route hands to the heavy-row stage.
+
+    Attributes:
+        heavy: uint8 ``[M]``, 1 for the rows the route left to the dense path.
+        pre: the dense bf16 gate pre-activation ``[M, N]`` when the route wrote one, or
+            None: then the heavy rows' pre-activations are recomputed from ``x``.
+        packed: the TwELL words of ``relu(pre)`` when the route packed them, else None.
+        scratch: buffers the route used (kept alive by a captured CUDA graph).
+    """
+
+    heavy: Any
+    pre: Any | None = None
+    packed: Any | None = None
+    scratch: list[Any] = field(default_factory=list)
+
+
+class PreparedBlock:
+    """A gated (or non-gated) ReLU FFN block prepared for the GPU kernels.
+
+    Args:
+        w_gate: ``[N, K]`` or None (non-gated block ``relu(x @ w_up.T) @ w_down.T``).
+        w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout), CuPy arrays,
+            already validated (``twell.ops`` does that).
+        options: how the block runs (:class:`twell.options.Options`).
+    """
+
+    def __init__(self, w_gate: Any | None, w_up: Any, w_down: Any, options: Options) -> None:
+        self.options = options
+        self.w_gate = None if w_gate is None else as_bf16(w_gate)
+        self.w_up = as_bf16(w_up)
+        self.w_down = as_bf16(w_down)
+        self.n, self.k = self.w_up.shape
+        check_width(self.k)
+        self.max_row_nnz = options.row_limit(self.n)
+        self.w_down_t = transpose(self.w_down)
+        self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
+
+    @property
+    def gated(self) -> bool:
+        """Whether the block has a gate projection."""
+        return self.w_gate is not None
+
+    @property
+    def w_first(self) -> Any:
+        """The weight whose relu'd product is the hidden activation's pattern."""
+        return self.w_up if self.w_gate is None else self.w_gate
+
+    def __call__(self, x: Any) -> Any:
+        """The block's output for ``x [M, K]`` (``x``'s dtype)."""
+        return self.forward(x)
+
+    def forward(self, x: Any, *, save: bool = False) -> Any:
+        """The block's output for ``x [M, K]`` (``x``'s dtype); no host synchronisation.
+
+        With ``save``, returns ``(y, Activations)``: what a backward pass needs (the packed
+        gate and the heavy rows), taken from a route that packs TwELL (``"epilogue"`` when
+        the block's own route does not).
+
+        May be captured in a CUDA graph (torch must be imported: the gate GEMM then runs
+        through it). The buffers a captured call uses stay alive as long as this object.
+        """
+        import cupy
+
+        xb = as_bf16(x)
+        m, k = xb.shape
+        if k != self.k:
+            raise ValueError(f"x: expected K={self.k}, got {k}")
+        y = empty_bf16((m, k))
+        path = self.options.path
+        if save and path == "fused":
+            path = "epilogue"
+        light = ROUTES[path](self, xb, y) if m else LightRows(alloc((0,), np.uint8))
+        ids, count = heavy_rows.compact_rows(light.heavy)
+        scratch = heavy_rows_stage(self, xb, light, ids, count, y) if m else []
+        if cupy.cuda.get_current_stream().is_capturing():
+            self._graph_scratch.append([xb, y, light.pre, light.packed, *light.scratch, *scratch])
+        out = from_bf16(y, x.dtype)
+        if not save:
+            return out
+        return out, Activations(light.packed, light.heavy, ids, count)
+
+
+# ---------------------------------------------------------------------- routes
+Route = Callable[[PreparedBlock, Any, Any], LightRows]
+
+
+def _route_fused(block: PreparedBlock, x: Any, y: Any) -> LightRows:
+    pre = gemm_nt(x, block.w_first)
+    heavy = alloc((x.shape[0],), np.uint8)
+    light_rows.from_pre(
+        x if block.gated else None, pre, heavy, block.w_up if block.gated else None,
+        block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
+        max_row_nnz=block.max_row_nnz,
+    )  # fmt: skip
+    return LightRows(heavy, pre=pre)
+
+
+def _from_twell(block: PreparedBlock, x: Any, y: Any, light: LightRows) -> LightRows:
+    light_rows.from_twell(
+        x if block.gated else None, light.packed, light.heavy,
+        block.w_up if block.gated else None, block.w_down_t, y, tile=block.options.tile,
+        slots=block.options.slots, max_row_nnz=block.max_row_nnz,
+    )  # fmt: skip
+    return light
+
+
+def _route_epilogue(block: PreparedBlock, x: Any, y: Any) -> LightRows:
+    packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
+    return _from_twell(block, x, y, LightRows(heavy, packed=packed))
+
+
+def _route_pack(block: PreparedBlock, x: Any, y: Any) -> LightRows:
+    pre = gemm_nt(x, block.w_first)
+    packed, heavy = pack(pre, block.options.tile, block.options.slots)
+    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed))
+
+
+#: The light-row stage of each ``path``.
+ROUTES: dict[str, Route] = {
+    "fused": _route_fused,
+    "epilogue": _route_epilogue,
+    "pack": _route_pack,
+}
+
+
+# ---------------------------------------------------------------------- heavy rows
+def heavy_rows_stage(
+    block: PreparedBlock, x: Any, light: LightRows, ids: Any, count: Any, y: Any
+) -> list[Any]:
+    """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y``.
+
+    Their pre-activations are the same rows of ``light.pre``, or, when the route wrote
+    none, are recomputed here into the rows of a fresh ``[M, N]`` buffer (only the heavy
+    rows of it are ever written or read). Returns the scratch buffers it used.
+    """
+    m = x.shape[0]
+    pre = light.pre
+    scratch: list[Any] = [light.heavy, ids, count]
+    capacity = block.options.capacity_rows(m)
+    if capacity:
+        ids, count = _capacity_gemms(block, x, pre, ids, count, capacity, y, scratch)
+        if capacity == m:
+            return scratch
+    max_rows = m - capacity
+    if pre is None:
+        pre = empty_bf16((m, block.n))
+        scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
+                                           a_by_id=True, out_by_id=True)]  # fmt: skip
+    if block.gated:
+        # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
+        scratch.append(
+            heavy_rows.matmul(x, block.w_up, pre, ids, count, max_rows, a_by_id=True,
+                              out_by_id=True, gate=pre, gate_by_id=True, relu_gate=True)
+        )  # fmt: skip
+        scratch.append(
+            heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
+                              out_by_id=True)
+        )  # fmt: skip
+    else:
+        scratch.append(
+            heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
+                              out_by_id=True, relu_a=True)
+        )  # fmt: skip
+    return scratch
+
+
+def _capacity_gemms(
+    block: PreparedBlock,
+    x: Any,
+    pre: Any | None,
+    ids: Any,
+    count: Any,
+    capacity: int,
+    y: Any,
+    scratch: list[Any],
+) -> tuple[Any, Any]:
+    """The first ``capacity`` heavy rows through cuBLAS GEMMs of ``capacity`` rows: gather
+    x and the pre-activation rows (zeros past the device count; ``pre=None``: recomputed
+    from the gathered x), ``h = relu(g) * (x @ w_up.T)`` (or ``relu(g)``), ``h @ w_down.T``,
+    scatter. Returns the ids and device count of the heavy rows left over."""
+    rest = alloc((1,), np.int32)
+    x_c = empty_bf16((capacity, block.k))
+    heavy_rows.gather_rows(x, ids, count, x_c, rest)
+    if pre is None:
+        g_c = gemm_nt(x_c, block.w_first)
+    else:
+        g_c = empty_bf16((capacity, block.n))
+        heavy_rows.gather_rows(pre, ids, count, g_c, rest)
+    u_c = gemm_nt(x_c, block.w_up) if block.gated else None
+    heavy_rows.relu_mul(g_c, u_c, g_c)
+    y_c = gemm_nt(g_c, block.w_down)
+    heavy_rows.scatter_rows(y_c, ids, count, y)
+    scratch += [x_c, g_c, u_c, y_c, rest]
+    return ids[capacity:], rest
