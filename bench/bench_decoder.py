@@ -1,6 +1,6 @@
 """End-to-end: a 2B Llama-architecture decoder forward, dense MLPs against twell MLPs.
 
-Configuration (issue 3 / BENCH.md): 38 layers, hidden 2048, FFN 5632, 32 heads, vocab
+Configuration (docs/benchmark.md): 38 layers, hidden 2048, FFN 5632, 32 heads, vocab
 49152, ReLU MLPs, random weights; forward of 64 sequences × 2048 tokens (the base model's
 last hidden state: the 49152-wide logits of 131072 tokens would not fit and are not MLP
 work).

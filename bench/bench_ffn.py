@@ -1,4 +1,4 @@
-"""The FFN benchmark of BENCH.md from a checkout: ``python bench/bench_ffn.py --help``.
+"""The FFN benchmark of docs/benchmark.md from a checkout: ``python bench/bench_ffn.py --help``.
 
 The protocol lives in :mod:`twell.benchmark` (also ``python -m twell bench``).
 """

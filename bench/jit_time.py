@@ -1,7 +1,7 @@
 """Seconds from a bare process to every kernel of the common paths having run once.
 
 Run it twice with the same ``CUPY_CACHE_DIR``: the first run (empty cache) is the cold
-JIT figure of BENCH.md, the second the warm start. Prints the total and its parts:
+JIT figure of docs/benchmark.md, the second the warm start. Prints the total and its parts:
 imports, building the test problems (NumPy), CUDA context and cuBLAS handle, and the
 first use of every kernel (compiling or loading from CuPy's cache, and running it).
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's validation on the device machine, in two calls that fit its limits:
 #   bash bench/validate_gpu.sh tests   GPU facts, cold/warm JIT, GPU tests, demo and check
-#   bash bench/validate_gpu.sh bench   gate GEMM timings, BENCH.md benchmark (JSON), 2B decoder
+#   bash bench/validate_gpu.sh bench   gate GEMM timings, the benchmark (JSON), 2B decoder
 # Logs and JSON go under $OUT (or /tmp/twell_out); each step has its own time limit.
 set -u
 OUT=${OUT:-/tmp/twell_out}

@@ -1,6 +1,6 @@
 """twell: TwELL sparse formats and kernels for ReLU feed-forward blocks on Hopper GPUs.
 
-Public API (SPEC.md §4): the formats :class:`TwELL` and :class:`Hybrid`, the ops
+Public API (docs/ops.md): the formats :class:`TwELL` and :class:`Hybrid`, the ops
 :func:`gate`, :func:`down`, :func:`gated_down` and :func:`ffn` (NumPy in → reference on
 the CPU; CuPy/torch CUDA in → GPU kernels), and the NumPy oracle :mod:`twell.reference`.
 """

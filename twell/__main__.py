@@ -6,7 +6,7 @@
   the NumPy reference otherwise.
 - ``check``: cross-checks every op against the float64 oracle on every workload and
   prints a verdict table; exits 1 if anything fails.
-- ``bench``: the benchmark of BENCH.md (needs a GPU).
+- ``bench``: the benchmark of docs/benchmark.md (needs a GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from twell import workloads
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import as_host, relative_error
 
-TOLERANCE = 1e-2  # SPEC.md §5: ‖y − y_ref‖ / ‖y_ref‖
+TOLERANCE = 1e-2  # docs/ops.md, Numerics: ‖y − y_ref‖ / ‖y_ref‖
 
 
 def gpu_available() -> bool:
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="check the NumPy reference only")
     p.set_defaults(run=check)
     p = commands.add_parser(
-        "bench", help="BENCH.md protocol on the GPU (python -m twell bench --help for options)",
+        "bench", help="the benchmark of docs/benchmark.md (GPU; python -m twell bench --help)",
         add_help=False,
     )  # fmt: skip
     p.set_defaults(run=bench)

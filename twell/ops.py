@@ -230,7 +230,7 @@ def gate(x: Any, w_gate: Any, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_
     Args:
         x: ``[..., K]`` tokens (leading dimensions are flattened into M rows).
         w_gate: ``[N, K]`` gate weights (``torch.nn.Linear`` layout).
-        tile: TwELL tile width; ``slots``: words per row-tile (SPEC.md §2).
+        tile: TwELL tile width; ``slots``: words per row-tile (docs/format.md).
 
     Returns:
         A Hybrid of shape ``[M, N]`` holding NumPy arrays for NumPy input, CuPy arrays
