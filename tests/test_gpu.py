@@ -190,7 +190,7 @@ def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool,
     p = with_special_rows(problem(kind, m, k, n, seed=m + 2 * k))
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
-    block = PreparedBlock(wg, wu, wd, Options(slots=slots, path=path))
+    block = PreparedBlock(wg, wu, wd, Options(slots=slots, path=path, density_switch=False))
     y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
     assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
@@ -199,7 +199,7 @@ def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool,
 def test_prepared_block_equals_functional_ffn():
     p = problem("heavy", 513, 512, 1024, seed=5)
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
-    block = PreparedBlock(args[1], args[2], args[3], Options())
+    block = PreparedBlock(args[1], args[2], args[3], Options(density_switch=False))
     a = block(args[0])
     b = hybrid_ops.ffn(*args, Options())
     assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
@@ -227,7 +227,7 @@ def test_large_m_not_multiple_of_anything(path: str):
     wd = cp.asarray(rng.standard_normal((k, n), dtype=np.float32) / np.sqrt(n))
     x[1000] *= 6  # a heavy row
     xb, wgb, wub, wdb = (as_bf16(a) for a in (x, wg, wu, wd))
-    y = to_f64(PreparedBlock(wgb, wub, wdb, Options(path=path))(xb))
+    y = to_f64(PreparedBlock(wgb, wub, wdb, Options(path=path, density_switch=False))(xb))
     rows = np.r_[0:64, 1000, m - 64 : m]
     ref = reference.forward.ffn_dense(to_f64(xb)[rows], to_f64(wgb), to_f64(wub), to_f64(wdb))
     assert_close(y[rows], ref)
@@ -241,7 +241,8 @@ def test_public_ops_with_cupy_and_torch():
     oracle = reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
     assert_close(to_f64(twell.ffn(*args)), oracle)
     for path in PATHS:
-        assert_close(to_f64(twell.SparseFFN(*args[1:], path=path)(args[0])), oracle)
+        block = twell.SparseFFN(*args[1:], path=path, density_switch=False)
+        assert_close(to_f64(block(args[0])), oracle)
     torch = pytest.importorskip("torch")
     tensors = [torch.from_dlpack(a) for a in args]
     y = twell.ffn(*tensors)
@@ -293,7 +294,7 @@ def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
     pytest.importorskip("torch")
     p = with_special_rows(problem("heavy", 200, 512, 1024, seed=21))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    block = PreparedBlock(wg, wu, wd, Options(path=path))
+    block = PreparedBlock(wg, wu, wd, Options(path=path, density_switch=False))
     eager = block(x)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -325,7 +326,8 @@ def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
 def test_row_routing_threshold_does_not_change_results(max_row_nnz: int, path: str):
     p = with_special_rows(problem("heavy", 400, 512, 1024, seed=17))
     args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
-    block = PreparedBlock(*args[1:], Options(max_row_nnz=max_row_nnz, path=path))
+    options = Options(max_row_nnz=max_row_nnz, path=path, density_switch=False)
+    block = PreparedBlock(*args[1:], options)
     y = to_f64(block(args[0]))
     assert_close(y, reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
 
@@ -430,7 +432,8 @@ def test_heavy_rows_through_fixed_size_gemms(capacity: float, gated: bool, path:
     p = with_special_rows(problem("heavy", 600, 512, 1024, seed=31))
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
-    block = PreparedBlock(wg, wu, wd, Options(path=path, dense_capacity=capacity))
+    options = Options(path=path, dense_capacity=capacity, density_switch=False)
+    block = PreparedBlock(wg, wu, wd, options)
     y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
     assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"

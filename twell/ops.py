@@ -9,9 +9,9 @@ and the kernels receive clean 2-D inputs.
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import math
-from collections.abc import Iterator
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from twell import reference
 from twell._arrays import FLOAT_DTYPES, library_of
+from twell._interop import on_gpu
 from twell.formats import Hybrid, check_layout
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options, check_width
 
@@ -180,47 +181,51 @@ def _device_id(array: Any) -> int:
 
 
 # ---------------------------------------------------------------------- GPU plumbing
-@contextlib.contextmanager
-def _on_gpu(inputs: _Inputs) -> Iterator[dict[str, Any]]:
-    """CuPy views of the inputs, on their device and the caller's current stream."""
-    try:
-        import cupy
-    except ImportError as error:  # pragma: no cover - depends on the installation
-        raise RuntimeError(
-            "twell's GPU ops need CuPy: pip install 'twell[cuda12]' or 'twell[cuda13]'"
-        ) from error
-    arrays = inputs.arrays
-    if inputs.library == "torch":
-        import torch
-
-        first = next(iter(arrays.values()))
-        stream = cupy.cuda.ExternalStream(
-            torch.cuda.current_stream(first.device).cuda_stream, first.device.index
-        )
-        device = cupy.cuda.Device(first.device.index)
-        arrays = {name: cupy.from_dlpack(a.detach()) for name, a in arrays.items()}
-    else:
-        device = next(iter(arrays.values())).device
-        stream = cupy.cuda.get_current_stream()
-    with device, stream:
-        yield arrays
-
-
 def _kernels():  # noqa: ANN202 - the twell.kernels module
     from twell import kernels
 
     return kernels
 
 
-def _restore(result: Any, inputs: _Inputs) -> Any:
-    """Give ``result`` the caller's array type and batch shape."""
+def _restore(result: Any, inputs: _Inputs, to_caller: Any = None) -> Any:
+    """Give ``result`` the caller's array type (``to_caller``) and batch shape."""
+    if to_caller is not None:
+        result = to_caller(result)
     if inputs.batch_shape != (result.shape[0],):
         result = result.reshape(*inputs.batch_shape, result.shape[-1])
-    if inputs.library == "torch":
-        import torch
-
-        return torch.from_dlpack(result)
     return result
+
+
+#: Blocks prepared by the functional :func:`ffn` for torch weights, most recent last.
+_prepared_cache: collections.OrderedDict[tuple, tuple[list[Any], Any]] = (
+    collections.OrderedDict()
+)
+_PREPARED_CACHE_SIZE = 8
+
+
+def _prepared_for(weights: dict[str, Any], views: dict[str, Any], options: Options) -> Any:
+    """A prepared block for the functional ops: cached for torch weights, keyed on
+    (pointer, shape, dtype, version counter) of each and checked to be the same tensor
+    objects (so an in-place change or a new tensor at a recycled address is seen);
+    built anew for CuPy weights, whose in-place changes leave no trace to key on."""
+    tensors = [weights.get(name) for name in ("w_gate", "w_up", "w_down")]
+    prepared = _kernels().PreparedBlock
+    if not any(hasattr(t, "_version") for t in tensors):
+        return prepared(views.get("w_gate"), views["w_up"], views["w_down"], options)
+    key = (options, *[None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype, t._version)
+                      for t in tensors])  # fmt: skip
+    found = _prepared_cache.get(key)
+    if found is not None and all(
+        (r is None and t is None) or (r is not None and r() is t)
+        for r, t in zip(found[0], tensors, strict=True)
+    ):
+        _prepared_cache.move_to_end(key)
+        return found[1]
+    block = prepared(views.get("w_gate"), views["w_up"], views["w_down"], options)
+    _prepared_cache[key] = ([None if t is None else weakref.ref(t) for t in tensors], block)
+    while len(_prepared_cache) > _PREPARED_CACHE_SIZE:
+        _prepared_cache.popitem(last=False)
+    return block
 
 
 # ---------------------------------------------------------------------- public ops
@@ -240,7 +245,7 @@ def gate(x: Any, w_gate: Any, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_
     a = inputs.arrays
     if inputs.library == "numpy":
         return reference.gate(a["x"], a["w_gate"], tile=tile, slots=slots)
-    with _on_gpu(inputs) as g:
+    with on_gpu(inputs.library, inputs.arrays) as (g, _):
         return _kernels().gate(g["x"], g["w_gate"], Options(tile, slots))
 
 
@@ -250,8 +255,8 @@ def down(h: Hybrid, w_down: Any) -> Any:
     inputs.batch_shape = (h.shape[0],)
     if inputs.library == "numpy":
         return reference.down(h, inputs.arrays["w_down"])
-    with _on_gpu(inputs) as g:
-        return _restore(_kernels().down(h, g["w_down"]), inputs)
+    with on_gpu(inputs.library, inputs.arrays) as (g, to_caller):
+        return _restore(_kernels().down(h, g["w_down"]), inputs, to_caller)
 
 
 def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any) -> Any:
@@ -262,8 +267,9 @@ def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any) -> Any:
     a = inputs.arrays
     if inputs.library == "numpy":
         return _restore(reference.gated_down(a["x"], g, a["w_up"], a["w_down"]), inputs)
-    with _on_gpu(inputs) as d:
-        return _restore(_kernels().gated_down(d["x"], g, d["w_up"], d["w_down"]), inputs)
+    with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
+        y = _kernels().gated_down(d["x"], g, d["w_up"], d["w_down"])
+        return _restore(y, inputs, to_caller)
 
 
 def ffn(
@@ -297,9 +303,9 @@ def ffn(
     if inputs.library == "numpy":
         y = reference.ffn(a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=tile, slots=slots)
         return _restore(y, inputs)
-    with _on_gpu(inputs) as d:
-        y = _kernels().ffn(d["x"], d.get("w_gate"), d["w_up"], d["w_down"], Options(tile, slots))
-        return _restore(y, inputs)
+    with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
+        block = _prepared_for(inputs.arrays, d, Options(tile, slots))
+        return _restore(block(d["x"]), inputs, to_caller)
 
 
 class SparseFFN:
@@ -325,6 +331,9 @@ class SparseFFN:
             any value gives the same result.
         dense_capacity: fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the
             rest by twell's heavy-row kernel); pays on models with many heavy tokens.
+        density_switch: run whole batches in dense math when earlier calls were too dense
+            for the sparse path to pay (decided without a host synchronisation; False:
+            always sparse, e.g. for bit-for-bit comparisons of one path).
 
     Example:
         >>> block = twell.SparseFFN(w_gate, w_up, w_down)   # doctest: +SKIP
@@ -342,15 +351,17 @@ class SparseFFN:
         path: str = "fused",
         max_row_nnz: int | None = None,
         dense_capacity: float = 0.0,
+        density_switch: bool = True,
     ) -> None:
-        self.options = Options(tile, slots, path, max_row_nnz, dense_capacity)
+        self.options = Options(tile, slots, path, max_row_nnz, dense_capacity, density_switch)
         self._weights = {"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
         inputs = _validate(weights=self._weights, tile=tile, slots=slots)
         self.library = inputs.library
         self.shape = (int(w_up.shape[0]), int(w_up.shape[1]))  # (N, K)
         self._prepared = None
         if self.library != "numpy":
-            with _on_gpu(inputs) as g:
+            self._device = _device_id(inputs.arrays["w_up"])
+            with on_gpu(inputs.library, inputs.arrays) as (g, _):
                 self._prepared = _kernels().PreparedBlock(
                     g.get("w_gate"), g["w_up"], g["w_down"], self.options
                 )
@@ -367,18 +378,29 @@ class SparseFFN:
         return f"<SparseFFN {kind} K={k} N={n} tile={o.tile} slots={o.slots} ({self.library})>"
 
     def __call__(self, x: Any) -> Any:
-        """The block's output for ``x`` ``[..., K]``, in the caller's array type."""
+        """The block's output for ``x`` ``[..., K]``, in the caller's array type.
+
+        On the GPU only ``x`` is checked (the weights were checked when prepared); the
+        call neither synchronises nor allocates outside the caller's allocator, so it can
+        be captured by ``torch.cuda.graph`` (torch tensors) or a CuPy stream capture.
+        """
         k = self.shape[1]
         if hasattr(x, "shape") and (len(x.shape) < 1 or x.shape[-1] != k):
             raise ValueError(f"x: expected shape [..., {k}] (the block's K), got {tuple(x.shape)}")
         o = self.options
-        inputs = _validate(x=x, weights=self._weights, tile=o.tile, slots=o.slots)
-        a = inputs.arrays
-        if inputs.library == "numpy":
+        if self._prepared is None:
+            inputs = _validate(x=x, weights=self._weights, tile=o.tile, slots=o.slots)
+            a = inputs.arrays
             y = reference.ffn(
                 a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=o.tile, slots=o.slots
             )
             return _restore(y, inputs)
-        only_x = _Inputs(inputs.library, {"x": a["x"]}, inputs.batch_shape)  # weights are ready
-        with _on_gpu(only_x) as d:
-            return _restore(self._prepared(d["x"]), inputs)
+        inputs = _validate(x=x, weights={})
+        if inputs.library != self.library or _device_id(x) != self._device:
+            raise TypeError(
+                f"x: expected a {self.library} array on GPU {self._device} like the block's "
+                f"weights, got a {inputs.library} array"
+                + (f" on GPU {_device_id(x)}" if inputs.library != "numpy" else "")
+            )
+        with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
+            return _restore(self._prepared(d["x"]), inputs, to_caller)

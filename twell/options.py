@@ -82,6 +82,8 @@ class Options:
             see :func:`default_max_row_nnz`); any value gives the same result.
         dense_capacity: a fraction f of M: the first ``ceil(f * M)`` heavy rows go
             through fixed-size cuBLAS GEMMs, the rest through twell's heavy-row kernel.
+        density_switch: run the whole batch in dense math when earlier calls saw more
+            active units per row than the sparse path pays for (docs/design.md).
     """
 
     tile: int = DEFAULT_TILE
@@ -89,6 +91,7 @@ class Options:
     path: str = "fused"
     max_row_nnz: int | None = None
     dense_capacity: float = 0.0
+    density_switch: bool = True
 
     def __post_init__(self) -> None:
         tile, slots = check_geometry(self.tile, self.slots)
@@ -114,6 +117,10 @@ class Options:
                 f"dense_capacity: expected a fraction in [0, 1], got {self.dense_capacity}"
             )
         object.__setattr__(self, "dense_capacity", capacity)
+        if not isinstance(self.density_switch, bool):
+            raise TypeError(
+                f"density_switch: expected a bool, got {type(self.density_switch).__name__}"
+            )
 
     def row_limit(self, n: int) -> int:
         """``max_row_nnz`` for FFN width ``n`` (the default when it was left None)."""

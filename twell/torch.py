@@ -128,6 +128,7 @@ class SparseMLP(nn.Module):
             self._block = SparseFFN(
                 *(w.detach() for w in weights), tile=o.tile, slots=o.slots, path=o.path,
                 max_row_nnz=o.max_row_nnz, dense_capacity=o.dense_capacity,
+                density_switch=o.density_switch,
             )  # fmt: skip
             self._block_key = key
         return self._block

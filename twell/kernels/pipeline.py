@@ -18,6 +18,13 @@ pass has two stages (docs/design.md draws them):
    device and their dense math runs on tensor cores (heavy_rows.cu), the first
    ``ceil(dense_capacity * M)`` of them optionally through fixed-size cuBLAS GEMMs.
 
+Two cases take plain dense math for the whole batch instead (:func:`dense_block`: three
+cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
+
+- a weight holds NaN or Inf (checked once, when the block is prepared): dense math then
+  spreads it to outputs no sparse path would touch (``0 * NaN``), and twell keeps that;
+- the activations are too dense for the sparse path to pay (:class:`DensitySwitch`).
+
 Nothing synchronises with the host, so a forward pass can be captured in a CUDA graph;
 no step uses atomics, so the same inputs give the same output bits.
 """
@@ -76,6 +83,8 @@ class PreparedBlock:
         check_width(self.k)
         self.max_row_nnz = options.row_limit(self.n)
         self.w_down_t = transpose(self.w_down)
+        self.weights_finite = _all_finite(self.w_gate, self.w_up, self.w_down)
+        self.density = DensitySwitch(self.n, options.density_switch)
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     @property
@@ -102,25 +111,112 @@ class PreparedBlock:
         May be captured in a CUDA graph (torch must be imported: the gate GEMM then runs
         through it). The buffers a captured call uses stay alive as long as this object.
         """
-        import cupy
-
         xb = as_bf16(x)
         m, k = xb.shape
         if k != self.k:
             raise ValueError(f"x: expected K={self.k}, got {k}")
         y = empty_bf16((m, k))
+        in_capture = capturing()
+        if m and not save and (not self.weights_finite or self.density.go_dense(in_capture)):
+            scratch = dense_block(self, xb, y)
+            if in_capture:
+                self._graph_scratch.append([xb, y, *scratch])
+            return from_bf16(y, x.dtype)
         path = self.options.path
         if save and path == "fused":
             path = "epilogue"
         light = ROUTES[path](self, xb, y) if m else LightRows(alloc((0,), np.uint8))
         ids, count = heavy_rows.compact_rows(light.heavy)
         scratch = heavy_rows_stage(self, xb, light, ids, count, y) if m else []
-        if cupy.cuda.get_current_stream().is_capturing():
+        if m and not in_capture:
+            self.density.observe(light.packed, light.pre, self.options.slots)
+        if in_capture:
             self._graph_scratch.append([xb, y, light.pre, light.packed, *light.scratch, *scratch])
         out = from_bf16(y, x.dtype)
         if not save:
             return out
         return out, Activations(light.packed, light.heavy, ids, count)
+
+
+def capturing() -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
+
+
+def _all_finite(*weights: Any) -> bool:
+    import cupy
+
+    return all(w is None or bool(cupy.isfinite(w).all()) for w in weights)
+
+
+def dense_block(block: PreparedBlock, x: Any, y: Any) -> list[Any]:
+    """The whole block in dense math: ``y = (relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``
+    (or ``relu(x @ w_up.T) @ w_down.T``), cuBLAS GEMMs with bf16 intermediates."""
+    g = gemm_nt(x, block.w_first)
+    if not capturing():
+        block.density.observe(None, g, block.options.slots)
+    u = gemm_nt(x, block.w_up) if block.gated else None
+    heavy_rows.relu_mul(g, u, g)
+    gemm_nt(g, block.w_down, y)
+    return [g, u]
+
+
+class DensitySwitch:
+    """Decides, without a host synchronisation, when a block's inputs are too dense for
+    the sparse path, from the statistics of the calls before.
+
+    Every call estimates the mean number of active units per row on the device (from the
+    TwELL count words when its route packed them, else from the positive pre-activations
+    of a strided sample of 256 rows; the dense path samples its own gate GEMM the same
+    way) and copies it to pinned host memory behind an event. The next call reads it only
+    if the event has completed, so the host never waits; the decision therefore follows
+    the data with a lag of a call or two. Above :attr:`threshold` active units per row
+    (about 1% of N: where gathering two weight rows per active unit costs what the dense
+    up and down projections cost; docs/design.md) the block runs :func:`dense_block`.
+    Inside a CUDA-graph capture the decision in force is used and nothing is measured.
+
+    Both paths are correct; they round differently, so the same input gives the same
+    bits as long as the decision stays the same (``dense`` tells which one ran last).
+    """
+
+    SAMPLE_ROWS = 256
+
+    def __init__(self, n: int, enabled: bool = True) -> None:
+        self.threshold = max(8.0, n / 100)
+        self.enabled = enabled
+        self.estimate: float | None = None
+        self.dense = False
+        self._pending: tuple[Any, Any] | None = None
+
+    def go_dense(self, capturing: bool) -> bool:
+        """Whether this call runs the dense path (reads a finished estimate, never waits)."""
+        if self._pending is not None and self._pending[1].done:
+            self.estimate = float(self._pending[0][0])
+            self._pending = None
+        if not capturing:
+            self.dense = (
+                self.enabled and self.estimate is not None and self.estimate > self.threshold
+            )
+        return self.dense
+
+    def observe(self, packed: Any | None, pre: Any, slots: int) -> None:
+        """Start the estimate of this call (a few small kernels and an async copy)."""
+        import cupy
+
+        if not self.enabled or self._pending is not None:
+            return
+        if packed is not None:
+            per_row = packed[:, ::slots].sum(dtype=cupy.float32) / packed.shape[0]
+        else:
+            sample = pre[:: max(1, pre.shape[0] // self.SAMPLE_ROWS)].view(cupy.int16)
+            per_row = (sample > 0).sum(dtype=cupy.float32) / sample.shape[0]
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(4), np.float32, 1)
+        per_row.reshape(1).get(out=host, blocking=False)
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record()
+        self._pending = (host, event)
 
 
 # ---------------------------------------------------------------------- routes

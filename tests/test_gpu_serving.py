@@ -1,0 +1,170 @@
+"""Serving on the GPU: CUDA-graph capture from torch, the prepared-weight cache of the
+functional ops, non-finite weights, and the switch to dense math at high density.
+
+Skipped without a GPU; run on the GPU machine. Outputs are poisoned as in test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from twell import workloads
+from twell.kernels.compile import unavailable_reason
+from twell.reference.forward import ffn_dense
+from twell.testing.asserts import relative_error
+
+pytestmark = pytest.mark.gpu
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+import cupy as cp  # noqa: E402
+
+import twell  # noqa: E402
+from twell.kernels import buffers  # noqa: E402
+from twell.torch import SparseMLP  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
+        out = cp.empty(shape, dtype=dtype)
+        out.view(cp.uint8)[...] = 0xFF
+        return out
+
+    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+
+
+def tensors(p: workloads.Problem) -> list:
+    return [None if a is None else torch.from_numpy(a.astype(np.float32)).cuda().bfloat16()
+            for a in p.arrays()]  # fmt: skip
+
+
+def as_f64(t: torch.Tensor) -> np.ndarray:
+    return t.float().cpu().numpy().astype(np.float64)
+
+
+def heavy_problem(m: int, k: int = 512, n: int = 1024) -> workloads.Problem:
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.05, seed=m)
+    x = p.x.astype(np.float32)
+    if m > 3:
+        x[1, 5], x[2, 7] = np.nan, np.inf
+    return dataclasses.replace(p, x=x.astype(p.x.dtype))
+
+
+@pytest.mark.parametrize("path", ["fused", "epilogue", "pack"])
+@pytest.mark.parametrize("m", [1, 8, 64, 300])
+def test_torch_graph_capture_in_default_mode(m: int, path: str) -> None:
+    """torch.cuda.graph in its default (global) capture mode; replays give eager's bits."""
+    p = heavy_problem(m)
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd, path=path, density_switch=False)
+    eager = block(x)
+    static_x = x.clone()
+    graph, static_y = capture(block, static_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y.view(torch.int16), eager.view(torch.int16))
+    static_x.copy_(x.flip(0))  # new inputs in the captured buffer
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y.view(torch.int16), block(x.flip(0)).view(torch.int16))
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    finite = np.isfinite(oracle).all(axis=1)
+    assert relative_error(as_f64(eager)[finite], oracle[finite]) < 1e-2
+
+
+def capture(fn, *args):  # noqa: ANN001, ANN201 - a torch graph of fn(*args) and its output
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
+def test_graph_of_a_model_with_sparse_mlps() -> None:
+    p = heavy_problem(64)
+    x, wg, wu, wd = tensors(p)
+    linear = [torch.nn.Linear(*s, bias=False).cuda().bfloat16() for s in
+              ((512, 1024), (512, 1024), (1024, 512))]  # fmt: skip
+    with torch.no_grad():
+        for layer, w in zip(linear, (wg, wu, wd), strict=True):
+            layer.weight.copy_(w)
+    model = torch.nn.Sequential(SparseMLP(*linear), torch.nn.LayerNorm(512).cuda().bfloat16(),
+                                SparseMLP(*linear))  # fmt: skip
+    with torch.no_grad():
+        for _ in range(3):  # the density switch settles
+            model(x)
+        torch.cuda.synchronize()
+        eager = model(x)
+        graph, out = capture(model, x)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+def test_functional_ffn_caches_prepared_weights_and_sees_in_place_changes() -> None:
+    from twell import ops
+
+    p = workloads.uniform(200, 256, 512, p=0.02, seed=3)
+    x, wg, wu, wd = tensors(p)
+    ops._prepared_cache.clear()
+    y1 = twell.ffn(x, wg, wu, wd)
+    assert len(ops._prepared_cache) == 1
+    y2 = twell.ffn(x, wg, wu, wd)
+    assert len(ops._prepared_cache) == 1 and torch.equal(y1, y2)
+    wd.mul_(2)  # in place: the version counter moves
+    y3 = twell.ffn(x, wg, wu, wd)
+    assert len(ops._prepared_cache) == 2
+    assert relative_error(as_f64(y3), 2 * as_f64(y1)) < 1e-2
+
+
+@pytest.mark.parametrize("which", ["w_up", "w_down"])
+def test_non_finite_weight_of_an_idle_unit_poisons_like_dense_math(which: str) -> None:
+    p = workloads.uniform(100, 256, 512, p=0.005, seed=4)
+    arrays = dict(zip(("x", "w_gate", "w_up", "w_down"), p.arrays(), strict=True))
+    pre = arrays["x"].astype(np.float64) @ arrays["w_gate"].astype(np.float64).T
+    idle = int(np.nonzero((pre <= 0).all(axis=0))[0][0])  # a unit no token activates
+    w = arrays[which].astype(np.float32)
+    if which == "w_up":
+        w[idle, 3] = np.nan
+    else:
+        w[3, idle] = np.nan
+    arrays[which] = w.astype(p.x.dtype)
+    oracle = ffn_dense(*arrays.values())
+    x, wg, wu, wd = (torch.from_numpy(a.astype(np.float32)).cuda().bfloat16()
+                     for a in arrays.values())  # fmt: skip
+    for y in (twell.ffn(x, wg, wu, wd), twell.SparseFFN(wg, wu, wd)(x)):
+        np.testing.assert_array_equal(np.isnan(as_f64(y)), np.isnan(oracle))
+
+
+def test_density_switch_goes_dense_and_stays_correct() -> None:
+    p = workloads.uniform(512, 512, 1024, p=0.3, seed=5)  # far above 1% of N active
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd)
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    first = block(x)
+    torch.cuda.synchronize()
+    second = block(x)
+    density = block._prepared.density
+    assert density.estimate is not None and density.estimate > density.threshold
+    assert density.dense
+    third = block(x)
+    assert torch.equal(second, third)
+    for y in (first, second):
+        assert relative_error(as_f64(y), oracle) < 1e-2
+    sparse_only = twell.SparseFFN(wg, wu, wd, density_switch=False)
+    sparse_only(x)
+    torch.cuda.synchronize()
+    sparse_only(x)
+    assert not sparse_only._prepared.density.dense

@@ -1,0 +1,127 @@
+"""CuPy and PyTorch arrays in and out of the kernels: zero-copy views, streams, buffers.
+
+A call with torch tensors runs the kernels on views of the tensors' memory (made from the
+data pointer: no DLPack exchange, no pointer-attribute query, no synchronisation), on
+torch's current stream, and allocates every output and scratch buffer through torch's
+caching allocator. That is what makes the call capturable by ``torch.cuda.graph`` in
+torch's default capture mode: nothing in it touches the legacy stream, calls
+``cudaMalloc`` or waits on the host, and the buffers a captured call uses come from the
+graph's private memory pool, which torch keeps for the graph's replays. The output is
+handed back as the torch tensor that owns its memory.
+
+A call with CuPy arrays runs on CuPy's current stream and allocates from CuPy's pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from twell._arrays import bfloat16
+from twell.kernels.buffers import allocating_with
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _torch_dtypes() -> dict[Any, np.dtype]:
+    import torch
+
+    return {
+        torch.bfloat16: bfloat16,
+        torch.float16: np.dtype(np.float16),
+        torch.float32: np.dtype(np.float32),
+        torch.float64: np.dtype(np.float64),
+        torch.uint8: np.dtype(np.uint8),
+        torch.int32: np.dtype(np.int32),
+    }
+
+
+def cupy_view(tensor: Any) -> Any:
+    """A CuPy array over a C-contiguous CUDA tensor's memory (the tensor stays its owner)."""
+    import cupy
+
+    dtype = _torch_dtypes()[tensor.dtype]
+    nbytes = tensor.numel() * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, tensor, tensor.device.index)
+    return cupy.ndarray(
+        tuple(tensor.shape), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0)
+    )
+
+
+class TorchBuffers:
+    """An allocator for :func:`twell.kernels.buffers.alloc` that takes memory from torch.
+
+    Remembers the tensor behind each buffer it made, so an output can be returned as
+    the torch tensor that owns it.
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self._owners: dict[int, Any] = {}
+
+    def __call__(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import cupy
+        import torch
+
+        dtype = np.dtype(dtype)
+        nbytes = max(1, math.prod(shape) * dtype.itemsize)
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        memory = cupy.cuda.UnownedMemory(owner.data_ptr(), nbytes, owner, owner.device.index)
+        array = cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        self._owners[array.data.ptr] = owner
+        return array
+
+    def as_tensor(self, array: Any) -> Any:
+        """The torch tensor over ``array`` (one of this allocator's buffers, or a view
+        of a caller's tensor); DLPack for anything else."""
+        import torch
+
+        owner = self._owners.get(array.data.ptr)
+        if owner is None or not array.flags.c_contiguous:
+            return torch.from_dlpack(array)
+        torch_dtype = {v: k for k, v in _torch_dtypes().items()}[np.dtype(array.dtype)]
+        return owner[: array.nbytes].view(torch_dtype).view(array.shape)
+
+
+def _torch_stream(device_index: int) -> Any:
+    """CuPy's handle on torch's current stream of a device (cached per stream)."""
+    import cupy
+    import torch
+
+    pointer = torch.cuda.current_stream(device_index).cuda_stream
+    key = (pointer, device_index)
+    stream = _streams.get(key)
+    if stream is None:
+        stream = _streams[key] = cupy.cuda.ExternalStream(pointer, device_index)
+    return stream
+
+
+@contextlib.contextmanager
+def on_gpu(library: str, arrays: dict[str, Any]) -> Iterator[tuple[dict[str, Any], Any]]:
+    """CuPy views of ``arrays`` (CuPy or torch, validated: C-contiguous, one device) on
+    their device and the caller's current stream, with the caller's allocator.
+
+    Yields:
+        ``(views, to_caller)``: the CuPy arrays, and a function that turns a CuPy result
+        into the caller's array type.
+    """
+    try:
+        import cupy
+    except ImportError as error:  # pragma: no cover - depends on the installation
+        raise RuntimeError(
+            "twell's GPU ops need CuPy: pip install 'twell[cuda12]' or 'twell[cuda13]'"
+        ) from error
+    first = next(a for a in arrays.values() if a is not None)
+    if library == "torch":
+        index = first.device.index
+        buffers = TorchBuffers(first.device)
+        views = {k: None if a is None else cupy_view(a.detach()) for k, a in arrays.items()}
+        with cupy.cuda.Device(index), _torch_stream(index), allocating_with(buffers):
+            yield views, buffers.as_tensor
+    else:
+        with first.device, allocating_with(None):
+            yield arrays, lambda array: array
