@@ -157,9 +157,10 @@ def main() -> None:
     print(f"{'workload':<14}{'api':<10}{'M':>7} {'timing':<13}{'twell':>8}{'dense':>8}{'x':>6}"
           f"{'err':>9}{'host us':>9}{'dense us':>9}")  # fmt: skip
     for r in records:
+        host, host_dense = r.get("host_us", math.nan), r.get("host_us_dense", math.nan)
         print(f"{r['workload']:<14}{r['api']:<10}{r['M']:>7} {r['timing']:<13}{r['t_ms']:>8.3f}"
               f"{r['t_dense_ms']:>8.3f}{r['speedup']:>6.2f}{r['rel_err']:>9.1e}"
-              f"{r.get('host_us', math.nan):>9.1f}{r.get('host_us_dense', math.nan):>9.1f}")  # fmt: skip
+              f"{host:>9.1f}{host_dense:>9.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
