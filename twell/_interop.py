@@ -120,7 +120,11 @@ def on_gpu(library: str, arrays: dict[str, Any]) -> Iterator[tuple[dict[str, Any
         index = first.device.index
         buffers = TorchBuffers(first.device)
         views = {k: None if a is None else cupy_view(a.detach()) for k, a in arrays.items()}
-        with cupy.cuda.Device(index), _torch_stream(index), allocating_with(buffers):
+        with (
+            cupy.cuda.Device(index),
+            _torch_stream(index),
+            allocating_with(buffers, torch_caller=True),
+        ):
             yield views, buffers.as_tensor
     else:
         with first.device, allocating_with(None):

@@ -24,6 +24,7 @@ from twell._arrays import bfloat16
 _allocator: contextvars.ContextVar[Callable[[tuple[int, ...], Any], Any] | None] = (
     contextvars.ContextVar("twell_allocator", default=None)
 )
+_torch_caller: contextvars.ContextVar[bool] = contextvars.ContextVar("twell_torch", default=False)
 
 
 def _cupy() -> Any:
@@ -44,13 +45,24 @@ def alloc(shape: tuple[int, ...], dtype: Any) -> Any:
 
 
 @contextlib.contextmanager
-def allocating_with(allocate: Callable[[tuple[int, ...], Any], Any] | None) -> Iterator[None]:
-    """Within the block, :func:`alloc` calls ``allocate(shape, dtype)`` (None: CuPy)."""
+def allocating_with(
+    allocate: Callable[[tuple[int, ...], Any], Any] | None, *, torch_caller: bool = False
+) -> Iterator[None]:
+    """Within the block, :func:`alloc` calls ``allocate(shape, dtype)`` (None: CuPy), and
+    :func:`torch_caller` tells whether the op was called with torch tensors (on torch's
+    current stream)."""
     token = _allocator.set(allocate)
+    caller = _torch_caller.set(torch_caller)
     try:
         yield
     finally:
+        _torch_caller.reset(caller)
         _allocator.reset(token)
+
+
+def torch_caller() -> bool:
+    """Whether the running op was called with torch tensors (see :func:`allocating_with`)."""
+    return _torch_caller.get()
 
 
 def empty_bf16(shape: tuple[int, ...]) -> Any:

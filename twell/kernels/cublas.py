@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels.buffers import empty_bf16, u16
+from twell.kernels.buffers import empty_bf16, torch_caller, u16
 
 _CUDA_R_16BF = 14
 _CUBLAS_COMPUTE_32F = 68
@@ -21,11 +21,13 @@ _ZERO = np.zeros(1, np.float32)
 def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -> Any:
     """``out[M, N] = x[M, K] @ w[N, K].T`` in bf16 with fp32 accumulation (cuBLAS).
 
-    Runs through CuPy's ``gemmEx``, except while the current stream is being captured
-    into a CUDA graph (CuPy refuses cuBLAS during capture): then through torch, which
-    must be imported already (``via="torch"`` forces that path, for comparisons). Either
-    way on CuPy's current stream. The two paths may pick different cuBLAS kernels, so a
-    captured graph's bits can differ from eager ones (each is deterministic).
+    For an op called with torch tensors, runs through ``torch.mm`` on torch's current
+    stream, eager or captured alike (so torch's cuBLAS handle and workspace are set up by
+    the eager warm-up calls a capture needs, and replays give eager's bits). Otherwise
+    through CuPy's ``gemmEx``, except while CuPy's stream is being captured into a CUDA
+    graph (CuPy refuses cuBLAS then): then through torch too, which must be imported
+    (``via="torch"`` forces that path, for comparisons). The two libraries may pick
+    different cuBLAS kernels, so their bits can differ (each is deterministic).
     """
     import cupy
 
@@ -38,9 +40,12 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -
     if k == 0:
         u16(out)[...] = 0
         return out
+    torch = sys.modules.get("torch")
+    if torch_caller():  # already on torch's current stream
+        _mm(torch, x, w, out)
+        return out
     stream = cupy.cuda.get_current_stream()
     capturing = stream.is_capturing()
-    torch = sys.modules.get("torch")
     if via == "torch" or (capturing and torch is not None):
         device = torch.device("cuda", x.device.id)
         torch_stream = (
@@ -49,8 +54,7 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -
             else torch.cuda.default_stream(device)
         )
         with torch.cuda.stream(torch_stream):
-            xt, wt, ot = (torch.from_dlpack(a) for a in (x, w, out))
-            torch.mm(xt, wt.t(), out=ot)
+            _mm(torch, x, w, out)
         return out
     if capturing:
         raise RuntimeError(
@@ -74,3 +78,8 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -
     finally:
         cublas.setPointerMode(handle, mode)
     return out
+
+
+def _mm(torch: Any, x: Any, w: Any, out: Any) -> None:
+    xt, wt, ot = (torch.from_dlpack(a) for a in (x, w, out))
+    torch.mm(xt, wt.t(), out=ot)

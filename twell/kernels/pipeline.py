@@ -167,12 +167,12 @@ class DensitySwitch:
     """Decides, without a host synchronisation, when a block's inputs are too dense for
     the sparse path, from the statistics of the calls before.
 
-    Every call estimates the mean number of active units per row on the device (from the
-    TwELL count words when its route packed them, else from the positive pre-activations
-    of a strided sample of 256 rows; the dense path samples its own gate GEMM the same
-    way) and copies it to pinned host memory behind an event. The next call reads it only
-    if the event has completed, so the host never waits; the decision therefore follows
-    the data with a lag of a call or two. Above :attr:`threshold` active units per row
+    Every :attr:`EVERY`-th call estimates the mean number of active units per row on the
+    device (from the TwELL count words when its route packed them, else from the positive
+    pre-activations of a strided sample of 256 rows; the dense path samples its own gate
+    GEMM the same way) and copies it to pinned host memory behind an event. A later call
+    reads it only once the event has completed, so the host never waits; the decision
+    follows the data with a lag of a call or two. Above :attr:`threshold` active units per row
     (about 1% of N: where gathering two weight rows per active unit costs what the dense
     up and down projections cost; docs/design.md) the block runs :func:`dense_block`.
     Inside a CUDA-graph capture the decision in force is used and nothing is measured.
@@ -182,6 +182,8 @@ class DensitySwitch:
     """
 
     SAMPLE_ROWS = 256
+    #: Calls between two estimates (an estimate costs a few small launches on the host).
+    EVERY = 8
 
     def __init__(self, n: int, enabled: bool = True) -> None:
         self.threshold = max(8.0, n / 100)
@@ -189,23 +191,24 @@ class DensitySwitch:
         self.estimate: float | None = None
         self.dense = False
         self._pending: tuple[Any, Any] | None = None
+        self._calls = 0
 
     def go_dense(self, capturing: bool) -> bool:
         """Whether this call runs the dense path (reads a finished estimate, never waits)."""
+        if capturing:  # no event queries inside a capture: the decision in force holds
+            return self.dense
         if self._pending is not None and self._pending[1].done:
             self.estimate = float(self._pending[0][0])
             self._pending = None
-        if not capturing:
-            self.dense = (
-                self.enabled and self.estimate is not None and self.estimate > self.threshold
-            )
+        self.dense = self.enabled and self.estimate is not None and self.estimate > self.threshold
         return self.dense
 
     def observe(self, packed: Any | None, pre: Any, slots: int) -> None:
         """Start the estimate of this call (a few small kernels and an async copy)."""
         import cupy
 
-        if not self.enabled or self._pending is not None:
+        self._calls += 1
+        if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
             return
         if packed is not None:
             per_row = packed[:, ::slots].sum(dtype=cupy.float32) / packed.shape[0]

@@ -1,0 +1,50 @@
+"""Where the host time of one SparseFFN call goes (cProfile over many calls, torch
+tensors, M=64), beside the dense torch block's host time.
+
+    PYTHONPATH=. python bench/profile_host.py
+"""
+
+import cProfile
+import pstats
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import twell
+from twell import workloads
+
+
+def per_call_us(fn, calls: int = 300) -> float:  # noqa: ANN001
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> None:
+    p = workloads.uniform(64, 2048, 5632, seed=0)
+    x, wg, wu, wd = (torch.from_numpy(a.astype(np.float32)).cuda().bfloat16() for a in p.arrays())
+    block = twell.SparseFFN(wg, wu, wd)
+    print(f"SparseFFN host {per_call_us(lambda: block(x)):.1f} us per call")
+    print(f"twell.ffn host {per_call_us(lambda: twell.ffn(x, wg, wu, wd)):.1f} us per call")
+    dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+    print(f"dense torch host {per_call_us(dense):.1f} us per call")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(300):
+        block(x)
+    profile.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile).sort_stats("tottime")
+    stats.print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
