@@ -10,174 +10,39 @@ and the kernels receive clean 2-D inputs.
 from __future__ import annotations
 
 import collections
-import math
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from twell import reference
-from twell._arrays import FLOAT_DTYPES, library_of
+from twell._arrays import bfloat16
+from twell._graphs import GraphedBlock
 from twell._interop import on_gpu
-from twell.formats import Hybrid, check_layout
-from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options, check_width
+from twell._validation import (
+    Inputs,
+    array_library,
+    check_dtype,
+    check_gpu_arrays,
+    check_inputs,
+    dense_where_needed,
+    device_id,
+)
+from twell.formats import Hybrid, TwELL
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
-_TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
-
-
-@dataclass
-class _Inputs:
-    """Validated inputs of one call: the library, flat 2-D arrays, the output shape."""
-
-    library: str
-    arrays: dict[str, Any]
-    batch_shape: tuple[int, ...]
-
-
-def _library(named: dict[str, Any]) -> str:
-    """The one array library of all non-None arguments (TypeError if mixed)."""
-    libraries = {}
-    for name, array in named.items():
-        if array is not None:
-            try:
-                libraries[name] = library_of(array)
-            except TypeError as error:
-                raise TypeError(f"{name}: {error}") from None
-    if len(set(libraries.values())) > 1:
-        listed = ", ".join(f"{name} is {lib}" for name, lib in libraries.items())
-        raise TypeError(f"mixed array types: {listed}; pass arrays of one library")
-    return next(iter(libraries.values()))
+# The validation layer lives in twell._validation, shared with twell.reference; these are
+# its names in this module.
+_Inputs = Inputs
+_library = array_library
+_check_dtype = check_dtype
+_check_gpu_arrays = check_gpu_arrays
+_device_id = device_id
 
 
-def _check_dtype(name: str, array: Any, library: str) -> None:
-    if library == "torch":
-        dtype = str(array.dtype).removeprefix("torch.")
-        if dtype not in _TORCH_FLOATS:
-            raise TypeError(f"{name}: expected a floating dtype {_TORCH_FLOATS}, got {dtype}")
-        if array.device.type != "cuda":
-            raise TypeError(
-                f"{name}: torch tensors must live on a CUDA device (got {array.device}); "
-                "pass NumPy arrays to run the CPU reference"
-            )
-        return
-    if np.dtype(array.dtype) not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name}: expected a floating dtype (bfloat16, float16, float32, float64), "
-            f"got {array.dtype}"
-        )
-
-
-def _check_matrix(name: str, array: Any, rows: int | None, columns: int | None) -> None:
-    if array.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D matrix, got shape {tuple(array.shape)}")
-    for axis, (want, got) in enumerate(zip((rows, columns), array.shape, strict=True)):
-        if want is not None and want != got:
-            raise ValueError(
-                f"{name}: expected shape {(rows, columns)} (axis {axis} = {want}), "
-                f"got {tuple(array.shape)}"
-            )
-
-
-def _validate(
-    *,
-    x: Any = None,
-    hidden: Hybrid | None = None,
-    hidden_name: str | None = None,
-    weights: dict[str, tuple[Any, str]],
-    tile: int | None = None,
-    slots: int | None = None,
-) -> _Inputs:
-    """Check every argument of an op; return them flattened to 2-D.
-
-    Args:
-        x: the ``[..., K]`` input, or None for ops without one.
-        hidden: a :class:`Hybrid` argument (its N and M constrain the rest).
-        hidden_name: the name of that argument in the public op; set by the ops that
-            take one (so that ``None`` passed for it is rejected too).
-        weights: name → (array or None, layout) with layout ``"NK"`` or ``"KN"``.
-        tile, slots: the TwELL geometry to check, when the op produces a TwELL.
-    """
-    named = {"x": x, **{name: array for name, (array, _) in weights.items()}}
-    library = _library(named)
-    if hidden_name is not None:
-        if not isinstance(hidden, Hybrid):
-            raise TypeError(f"{hidden_name}: expected a twell.Hybrid, got {type(hidden).__name__}")
-        on_gpu = library in ("cupy", "torch")
-        if (hidden.xp is np) == on_gpu:
-            where = "GPU (CuPy)" if on_gpu else "NumPy"
-            raise TypeError(
-                f"{hidden_name}: expected a Hybrid holding {where} arrays like the others"
-            )
-    for name, array in named.items():
-        if array is not None:
-            _check_dtype(name, array, library)
-
-    k = n = None
-    batch_shape: tuple[int, ...] = ()
-    flat: dict[str, Any] = {}
-    if x is not None:
-        if x.ndim < 1:
-            raise ValueError(f"x: expected shape [..., K], got {tuple(x.shape)}")
-        k = int(x.shape[-1])
-        batch_shape = tuple(int(d) for d in x.shape[:-1])
-        rows = math.prod(batch_shape)
-        if rows < 1 or k < 1:
-            raise ValueError(f"x: expected at least one token and K >= 1, got {tuple(x.shape)}")
-        flat["x"] = x.reshape(rows, k)
-    if hidden is not None:
-        n = hidden.shape[1]
-        if x is not None and hidden.shape[0] != flat["x"].shape[0]:
-            raise ValueError(
-                f"{hidden_name}: expected {flat['x'].shape[0]} rows (one per token of x), "
-                f"got {hidden.shape[0]}"
-            )
-    n_name = "h"
-    for name, (array, layout) in weights.items():
-        if array is None:
-            continue
-        if n is None:
-            n_name = name
-        if layout == "NK":
-            _check_matrix(name, array, n, k)
-            n, k = int(array.shape[0]), int(array.shape[1])
-        else:
-            _check_matrix(name, array, k, n)
-            k, n = int(array.shape[0]), int(array.shape[1])
-        flat[name] = array
-    if tile is not None:
-        try:
-            check_layout((1, n), tile, slots)
-        except ValueError as error:
-            # check_layout names its own ``shape``; here N comes from a weight.
-            raise ValueError(str(error).replace("shape: ", f"{n_name}: ", 1)) from None
-    if library != "numpy":
-        _check_gpu_arrays(flat, hidden)
-        if k is not None:
-            check_width(k, "x" if x is not None else next(iter(flat)))
-    return _Inputs(library, flat, batch_shape)
-
-
-def _check_gpu_arrays(arrays: dict[str, Any], hidden: Hybrid | None) -> None:
-    """Kernels ignore strides and run on one device: check contiguity and devices."""
-    devices = {}
-    for name, array in arrays.items():
-        contiguous = (
-            array.is_contiguous() if hasattr(array, "is_contiguous") else array.flags.c_contiguous
-        )
-        if not contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array (call .contiguous())")
-        devices[name] = _device_id(array)
-    if hidden is not None:
-        devices["h"] = hidden.packed.device.id
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on GPU {dev}" for name, dev in devices.items())
-        raise ValueError(f"arrays on different devices: {listed}")
-
-
-def _device_id(array: Any) -> int:
-    device = array.device
-    return int(device.index if hasattr(device, "index") else device.id)
+def _validate(**kwargs: Any) -> Inputs:
+    """Check every argument of an op (:func:`twell._validation.check_inputs`)."""
+    return check_inputs(**kwargs)
 
 
 # ---------------------------------------------------------------------- GPU plumbing
@@ -197,23 +62,22 @@ def _restore(result: Any, inputs: _Inputs, to_caller: Any = None) -> Any:
 
 
 #: Blocks prepared by the functional :func:`ffn` for torch weights, most recent last.
-_prepared_cache: collections.OrderedDict[tuple, tuple[list[Any], Any]] = (
+_prepared_cache: collections.OrderedDict[tuple, tuple[list[Any], SparseFFN]] = (
     collections.OrderedDict()
 )
 _PREPARED_CACHE_SIZE = 8
 
 
-def _prepared_for(weights: dict[str, Any], views: dict[str, Any], options: Options) -> Any:
-    """A prepared block for the functional ops: cached for torch weights, keyed on
-    (pointer, shape, dtype, version counter) of each and checked to be the same tensor
-    objects (so an in-place change or a new tensor at a recycled address is seen);
-    built anew for CuPy weights, whose in-place changes leave no trace to key on."""
+def _block_for(weights: dict[str, Any], tile: int, slots: int) -> SparseFFN:
+    """The :class:`SparseFFN` of the functional :func:`ffn`: cached for torch weights,
+    keyed on (pointer, shape, dtype, version counter) of each and checked to be the same
+    tensor objects (so an in-place change, or a new tensor at a recycled address, is
+    seen); built anew for CuPy weights, whose in-place changes leave no trace to key on."""
     tensors = [weights.get(name) for name in ("w_gate", "w_up", "w_down")]
-    prepared = _kernels().PreparedBlock
     if not any(hasattr(t, "_version") for t in tensors):
-        return prepared(views.get("w_gate"), views["w_up"], views["w_down"], options)
-    key = (options, *[None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype, t._version)
-                      for t in tensors])  # fmt: skip
+        return SparseFFN(*tensors, tile=tile, slots=slots)
+    key = (tile, slots, *[None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype,
+                                                  t._version) for t in tensors])  # fmt: skip
     found = _prepared_cache.get(key)
     if found is not None and all(
         (r is None and t is None) or (r is not None and r() is t)
@@ -221,11 +85,51 @@ def _prepared_for(weights: dict[str, Any], views: dict[str, Any], options: Optio
     ):
         _prepared_cache.move_to_end(key)
         return found[1]
-    block = prepared(views.get("w_gate"), views["w_up"], views["w_down"], options)
+    block = SparseFFN(*tensors, tile=tile, slots=slots)
     _prepared_cache[key] = ([None if t is None else weakref.ref(t) for t in tensors], block)
     while len(_prepared_cache) > _PREPARED_CACHE_SIZE:
         _prepared_cache.popitem(last=False)
     return block
+
+
+# ---------------------------------------------------------------------- M = 0
+def _empty_result(inputs: Inputs, *, bf16: bool = False) -> Any:
+    """The GPU result of an op on no token: ``[*batch_shape, K]`` zeros of the caller's
+    type, in ``x``'s dtype (bfloat16 for ``down``), on the arguments' device."""
+    first = inputs.arrays.get("x")
+    if first is None:
+        first = next(iter(inputs.arrays.values()))
+    shape = (*inputs.batch_shape, inputs.k)
+    if inputs.library == "torch":
+        import torch
+
+        dtype = torch.bfloat16 if bf16 else first.dtype
+        return torch.zeros(shape, dtype=dtype, device=first.device)
+    import cupy
+
+    dtype = bfloat16 if bf16 else np.dtype(first.dtype)
+    with cupy.cuda.Device(_device_id(first)):
+        if dtype == bfloat16:
+            return cupy.zeros(shape, dtype=np.uint16).view(bfloat16)
+        return cupy.zeros(shape, dtype=dtype)
+
+
+def _empty_hybrid(inputs: Inputs, tile: int, slots: int) -> Hybrid:
+    """``gate`` on no token, on the GPU: an empty CuPy-backed Hybrid ``[0, N]``."""
+    import cupy
+
+    n = inputs.n
+    with cupy.cuda.Device(_device_id(inputs.arrays["x"])):
+        packed = cupy.zeros((0, n // tile * slots), dtype=np.uint32)
+        dense = cupy.zeros((0, n), dtype=np.uint16).view(bfloat16)
+        rows = cupy.zeros(0, dtype=np.int32)
+    return Hybrid._trusted(TwELL._trusted(packed, (0, n), tile, slots), rows, dense)
+
+
+def _trust(h: Hybrid) -> Hybrid:
+    """Mark a Hybrid the kernels produced as valid by construction (never re-checked)."""
+    h._validated = True
+    return h
 
 
 # ---------------------------------------------------------------------- public ops
@@ -241,33 +145,47 @@ def gate(x: Any, w_gate: Any, *, tile: int = DEFAULT_TILE, slots: int = DEFAULT_
         A Hybrid of shape ``[M, N]`` holding NumPy arrays for NumPy input, CuPy arrays
         for CuPy or torch input (the GPU path synchronises once to size ``dense_rows``).
     """
-    inputs = _validate(x=x, weights={"w_gate": (w_gate, "NK")}, tile=tile, slots=slots)
+    inputs = _validate(
+        x=x, weights={"w_gate": (w_gate, "NK")}, tile=tile, slots=slots, optional=(),
+        empty_ok=True,
+    )  # fmt: skip
     a = inputs.arrays
     if inputs.library == "numpy":
         return reference.gate(a["x"], a["w_gate"], tile=tile, slots=slots)
+    if inputs.rows == 0:
+        return _empty_hybrid(inputs, tile, slots)
     with on_gpu(inputs.library, inputs.arrays) as (g, _):
-        return _kernels().gate(g["x"], g["w_gate"], Options(tile, slots))
+        return _trust(_kernels().gate(g["x"], g["w_gate"], Options(tile, slots)))
 
 
 def down(h: Hybrid, w_down: Any) -> Any:
     """``h @ w_down.T`` for a Hybrid ``h`` ``[M, N]`` and ``w_down`` ``[K, N]``."""
-    inputs = _validate(hidden=h, hidden_name="h", weights={"w_down": (w_down, "KN")})
-    inputs.batch_shape = (h.shape[0],)
+    inputs = _validate(
+        hidden=h, hidden_name="h", weights={"w_down": (w_down, "KN")}, optional=(), empty_ok=True
+    )
     if inputs.library == "numpy":
         return reference.down(h, inputs.arrays["w_down"])
+    if inputs.rows == 0:
+        return _empty_result(inputs, bf16=True)
     with on_gpu(inputs.library, inputs.arrays) as (g, to_caller):
+        h = dense_where_needed(h, weights=(g["w_down"],))  # non-finite w_down: dense math
         return _restore(_kernels().down(h, g["w_down"]), inputs, to_caller)
 
 
 def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any) -> Any:
     """``(g * (x @ w_up.T)) @ w_down.T``, forming ``x · w_up`` only where ``g != 0``."""
     inputs = _validate(
-        x=x, hidden=g, hidden_name="g", weights={"w_up": (w_up, "NK"), "w_down": (w_down, "KN")}
-    )
+        x=x, hidden=g, hidden_name="g", weights={"w_up": (w_up, "NK"), "w_down": (w_down, "KN")},
+        optional=(), empty_ok=True,
+    )  # fmt: skip
     a = inputs.arrays
     if inputs.library == "numpy":
         return _restore(reference.gated_down(a["x"], g, a["w_up"], a["w_down"]), inputs)
+    if inputs.rows == 0:
+        return _empty_result(inputs)
     with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
+        # A non-finite weight (every row) or token of x (its row): dense math.
+        g = dense_where_needed(g, x=d["x"], weights=(d["w_up"], d["w_down"]))
         y = _kernels().gated_down(d["x"], g, d["w_up"], d["w_down"])
         return _restore(y, inputs, to_caller)
 
@@ -298,14 +216,15 @@ def ffn(
         weights={"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")},
         tile=tile,
         slots=slots,
+        empty_ok=True,
     )
     a = inputs.arrays
     if inputs.library == "numpy":
         y = reference.ffn(a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=tile, slots=slots)
         return _restore(y, inputs)
-    with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
-        block = _prepared_for(inputs.arrays, d, Options(tile, slots))
-        return _restore(block(d["x"]), inputs, to_caller)
+    if inputs.rows == 0:
+        return _empty_result(inputs)
+    return _restore(_block_for(inputs.arrays, tile, slots)(a["x"]), inputs)
 
 
 class SparseFFN:
@@ -365,6 +284,8 @@ class SparseFFN:
                 self._prepared = _kernels().PreparedBlock(
                     g.get("w_gate"), g["w_up"], g["w_down"], self.options
                 )
+            density = self._prepared.density
+            self._graphed = GraphedBlock(self._eager, lambda: density.go_dense(False))
 
     @property
     def gated(self) -> bool:
@@ -402,5 +323,12 @@ class SparseFFN:
                 f"weights, got a {inputs.library} array"
                 + (f" on GPU {_device_id(x)}" if inputs.library != "numpy" else "")
             )
+        if inputs.library == "torch":  # a graph replay per call (twell._graphs)
+            return _restore(self._graphed(inputs.arrays["x"]), inputs)
         with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
             return _restore(self._prepared(d["x"]), inputs, to_caller)
+
+    def _eager(self, x: Any) -> Any:
+        """One call of the prepared block on a validated 2-D torch tensor."""
+        with on_gpu("torch", {"x": x}) as (d, to_caller):
+            return to_caller(self._prepared(d["x"]))

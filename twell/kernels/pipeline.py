@@ -167,7 +167,7 @@ class DensitySwitch:
     """Decides, without a host synchronisation, when a block's inputs are too dense for
     the sparse path, from the statistics of the calls before.
 
-    Every :attr:`EVERY`-th call estimates the mean number of active units per row on the
+    An eager call estimates the mean number of active units per row on the
     device (from the TwELL count words when its route packed them, else from the positive
     pre-activations of a strided sample of 256 rows; the dense path samples its own gate
     GEMM the same way) and copies it to pinned host memory behind an event. A later call
@@ -182,8 +182,6 @@ class DensitySwitch:
     """
 
     SAMPLE_ROWS = 256
-    #: Calls between two estimates (an estimate costs a few small launches on the host).
-    EVERY = 8
 
     def __init__(self, n: int, enabled: bool = True) -> None:
         self.threshold = max(8.0, n / 100)
@@ -191,7 +189,6 @@ class DensitySwitch:
         self.estimate: float | None = None
         self.dense = False
         self._pending: tuple[Any, Any] | None = None
-        self._calls = 0
 
     def go_dense(self, capturing: bool) -> bool:
         """Whether this call runs the dense path (reads a finished estimate, never waits)."""
@@ -207,8 +204,7 @@ class DensitySwitch:
         """Start the estimate of this call (a few small kernels and an async copy)."""
         import cupy
 
-        self._calls += 1
-        if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
+        if not self.enabled or self._pending is not None:
             return
         if packed is not None:
             per_row = packed[:, ::slots].sum(dtype=cupy.float32) / packed.shape[0]
