@@ -1,6 +1,7 @@
 # twell developer tasks. Everything runs inside .venv, built from scratch by `make venv`.
 #
-#   make venv   .venv with torch (CPU build, installed first), twell[test] (editable), ruff
+#   make venv   .venv with torch (CPU build by default, installed first), twell[test]
+#               (editable), ruff
 #   make test   ruff check, then pytest
 #   make lint   ruff check + ruff format --check
 #   make demo   python -m twell demo (needs only the core dependencies)
@@ -8,9 +9,18 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch lies on this machine's disk (pip's find-links); the torch tests
-# compare against autograd. Installed before anything else so nothing pulls a CUDA build.
-TORCH ?= torch==2.13.0
+# torch, for the tests that compare against autograd, goes in before anything else so that
+# nothing pulls another build. By default the CPU build: PyPI's Linux wheels bundle CUDA
+# (gigabytes), so pip also looks at PyTorch's CPU index, whose `+cpu` builds sort above
+# PyPI's. Where that index has no such build (macOS: PyPI's wheel is the CPU one) or
+# cannot be reached (an offline machine with a local wheel in pip's find-links), pip
+# takes what the other indexes offer. Override any of these:
+#   make venv TORCH_INDEX=                                         # the default indexes only
+#   make venv TORCH_INDEX=https://download.pytorch.org/whl/cu128   # a CUDA build
+#   make venv TORCH_VERSION=2.12.0   or   TORCH='torch>=2.4'
+TORCH_VERSION ?= 2.13.0
+TORCH ?= torch==$(TORCH_VERSION)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
@@ -33,7 +43,7 @@ $(CORE_STAMP): pyproject.toml | $(PY)
 
 # Everything the test suite needs. torch goes in first, then twell[test], then ruff.
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PIP) install "$(TORCH)"
+	$(PIP) install $(if $(strip $(TORCH_INDEX)),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 	$(PIP) install -e '.[test]'
 	$(PIP) install ruff
 	touch $(CORE_STAMP) $@

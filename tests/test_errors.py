@@ -125,12 +125,26 @@ def test_non_float_dtypes_are_rejected(op, name, dtype):
 
 # ------------------------------------------------------------------ shapes
 @pytest.mark.parametrize("op", ["gate", "gated_down", "ffn", "ffn_nongated"])
-@pytest.mark.parametrize(
-    "x", [np.float32(1.0), np.zeros((0, K)), np.zeros((2, 0, K)), np.zeros((4, 0))]
-)
-def test_x_without_tokens_or_features_is_rejected(op, x):
+@pytest.mark.parametrize("x", [np.float32(1.0), np.zeros((4, 0)), np.zeros((0, 0))])
+def test_x_without_features_is_rejected(op, x):
     with pytest.raises(ValueError, match=r"^x: expected"):
         call(op, x=np.asarray(x, np.float32))
+
+
+@pytest.mark.parametrize("op", ["gate", "gated_down", "ffn", "ffn_nongated", "down"])
+@pytest.mark.parametrize("batch", [(0,), (2, 0), (0, 3)])
+def test_an_empty_batch_gives_an_empty_result(op, batch):
+    """M = 0 (an empty batch in serving) returns an empty result of the right shape."""
+    x = np.zeros((*batch, K), np.float32)
+    h = twell.gate(x, arrays()["w_gate"], tile=TILE, slots=SLOTS)
+    assert isinstance(h, Hybrid) and h.shape == (0, N) and h.nnz == 0
+    out = call(op, x=x, h=h)
+    if op == "gate":
+        assert out.shape == (0, N) and out.to_dense().shape == (0, N)
+    elif op == "down":
+        assert out.shape == (0, K) and out.dtype == np.float64
+    else:
+        assert out.shape == (*batch, K) and out.dtype == np.float64
 
 
 @pytest.mark.parametrize(("op", "name"), op_argument_pairs({"w_gate", "w_up", "w_down"}))

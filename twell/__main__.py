@@ -24,6 +24,7 @@ from rich.table import Table
 
 import twell
 from twell import workloads
+from twell.options import DEFAULT_TILE, MAX_COLUMNS
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import as_host, relative_error
 
@@ -219,6 +220,14 @@ def check(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if {"-h", "--help"} & set(args.rest):  # the options can be shown without a GPU
+        from twell.benchmark import main as bench_main
+
+        program, sys.argv[0] = sys.argv[0], "python -m twell bench"  # argparse's prog
+        try:
+            return bench_main(args.rest)
+        finally:
+            sys.argv[0] = program
     if not gpu_available():
         print(
             "twell bench needs a Hopper GPU with CuPy (none usable here); "
@@ -231,18 +240,40 @@ def bench(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a clean usage error otherwise, no traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _ffn_width(text: str) -> int:
+    """An argparse type: N, a positive multiple of the default tile (256), at most 65536."""
+    value = _positive(text)
+    if value % DEFAULT_TILE or value > MAX_COLUMNS:
+        raise argparse.ArgumentTypeError(
+            f"expected a multiple of {DEFAULT_TILE} (the tile width) up to {MAX_COLUMNS}, "
+            f"got {value}"
+        )
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m twell", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="sparsity report and sparse-vs-dense check")
-    p.add_argument("--tokens", type=int, default=4096, help="M (default 4096)")
+    p.add_argument("--tokens", type=_positive, default=4096, help="M (default 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="use the NumPy reference even on a GPU")
     p.set_defaults(run=demo)
     p = commands.add_parser("check", help="cross-check every op and workload, verdict table")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 257])
-    p.add_argument("--width", type=int, default=512, help="K (default 512)")
-    p.add_argument("--ffn", type=int, default=1536, help="N (default 1536)")
+    p.add_argument("--tokens", type=_positive, nargs="+", default=[1, 257])
+    p.add_argument("--width", type=_positive, default=512, help="K (default 512)")
+    p.add_argument("--ffn", type=_ffn_width, default=1536, help="N (default 1536)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="check the NumPy reference only")
     p.set_defaults(run=check)

@@ -78,7 +78,9 @@ def bf16_bits(values: Any) -> Any:
         uint32 array of the same shape with the 16 bf16 bits in its low half.
     """
     xp = xp_of(values)
-    bits = xp.ascontiguousarray(values, dtype=xp.float32).view(xp.uint32)
+    # float64 values beyond float32's range become ±Inf here, as the rule says: no warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        bits = xp.ascontiguousarray(values, dtype=xp.float32).view(xp.uint32)
     rounded = (bits + (xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1)))) >> 16
     is_nan = (bits & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000)
     quiet_nan = (bits >> 16) | xp.uint32(0x0040)
@@ -94,6 +96,27 @@ def bf16_values(bits: Any) -> Any:
 def round_bf16(values: Any) -> Any:
     """``values`` rounded to the nearest bfloat16, returned as float32."""
     return bf16_values(bf16_bits(values))
+
+
+def non_finite(array: Any) -> Any:
+    """Boolean mask of the NaN and ±Inf elements of a NumPy or CuPy float array.
+
+    bfloat16 is tested on its bits, so CuPy arrays of the ml_dtypes dtype work too.
+    """
+    xp = xp_of(array)
+    if np.dtype(array.dtype) == bfloat16:
+        exponent = xp.uint16(0x7F80)
+        return (array.view(xp.uint16) & exponent) == exponent
+    return ~xp.isfinite(array)
+
+
+def as_float32(array: Any) -> Any:
+    """A NumPy or CuPy float array as float32 (bfloat16 decoded from its bits)."""
+    xp = xp_of(array)
+    if np.dtype(array.dtype) == bfloat16:
+        return bf16_values(array.view(xp.uint16))
+    with np.errstate(over="ignore"):
+        return array.astype(xp.float32)
 
 
 def as_float(array: np.ndarray, dtype: Any = np.float64) -> np.ndarray:

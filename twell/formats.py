@@ -11,6 +11,13 @@ docs/format.md:
   has *overflowed*: its payload is unspecified and its row must be read elsewhere.
 - ``Hybrid`` adds ``dense_rows`` (sorted unique int32 row ids) and ``dense`` (``[R, N]``):
   those rows are read from ``dense``; every other row from ``ell``.
+
+Trust: an object twell built (``from_dense``, the ops' outputs, :func:`to_host` of a
+trusted object) is trusted. One wrapped around user buffers is checked for types and
+shapes at construction (cheap, no read of the contents) and fully, by ``validate()``,
+before it is first read: by an op or a decoder, through :func:`ensure_valid`. A
+successful ``validate()`` is remembered on the object; changing its buffers in place
+afterwards is the caller's responsibility.
 """
 
 from __future__ import annotations
@@ -19,8 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from twell._arrays import FLOAT_DTYPES, bf16_bits, bf16_values, to_numpy, xp_of
+from twell._arrays import (
+    FLOAT_DTYPES,
+    as_float32,
+    bf16_bits,
+    bf16_values,
+    bfloat16,
+    to_numpy,
+    xp_of,
+)
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, MAX_COLUMNS, check_geometry
+
+_FLOAT_NAMES = "bfloat16, float16, float32, float64"
 
 
 def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, int]:
@@ -34,6 +51,9 @@ def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, in
     tile, slots = check_geometry(tile, slots)
     if len(shape) != 2:
         raise ValueError(f"shape: expected (M, N), got {shape!r}")
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise TypeError(f"shape: expected integer dimensions (M, N), got {shape!r}")
     rows, columns = (int(d) for d in shape)
     if rows < 0 or columns < 0:
         raise ValueError(f"shape: dimensions must be >= 0, got {shape!r}")
@@ -44,9 +64,7 @@ def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, in
     return rows, columns
 
 
-def dense_row_mask(
-    counts: Any, non_finite: Any, slots: int, max_row_nnz: int | None = None
-) -> Any:
+def dense_row_mask(counts: Any, non_finite: Any, slots: int, max_row_nnz: int | None = None) -> Any:
     """The routing rule (docs/format.md): which rows must live in a Hybrid's dense part.
 
     A row goes dense when one of its tiles overflows (more than ``slots - 1`` nonzeros)
@@ -109,6 +127,14 @@ class TwELL:
         self.shape = (rows, columns)
         self.tile = int(tile)
         self.slots = int(slots)
+        self._validated = False  # contents not checked yet (see ensure_valid)
+
+    @classmethod
+    def _trusted(cls, packed: Any, shape: tuple[int, int], tile: int, slots: int) -> TwELL:
+        """A TwELL twell built itself: valid by construction, never checked again."""
+        matrix = cls(packed, shape, tile, slots)
+        matrix._validated = True
+        return matrix
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -116,43 +142,12 @@ class TwELL:
         """Pack a dense ``[M, N]`` matrix (NumPy or CuPy, any float dtype).
 
         Values are rounded to bfloat16 (nearest even, from float32). Entries that are zero
-        after rounding are not stored. NaN counts as a nonzero and is stored. Overflowed
-        tiles keep their true count and the first ``slots - 1`` entries.
+        after rounding are not stored. NaN counts as a nonzero and is stored; a finite
+        value beyond the bfloat16 range is stored as ±Inf. Overflowed tiles keep their
+        true count and the first ``slots - 1`` entries.
         """
-        try:
-            xp = xp_of(h)
-        except TypeError as error:
-            raise TypeError(f"h: {error}") from None
-        if np.dtype(h.dtype) not in FLOAT_DTYPES:
-            raise TypeError(
-                f"h: expected a floating dtype (bfloat16, float16, float32, float64), got {h.dtype}"
-            )
-        if h.ndim != 2:
-            raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
-        rows, columns = check_layout(h.shape, tile, slots)
-        tiles = columns // tile
-        nonzero = h != 0  # NaN counts as a nonzero
-        m, n = xp.nonzero(nonzero)
-        bits = bf16_bits(h[m, n])
-        rounds_to_zero = (bits & xp.uint32(0x7FFF)) == 0  # tiny values: ±0 in bf16
-        if bool(rounds_to_zero.any()):
-            nonzero[m[rounds_to_zero], n[rounds_to_zero]] = False
-            m, n, bits = m[~rounds_to_zero], n[~rounds_to_zero], bits[~rounds_to_zero]
-        counts = nonzero.reshape(rows, tiles, tile).sum(axis=2, dtype=xp.int32)
-        packed = xp.zeros((rows, tiles * slots), dtype=xp.uint32)
-        packed[:, ::slots] = counts.astype(xp.uint32)
-        if m.size:
-            # Entries come in row-major order, so each row-tile's entries are contiguous:
-            # an entry's rank in its row-tile is its position minus the group's start.
-            group = m * tiles + n // tile
-            flat_counts = counts.reshape(-1)
-            starts = xp.cumsum(flat_counts) - flat_counts
-            rank = xp.arange(m.size) - starts[group]
-            keep = rank < slots - 1
-            m, n, bits, rank = m[keep], n[keep], bits[keep], rank[keep]
-            word = (n // tile) * slots + 1 + rank
-            packed[m, word] = n.astype(xp.uint32) | (bits << 16)
-        return cls(packed, (rows, columns), tile, slots)
+        packed, _, _ = _pack(h, tile, slots)
+        return cls._trusted(packed, tuple(h.shape), tile, slots)
 
     # ----------------------------------------------------------------- statistics
     @property
@@ -169,8 +164,12 @@ class TwELL:
         return self.packed.reshape(self.shape[0], self.tiles, self.slots)
 
     def counts(self) -> Any:
-        """True nonzero count of every row-tile, ``int32 [M, N / tile]``."""
-        return self._words()[:, :, 0].astype(self.xp.int32)
+        """True nonzero count of every row-tile, ``int64 [M, N / tile]``.
+
+        Count words are unsigned 32-bit: a word of 2**31 or more is a large count (invalid,
+        see :meth:`validate`), never a negative one.
+        """
+        return self._words()[:, :, 0].astype(self.xp.int64)
 
     @property
     def nnz(self) -> int:
@@ -198,8 +197,8 @@ class TwELL:
     def _live(self, rows: Any = None) -> Any:
         """Boolean ``[M, tiles, slots - 1]``: payload words that hold an entry."""
         xp = self.xp
-        counts = self._words()[:, :, 0].astype(xp.int32)
-        live = counts[:, :, None] > xp.arange(self.slots - 1, dtype=xp.int32)
+        counts = self.counts()
+        live = counts[:, :, None] > xp.arange(self.slots - 1, dtype=xp.int64)
         live &= (counts <= self.slots - 1)[:, :, None]
         if rows is not None:
             live &= rows[:, None, None]
@@ -216,34 +215,47 @@ class TwELL:
         Args:
             rows: optional boolean mask ``[M]`` selecting the rows to decode.
 
-        Entries come in row-major tile order, slot order inside a tile.
+        Entries come in row-major tile order, slot order inside a tile. A raw decoding:
+        it does not check the buffer (:meth:`to_dense` and :meth:`to_csr` do).
         """
         xp = self.xp
         m, _, _, word = self._stored(rows)
         column = (word & xp.uint32(0xFFFF)).astype(xp.int32)
         return m.astype(xp.int32), column, bf16_values(word >> 16)
 
-    def to_dense(self, dtype: Any = np.float32) -> Any:
-        """Decode to a dense ``[M, N]`` array.
-
-        Raises:
-            ValueError: a tile overflowed (its row is not in this object: wrap it in a
-                :class:`Hybrid`, whose dense part holds such rows).
-        """
+    def _check_decodable(self) -> None:
+        ensure_valid(self)
         heavy = self.overflow_rows()
         if heavy.size:
             raise ValueError(
                 f"TwELL: {int(heavy.size)} row(s) overflowed a tile (first: row "
                 f"{int(heavy[0])}); their entries are not stored here — use a Hybrid"
             )
+
+    def to_dense(self, dtype: Any = np.float32) -> Any:
+        """Decode to a dense ``[M, N]`` array of a floating ``dtype``.
+
+        Raises:
+            ValueError: a tile overflowed (its row is not in this object: wrap it in a
+                :class:`Hybrid`, whose dense part holds such rows), or the buffer is
+                invalid (see :meth:`validate`).
+            TypeError: ``dtype`` is not a floating dtype.
+        """
+        dtype = _float_dtype(dtype)
+        self._check_decodable()
         xp = self.xp
-        out = xp.zeros(self.shape, dtype=dtype)
+        out = _zeros(xp, self.shape, dtype)
         m, n, v = self.entries()
-        out[m, n] = v.astype(dtype)
+        _put(out, (m, n), v)
         return out
 
     def to_csr(self):  # noqa: ANN201 - scipy/cupyx csr_matrix
-        """The matrix as a SciPy (or cupyx) CSR matrix with float32 values."""
+        """The matrix as a SciPy (or cupyx) CSR matrix with float32 values.
+
+        Raises:
+            ValueError: as :meth:`to_dense`.
+        """
+        self._check_decodable()
         return _csr(self.entries(), self.shape, self.xp)
 
     # ----------------------------------------------------------------- validation
@@ -256,13 +268,20 @@ class TwELL:
 
         Args:
             rows: optional boolean mask ``[M]``; payloads of other rows are not checked
-                (a :class:`Hybrid` reads them from its dense part).
+                (a :class:`Hybrid` reads them from its dense part). Count words are
+                checked in every row.
 
         Raises:
             ValueError: naming the first bad row, tile and slot.
         """
+        self._validate(rows)
+        if rows is None:
+            self._validated = True
+        return self
+
+    def _validate(self, rows: Any) -> None:
         xp = self.xp
-        counts = self._words()[:, :, 0]  # uint32: counts() would wrap words >= 2**31
+        counts = self._words()[:, :, 0]  # compared as unsigned 32-bit words
         too_many = counts > self.tile
         if bool(too_many.any()):
             m, j = (int(i) for i in xp.argwhere(too_many)[0])
@@ -272,7 +291,7 @@ class TwELL:
             )
         m, j, slot, word = self._stored(rows)
         if not m.size:
-            return self
+            return
         column = (word & xp.uint32(0xFFFF)).astype(xp.int32)
 
         def fail(bad: Any, what: str) -> None:
@@ -294,12 +313,11 @@ class TwELL:
             fail(zero, "stores a zero value at column {column} (zeros are never stored)")
         # Duplicates: sort (row, column) keys; equal neighbours are duplicates.
         key = m.astype(xp.int64) * self.shape[1] + column
-        order = xp.argsort(key, kind="stable")
+        order = xp.argsort(key)
         duplicate = xp.zeros(m.shape, dtype=bool)
         duplicate[order[1:]] = key[order[1:]] == key[order[:-1]]
         if bool(duplicate.any()):
             fail(duplicate, "column {column} is stored twice in this tile")
-        return self
 
     check_format = validate
 
@@ -339,7 +357,12 @@ class Hybrid:
                 f"dense: expected a floating dtype (bfloat16, float16, float32, float64), "
                 f"got {dense.dtype}"
             )
-        if dense.shape != (dense_rows.shape[0], ell.shape[1]):
+        if dense_rows.shape[0] > ell.shape[0]:
+            raise ValueError(
+                f"dense_rows: expected at most M={ell.shape[0]} row ids (one per row), "
+                f"got {dense_rows.shape[0]}"
+            )
+        if tuple(dense.shape) != (dense_rows.shape[0], ell.shape[1]):
             raise ValueError(
                 f"dense: expected shape ({dense_rows.shape[0]}, {ell.shape[1]}), "
                 f"got {tuple(dense.shape)}"
@@ -347,6 +370,14 @@ class Hybrid:
         self.ell = ell
         self.dense_rows = dense_rows
         self.dense = dense
+        self._validated = False  # contents not checked yet (see ensure_valid)
+
+    @classmethod
+    def _trusted(cls, ell: TwELL, dense_rows: Any, dense: Any) -> Hybrid:
+        """A Hybrid twell built itself: valid by construction, never checked again."""
+        matrix = cls(ell, dense_rows, dense)
+        matrix._validated = True
+        return matrix
 
     @classmethod
     def from_dense(
@@ -361,14 +392,24 @@ class Hybrid:
         """Split a dense ``[M, N]`` matrix into TwELL and a dense backup.
 
         A row goes to the dense part when one of its tiles overflows or it holds a
-        non-finite value; with ``max_row_nnz`` also when it has more nonzeros than that,
-        and with ``also_dense`` (boolean ``[M]``) where that mask is set.
-        The dense part keeps ``h``'s values and dtype; the TwELL part holds bf16 values.
+        non-finite value (a finite value beyond the bfloat16 range, which the TwELL part
+        would store as ±Inf, counts as one); with ``max_row_nnz`` also when it has more
+        nonzeros than that, and with ``also_dense`` (boolean ``[M]``) where that mask is
+        set. The dense part keeps ``h``'s values and dtype; the TwELL part holds bf16
+        values.
         """
-        ell = TwELL.from_dense(h, tile, slots)  # checks h first
-        xp = ell.xp
-        heavy = dense_row_mask(ell.counts(), ~xp.isfinite(h).all(axis=1), slots, max_row_nnz)
+        packed, counts, non_finite = _pack(h, tile, slots)  # checks h first
+        xp = xp_of(packed)
+        ell = TwELL._trusted(packed, tuple(h.shape), tile, slots)
+        if max_row_nnz is not None:
+            max_row_nnz = _row_limit(max_row_nnz)
+        heavy = dense_row_mask(counts, non_finite, slots, max_row_nnz)
         if also_dense is not None:
+            if getattr(also_dense, "shape", None) is None or _xp_or_none(also_dense) is not xp:
+                raise TypeError(
+                    f"also_dense: expected a {xp.__name__} boolean mask like h, "
+                    f"got {type(also_dense).__name__}"
+                )
             if tuple(also_dense.shape) != (h.shape[0],):
                 raise ValueError(
                     f"also_dense: expected a boolean mask of shape ({h.shape[0]},), "
@@ -376,7 +417,7 @@ class Hybrid:
                 )
             heavy |= also_dense.astype(bool)
         rows = xp.nonzero(heavy)[0].astype(xp.int32)
-        return cls(ell, rows, h[rows])
+        return cls._trusted(ell, rows, h[rows])
 
     # ----------------------------------------------------------------- statistics
     @property
@@ -412,12 +453,17 @@ class Hybrid:
         return mask
 
     def counts(self) -> Any:
-        """Nonzeros per row-tile, ``int32 [M, N / tile]`` (dense rows counted exactly)."""
+        """Nonzeros per row-tile, ``int64 [M, N / tile]`` (dense rows counted exactly).
+
+        Raises:
+            ValueError: the object is invalid (see :meth:`validate`).
+        """
+        ensure_valid(self)
         xp = self.xp
         counts = self.ell.counts()
         if self.dense_rows.size:
             tiles = self.dense.reshape(self.dense.shape[0], self.ell.tiles, self.tile)
-            counts[self.dense_rows] = (tiles != 0).sum(axis=2, dtype=xp.int32)
+            counts[self.dense_rows] = (tiles != 0).sum(axis=2, dtype=xp.int64)
         return counts
 
     @property
@@ -438,28 +484,46 @@ class Hybrid:
         rows = self.shape[0]
         heavy = int(self.dense_rows.size)
         share = f"{100 * heavy / rows:.2f}%" if rows else "-"
+        try:
+            nnz = str(self.nnz)
+        except ValueError:
+            nnz = "? (invalid: see validate())"
         return (
-            f"<Hybrid shape={self.shape} tile={self.tile} slots={self.slots} nnz={self.nnz} "
+            f"<Hybrid shape={self.shape} tile={self.tile} slots={self.slots} nnz={nnz} "
             f"dense_rows={heavy} ({share}) bytes={self.nbytes} "
             f"({type(self.packed).__module__.split('.')[0]})>"
         )
 
     # ----------------------------------------------------------------- decoding
     def to_dense(self, dtype: Any = np.float32) -> Any:
-        """Decode to a dense ``[M, N]`` array."""
+        """Decode to a dense ``[M, N]`` array of a floating ``dtype``.
+
+        Raises:
+            ValueError: the object is invalid (see :meth:`validate`).
+            TypeError: ``dtype`` is not a floating dtype.
+        """
+        dtype = _float_dtype(dtype)
+        ensure_valid(self)
         xp = self.xp
-        out = xp.zeros(self.shape, dtype=dtype)
+        out = _zeros(xp, self.shape, dtype)
         m, n, v = self.ell.entries(self.light_mask())
-        out[m, n] = v.astype(dtype)
-        out[self.dense_rows] = self.dense.astype(dtype)
+        _put(out, (m, n), v)
+        if self.dense_rows.size:
+            _put(out, self.dense_rows, _widen(self.dense))
         return out
 
     def entries(self) -> tuple[Any, Any, Any]:
-        """All nonzeros as ``(row, column, float32 value)``, light and dense rows."""
+        """All nonzeros as ``(row, column, float32 value)``, light and dense rows.
+
+        Raises:
+            ValueError: the object is invalid (see :meth:`validate`).
+        """
+        ensure_valid(self)
         xp = self.xp
         m, n, v = self.ell.entries(self.light_mask())
-        dm, dn = xp.nonzero(self.dense != 0)
-        dv = self.dense[dm, dn].astype(xp.float32)
+        dense = as_float32(self.dense)
+        dm, dn = xp.nonzero(dense != 0)
+        dv = dense[dm, dn]
         return (
             xp.concatenate([m, self.dense_rows[dm]]),
             xp.concatenate([n, dn.astype(xp.int32)]),
@@ -479,6 +543,11 @@ class Hybrid:
                 overflowed a tile or holds a non-finite TwELL value has no dense backup;
                 or any :meth:`TwELL.validate` failure on the light rows.
         """
+        self._validate()
+        self._validated = True
+        return self
+
+    def _validate(self) -> None:
         xp = self.xp
         rows = self.dense_rows
         if rows.size:
@@ -504,7 +573,24 @@ class Hybrid:
                 f"dense_rows: row {int(m[int(xp.argmax(bad))])} holds a non-finite value "
                 "but has no dense backup"
             )
-        return self
+
+    def _with_dense_rows(self, mask: Any) -> Hybrid:
+        """The same matrix with the rows set in ``mask`` (boolean ``[M]``) also read from
+        the dense part: what the ops use where only dense math gives dense math's result
+        (a non-finite weight or input). The new dense part is float32 (float64 if it
+        was), which holds every bf16 TwELL value exactly. ``self`` must be valid.
+        """
+        xp = self.xp
+        light = self.light_mask()
+        heavy = ~light | mask
+        rows = xp.nonzero(heavy)[0].astype(xp.int32)
+        dtype = np.float64 if np.dtype(self.dense.dtype) == np.float64 else np.float32
+        dense = xp.zeros((int(rows.shape[0]), self.shape[1]), dtype=dtype)
+        m, n, v = self.ell.entries(light & mask)
+        dense[xp.searchsorted(rows, m), n] = v.astype(dtype)
+        if self.dense_rows.size:
+            dense[xp.searchsorted(rows, self.dense_rows)] = _widen(self.dense).astype(dtype)
+        return Hybrid._trusted(self.ell, rows, dense)
 
     check_format = validate
 
@@ -524,7 +610,133 @@ def _csr(entries: tuple[Any, Any, Any], shape: tuple[int, int], xp: Any):  # noq
 
 
 def to_host(matrix: TwELL | Hybrid) -> TwELL | Hybrid:
-    """A NumPy copy of a (possibly CuPy-backed) TwELL or Hybrid."""
+    """A NumPy copy of a (possibly CuPy-backed) TwELL or Hybrid (as trusted as it was)."""
     if isinstance(matrix, Hybrid):
-        return Hybrid(to_host(matrix.ell), to_numpy(matrix.dense_rows), to_numpy(matrix.dense))
-    return TwELL(to_numpy(matrix.packed), matrix.shape, matrix.tile, matrix.slots)
+        copy = Hybrid(to_host(matrix.ell), to_numpy(matrix.dense_rows), to_numpy(matrix.dense))
+    else:
+        copy = TwELL(to_numpy(matrix.packed), matrix.shape, matrix.tile, matrix.slots)
+    copy._validated = matrix._validated
+    return copy
+
+
+def ensure_valid(matrix: TwELL | Hybrid, name: str | None = None) -> None:
+    """Check a format's contents once, before it is first read (docs/format.md).
+
+    Objects twell built are trusted and pass at once; one wrapped around user buffers is
+    validated on its first use and remembered as valid. Every op and decoder that reads
+    a format goes through here.
+
+    Args:
+        matrix: the :class:`TwELL` or :class:`Hybrid`.
+        name: the argument's name in the caller, put in front of the message
+            (``g.packed: row 2, tile 1, slot 1: ...``).
+
+    Raises:
+        ValueError: the contents are invalid.
+    """
+    if matrix._validated:
+        return
+    try:
+        matrix.validate()
+    except ValueError as error:
+        if name is None:
+            raise
+        message = str(error)
+        part = message.split(":", 1)[0]
+        prefix = f"{name}." if part in ("packed", "dense_rows", "dense") else f"{name}: "
+        raise ValueError(prefix + message) from None
+
+
+def _pack(h: Any, tile: int, slots: int) -> tuple[Any, Any, Any]:
+    """Pack ``h`` into TwELL words: ``(packed, counts int64 [M, tiles], non_finite [M])``.
+
+    ``non_finite`` marks the rows holding a value that is NaN or ±Inf once rounded to
+    bfloat16 (so also a finite value beyond the bf16 range).
+    """
+    try:
+        xp = xp_of(h)
+    except TypeError as error:
+        raise TypeError(f"h: {error}") from None
+    if np.dtype(h.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"h: expected a floating dtype ({_FLOAT_NAMES}), got {h.dtype}")
+    if h.ndim != 2:
+        raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
+    rows, columns = check_layout(tuple(h.shape), tile, slots)
+    tiles = columns // tile
+    nonzero = h != 0  # NaN counts as a nonzero
+    m, n = xp.nonzero(nonzero)
+    bits = bf16_bits(h[m, n])
+    rounds_to_zero = (bits & xp.uint32(0x7FFF)) == 0  # tiny values: ±0 in bf16
+    if bool(rounds_to_zero.any()):
+        nonzero[m[rounds_to_zero], n[rounds_to_zero]] = False
+        m, n, bits = m[~rounds_to_zero], n[~rounds_to_zero], bits[~rounds_to_zero]
+    non_finite = xp.zeros(rows, dtype=bool)
+    exponent = xp.uint32(0x7F80)
+    non_finite[m[(bits & exponent) == exponent]] = True
+    counts = nonzero.reshape(rows, tiles, tile).sum(axis=2, dtype=xp.int64)
+    packed = xp.zeros((rows, tiles * slots), dtype=xp.uint32)
+    packed[:, ::slots] = counts.astype(xp.uint32)
+    if m.size:
+        # Entries come in row-major order, so each row-tile's entries are contiguous:
+        # an entry's rank in its row-tile is its position minus the group's start.
+        group = m * tiles + n // tile
+        flat_counts = counts.reshape(-1)
+        starts = xp.cumsum(flat_counts) - flat_counts
+        rank = xp.arange(m.size) - starts[group]
+        keep = rank < slots - 1
+        m, n, bits, rank = m[keep], n[keep], bits[keep], rank[keep]
+        word = (n // tile) * slots + 1 + rank
+        packed[m, word] = n.astype(xp.uint32) | (bits << 16)
+    return packed, counts, non_finite
+
+
+def _row_limit(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"max_row_nnz: expected an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"max_row_nnz: expected an int >= 0, got {value}")
+    return int(value)
+
+
+def _xp_or_none(array: Any) -> Any:
+    """``xp_of(array)``, or None for anything that is not a NumPy or CuPy array."""
+    try:
+        return xp_of(array)
+    except TypeError:
+        return None
+
+
+def _float_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as a NumPy dtype if it is one of twell's floating dtypes (else TypeError)."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in FLOAT_DTYPES:  # (None == float64 in NumPy)
+        given = repr(dtype) if resolved is None else resolved
+        raise TypeError(f"dtype: expected a floating dtype ({_FLOAT_NAMES}), got {given}")
+    return resolved
+
+
+def _zeros(xp: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    if dtype == bfloat16 and xp is not np:  # CuPy holds bf16 as 16-bit words
+        return xp.zeros(shape, dtype=xp.uint16).view(bfloat16)
+    return xp.zeros(shape, dtype=dtype)
+
+
+def _widen(values: Any) -> Any:
+    """Dense-part values as float32 (float64 kept), for decoding."""
+    if np.dtype(values.dtype) == np.float64:
+        return values
+    return as_float32(values)
+
+
+def _put(out: Any, index: Any, values: Any) -> None:
+    """``out[index] = values`` converted to ``out``'s dtype (bf16 by rounding), quietly."""
+    dtype = np.dtype(out.dtype)
+    xp = xp_of(out)
+    if dtype == bfloat16 and xp is not np:
+        out.view(xp.uint16)[index] = bf16_bits(values).astype(xp.uint16)
+        return
+    with np.errstate(over="ignore"):  # e.g. float32 values beyond float16's range: ±Inf
+        out[index] = values.astype(dtype)

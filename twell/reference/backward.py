@@ -9,7 +9,10 @@ Gated block, with ``a = x Wgᵀ``, ``g = relu(a)``, ``u = x Wuᵀ``, ``h = g ⊙
 
 Non-gated (``h = relu(a)``, ``a = x Wuᵀ``): ``da = dh ⊙ [a > 0]``, ``dWu = daᵀ x``,
 ``dx = da Wu``. Everything is exact float64 math (no bf16 rounding); the sparse path
-touches only the active units and is used whenever the gate is finite.
+touches only the active units and is used when every input (``x``, the weights, ``dy``)
+and the pre-activation are finite; otherwise plain dense math runs, so that a NaN or Inf
+reaches the gradients exactly as it does in dense math. Arguments are checked by the
+same validation layer as the public ops.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from twell._validation import (
+    check_activation,
+    check_inputs,
+    check_like_output,
+    check_number,
+    check_reduction,
+)
 from twell.formats import Hybrid, TwELL
 from twell.reference.forward import relu, rowwise_dot, upcast
 
@@ -25,11 +35,9 @@ REDUCTIONS = ("mean", "per_token")
 
 
 def _l1_scale(reduction: str, rows: int, columns: int) -> float:
-    if reduction == "mean":
+    if check_reduction(reduction, REDUCTIONS) == "mean":
         return 1.0 / max(1, rows * columns)
-    if reduction == "per_token":
-        return 1.0 / max(1, rows)
-    raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    return 1.0 / max(1, rows)
 
 
 def l1_loss(h: Any, reduction: str = "mean") -> float:
@@ -37,7 +45,11 @@ def l1_loss(h: Any, reduction: str = "mean") -> float:
 
     ``"mean"``: mean of ``|h|`` over all M·N entries. ``"per_token"``: mean over tokens of
     the sum over units (N times larger; the public reference code's convention).
+    A TwELL with an overflowed tile does not hold all its entries and raises
+    ``ValueError`` (a Hybrid does).
     """
+    check_reduction(reduction, REDUCTIONS)
+    h = check_activation("h", h, "l1_loss")
     if isinstance(h, (TwELL, Hybrid)):
         rows, columns = h.shape
         total = float(np.abs(h.to_csr().data.astype(np.float64)).sum())
@@ -50,6 +62,7 @@ def l1_loss(h: Any, reduction: str = "mean") -> float:
 
 def l0(h: Any) -> float:
     """Mean number of nonzeros per token (row): a metric, not differentiable."""
+    h = check_activation("h", h, "l0")
     if isinstance(h, (TwELL, Hybrid)):
         return h.nnz / max(1, h.shape[0])
     dense = np.asarray(h)
@@ -80,18 +93,30 @@ def ffn_backward(
     Returns:
         ``(dx, dw_gate, dw_up, dw_down)``; ``dw_gate`` is ``None`` for the non-gated block.
     """
-    xf = upcast(x)
-    shape = xf.shape
-    xf = xf.reshape(-1, shape[-1])
-    dyf = upcast(dy).reshape(xf.shape[0], -1)
-    wg = None if w_gate is None else upcast(w_gate)
-    wu, wd = upcast(w_up), upcast(w_down)
+    inputs = check_inputs(
+        x=x, weights={"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")},
+        empty_ok=True, reference="ffn_backward",
+    )  # fmt: skip
+    dy = check_like_output("dy", dy, inputs, "ffn_backward")
+    l1_coeff = check_number("l1_coeff", l1_coeff)
+    check_reduction(reduction, REDUCTIONS)
+    args = inputs.arrays
+    xf, dyf = upcast(args["x"]), upcast(dy)
+    wg = None if w_gate is None else upcast(args["w_gate"])
+    wu, wd = upcast(args["w_up"]), upcast(args["w_down"])
+    shape = (*inputs.batch_shape, inputs.k)
+    if xf.shape[0] == 0:  # no token: no gradient flows into the weights
+        zeros = (None if wg is None else np.zeros_like(wg), np.zeros_like(wu), np.zeros_like(wd))
+        return (np.zeros(shape), *zeros)
     scale = l1_coeff * _l1_scale(reduction, xf.shape[0], wu.shape[0])
-    a = xf @ (wu if wg is None else wg).T
-    if np.isfinite(a).all() and np.isfinite(xf).all():
-        grads = _sparse(xf, wg, wu, wd, dyf, a, scale)
-    else:
-        grads = _dense(xf, wg, wu, wd, dyf, a, scale)
+    with np.errstate(all="ignore"):  # dense math on non-finite values is the contract
+        a = xf @ (wu if wg is None else wg).T
+        arrays = (a, xf, wu, wd, dyf) + (() if wg is None else (wg,))
+        inputs_finite = all(bool(np.isfinite(array).all()) for array in arrays)
+        if inputs_finite:
+            grads = _sparse(xf, wg, wu, wd, dyf, a, scale)
+        else:
+            grads = _dense(xf, wg, wu, wd, dyf, a, scale)
     dx, dwg, dwu, dwd = grads
     return dx.reshape(shape), dwg, dwu, dwd
 

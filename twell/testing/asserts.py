@@ -4,6 +4,12 @@ Everything here compares through decoding, never slot by slot: the order of entr
 inside a TwELL tile is not part of the format (docs/format.md). Arrays may be NumPy, CuPy or
 PyTorch (CPU or CUDA); they are copied to the host first.
 
+A :class:`TwELL` or :class:`Hybrid` argument is always validated in full first (trusted or
+not: these helpers exist to cross-check producers), so a buffer whose decoded entries look
+right but whose words break the format (a bogus count word on an empty tile, a stored zero,
+a duplicate or out-of-tile column, a heavy row without its dense backup) fails the
+assertion too.
+
 Example:
     >>> import numpy as np
     >>> from twell import TwELL
@@ -45,11 +51,17 @@ def matrix_entries(matrix: Any) -> tuple[tuple[int, int], dict[tuple[int, int], 
         nonzeros, ±0 never appear.
 
     Raises:
-        AssertionError: a :class:`TwELL` has overflowed tiles (its entries are not all
-            stored: only a :class:`Hybrid` can hold such rows).
+        AssertionError: a :class:`TwELL` or :class:`Hybrid` fails ``validate()``, or a
+            :class:`TwELL` has overflowed tiles (its entries are not all stored: only a
+            :class:`Hybrid` can hold such rows).
     """
     if isinstance(matrix, (TwELL, Hybrid)):
         matrix = to_host(matrix)
+        kind = type(matrix).__name__
+        try:
+            matrix.validate()  # always in full: a cross-check trusts no producer
+        except ValueError as error:
+            raise AssertionError(f"invalid {kind}: {error}") from None
         if isinstance(matrix, TwELL):
             heavy = matrix.overflow_rows()
             if heavy.size:
@@ -82,6 +94,13 @@ def matrix_entries(matrix: Any) -> tuple[tuple[int, int], dict[tuple[int, int], 
     return (int(shape[0]), int(shape[1])), entries
 
 
+def _entries_of(name: str, matrix: Any) -> tuple[tuple[int, int], dict[tuple[int, int], float]]:
+    try:
+        return matrix_entries(matrix)
+    except AssertionError as error:
+        raise AssertionError(f"{name}: {error}") from None
+
+
 def _same_value(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)  # NaN matches NaN
 
@@ -96,16 +115,18 @@ def assert_same_matrix(actual: Any, expected: Any, *, round_to_bf16: bool = Fals
             matrix whose values are not bf16-representable against a TwELL holding them).
 
     Values are compared exactly (NaN equals NaN). The message lists the first
-    differences.
+    differences. Both sides are validated first when they are formats (see the module's
+    docstring).
     """
-    shape_a, entries_a = matrix_entries(actual)
-    shape_b, entries_b = matrix_entries(expected)
+    shape_a, entries_a = _entries_of("actual", actual)
+    shape_b, entries_b = _entries_of("expected", expected)
     if shape_a != shape_b:
         raise AssertionError(f"shapes differ: {shape_a} != {shape_b}")
     if round_to_bf16:
         for entries in (entries_a, entries_b):
             keys = list(entries)
-            values = round_bf16(np.array([entries[k] for k in keys], dtype=np.float32))
+            with np.errstate(over="ignore"):  # beyond float32: ±Inf, as bf16 rounding gives
+                values = round_bf16(np.array([entries[k] for k in keys], dtype=np.float32))
             entries.clear()
             entries.update((k, float(v)) for k, v in zip(keys, values.tolist(), strict=True) if v)
     problems = []
@@ -134,8 +155,9 @@ def relative_error(y: Any, y_ref: Any) -> float:
     b = as_host(y_ref).astype(np.float64)
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} != {b.shape}")
-    reference = float(np.linalg.norm(b.ravel()))
-    difference = float(np.linalg.norm((a - b).ravel()))
+    with np.errstate(all="ignore"):  # non-finite values give NaN, as documented
+        reference = float(np.linalg.norm(b.ravel()))
+        difference = float(np.linalg.norm((a - b).ravel()))
     if reference == 0.0:
         return 0.0 if difference == 0.0 else float("inf")
     return difference / reference

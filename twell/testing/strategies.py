@@ -13,7 +13,13 @@ Strategies:
     :func:`twell_matrices`     valid :class:`TwELL` objects (from_dense or raw buffers).
     :func:`hybrid_matrices`    valid :class:`Hybrid` objects (from_dense or raw parts).
     :func:`corrupt_packed`     ``(packed, shape, tile, slots, kind)`` invalid buffers.
+    :func:`corrupt_hybrids`    ``CorruptHybrid(matrix, kind)``: a Hybrid built through the
+                               public constructors with one defect ``validate()`` rejects.
     :func:`ffn_problems`       ``FFNProblem(x, w_gate, w_up, w_down)`` for the FFN ops.
+    :func:`nonfinite_ffn_problems`  FFN problems with NaN/±Inf planted in the weights
+                               (preferably at units no token activates) or in ``x``.
+    :func:`malformed`          an argument gone wrong: transposed, flattened, batched,
+                               resized, the wrong dtype or type, ``None``, ...
 
 Plain helpers:
     :func:`pack`               an independent, loop-level packer (entry order and unused
@@ -53,7 +59,13 @@ __all__ = [
     "twell_matrices",
     "hybrid_matrices",
     "corrupt_packed",
+    "HYBRID_CORRUPTIONS",
+    "CorruptHybrid",
+    "corrupt_hybrids",
     "ffn_problems",
+    "nonfinite_ffn_problems",
+    "MALFORMATIONS",
+    "malformed",
     "pack",
     "bf16_values_like",
 ]
@@ -176,6 +188,7 @@ def layouts(
     *,
     min_slots: int = 2,
     max_slots: int | None = None,
+    slot_choices: tuple[int, ...] | None = None,
 ) -> tuple[int, int]:
     """``(tile, slots)``: tile from ``tiles``; slots a power of two in ``[2, tile]``.
 
@@ -183,15 +196,22 @@ def layouts(
         tiles: tile widths to draw from (each a power of two in [32, 256]).
         min_slots, max_slots: further bounds on ``slots`` (e.g. ``min_slots=4`` for
             layouts that can hold two entries per tile).
+        slot_choices: if given, ``slots`` is one of these (e.g. the layouts a GPU kernel
+            was compiled for).
     """
     tile = draw(st.sampled_from(tiles))
     options = _powers_of_two(max(2, min_slots), min(tile, max_slots or tile))
+    if slot_choices is not None:
+        options = [s for s in options if s in slot_choices]
     if not options:
         raise ValueError(f"no slots in [{min_slots}, {max_slots}] fit tile={tile}")
     return tile, draw(st.sampled_from(options))
 
 
 # --------------------------------------------------------------------------- activations
+#: A finite float32 that rounds to +Inf in bfloat16 (above bf16's largest finite value).
+_HUGE = float(np.finfo(np.float32).max)
+
 _ROW_KINDS = ("mixed", "mixed", "mixed", "empty", "heavy")
 
 
@@ -207,6 +227,7 @@ def activations(
     allow_nonfinite: bool = False,
     allow_negative: bool = True,
     allow_subnormal: bool = False,
+    allow_huge: bool = False,
 ) -> np.ndarray:
     """Dense float32 ``[rows, tiles * tile]`` activations with controlled per-tile counts.
 
@@ -224,6 +245,11 @@ def activations(
             existing entries when there are some, so the counts mostly stay as drawn).
         allow_negative: draw both signs (else positive, like ReLU outputs).
         allow_subnormal: include bf16 subnormal values.
+        allow_huge: put up to two finite float32 values beyond the bfloat16 range
+            (±3.4e38, which round to ±Inf in bf16) into the matrix: a Hybrid must route
+            their rows like non-finite ones.
+
+    ``rows`` may be 0 when given (an empty matrix).
     """
     tile, slots = _draw_value(draw, tile), _draw_value(draw, slots)
     if tile is None and slots is None:
@@ -266,8 +292,12 @@ def activations(
                 h[m, columns] = bf16_values_like(
                     rng, count, allow_negative=allow_negative, allow_subnormal=allow_subnormal
                 )
+    specials: list[float] = []
     if allow_nonfinite:
-        specials = draw(st.lists(st.sampled_from([np.nan, np.inf, -np.inf]), max_size=3))
+        specials += draw(st.lists(st.sampled_from([np.nan, np.inf, -np.inf]), max_size=3))
+    if allow_huge:
+        specials += draw(st.lists(st.sampled_from([_HUGE, -_HUGE]), max_size=2))
+    if h.size:
         for value in specials:
             m, n = np.nonzero(h)
             if m.size:
@@ -279,15 +309,21 @@ def activations(
 
 
 @st.composite
-def packing_problems(draw: st.DrawFn, tiles: tuple[int, ...] = TILES, **kwargs: Any) -> tuple:
+def packing_problems(
+    draw: st.DrawFn,
+    tiles: tuple[int, ...] = TILES,
+    *,
+    slot_choices: tuple[int, ...] | None = None,
+    **kwargs: Any,
+) -> tuple:
     """``(h, tile, slots)``: a layout from :func:`layouts` and an activation drawn for it.
 
     Args:
-        tiles: tile widths to draw from.
+        tiles: tile widths to draw from; ``slot_choices``: as :func:`layouts`.
         **kwargs: passed on to :func:`activations` (``rows``, ``tiles`` is spelled
             ``row_tiles`` here, ``allow_*``).
     """
-    tile, slots = draw(layouts(tiles))
+    tile, slots = draw(layouts(tiles, slot_choices=slot_choices))
     row_tiles = kwargs.pop("row_tiles", None)
     h = draw(activations(tiles=row_tiles, tile=tile, slots=slots, **kwargs))
     return h, tile, slots
@@ -357,8 +393,11 @@ def hybrid_matrices(
     row_tiles: IntArg = None,
     allow_overflow: bool = True,
     allow_nonfinite: bool = True,
+    allow_huge: bool = False,
+    allow_subnormal: bool = True,
     construction: str | None = None,
     with_source: bool = False,
+    slot_choices: tuple[int, ...] | None = None,
 ) -> Hybrid | tuple[Hybrid, np.ndarray]:
     """Valid :class:`Hybrid` objects.
 
@@ -368,16 +407,21 @@ def hybrid_matrices(
     (overflowed or non-finite) plus a few drawn extra rows, whose TwELL payloads are then
     overwritten with random bits (they are never read; their count words stay true).
 
-    Args: as :func:`twell_matrices`.
+    Args: as :func:`twell_matrices`; ``allow_huge`` as :func:`activations` (finite values
+    that a TwELL would store as ±Inf: their rows are dense); ``allow_subnormal`` as
+    :func:`activations` (on by default; turn it off for GPU kernels, which flush
+    subnormals to zero); ``slot_choices`` as :func:`layouts`.
     """
     h, tile, slots = draw(
         packing_problems(
             tiles,
+            slot_choices=slot_choices,
             rows=rows,
             row_tiles=row_tiles,
             allow_overflow=allow_overflow,
             allow_nonfinite=allow_nonfinite,
-            allow_subnormal=True,
+            allow_subnormal=allow_subnormal,
+            allow_huge=allow_huge,
         )
     )
     if _construction(draw, construction) == "from_dense":
@@ -386,9 +430,10 @@ def hybrid_matrices(
     else:
         rng = np.random.default_rng(draw(_seeds()))
         packed = pack(h, tile, slots, rng=rng, shuffle=True, garbage=True)
-        counts = (h != 0).reshape(h.shape[0], -1, tile).sum(axis=2)
-        must = (counts > slots - 1).any(axis=1) | ~np.isfinite(h).all(axis=1)
-        extra = np.array(draw(st.lists(st.booleans(), min_size=h.shape[0], max_size=h.shape[0])))
+        counts = (h != 0).reshape(h.shape[0], h.shape[1] // tile, tile).sum(axis=2)
+        must = (counts > slots - 1).any(axis=1) | ~np.isfinite(round_bf16(h)).all(axis=1)
+        rows_ = h.shape[0]
+        extra = np.array(draw(st.lists(st.booleans(), min_size=rows_, max_size=rows_)), bool)
         dense_rows = np.nonzero(must | extra)[0].astype(np.int32)
         for m in dense_rows[extra[dense_rows] & ~must[dense_rows]]:
             words = packed[m].reshape(-1, slots)
@@ -477,6 +522,129 @@ def corrupt_packed(
     return packed, h.shape, tile, slots, kind
 
 
+#: Kinds of defect :func:`corrupt_hybrids` produces, each one :meth:`Hybrid.validate`
+#: rejects: the TwELL corruptions of :data:`CORRUPTIONS` in a light row, and
+HYBRID_CORRUPTIONS = CORRUPTIONS + (
+    "count_one_too_high",  # a light row-tile's count + 1, the next word left zero
+    "dense_backup_dropped",  # a row that must be dense (overflow, NaN/Inf) left out
+    "row_id_negative",  # a negative id in dense_rows
+    "row_id_out_of_range",  # an id >= M in dense_rows
+    "row_ids_unsorted",  # dense_rows out of order
+    "row_id_repeated",  # an id twice in dense_rows (with its dense row twice)
+)
+
+
+class CorruptHybrid(NamedTuple):
+    """A :class:`Hybrid` built through the public constructors, with one defect."""
+
+    matrix: Hybrid
+    kind: str
+
+
+@st.composite
+def corrupt_hybrids(
+    draw: st.DrawFn,
+    kind: str | None = None,
+    tiles: tuple[int, ...] = TILES,
+    *,
+    rows: IntArg = None,
+    row_tiles: IntArg = None,
+    slot_choices: tuple[int, ...] | None = None,
+) -> CorruptHybrid:
+    """Hybrids wrapped around user buffers (``TwELL(packed, ...)``, ``Hybrid(ell, ...)``)
+    with exactly one defect of :data:`HYBRID_CORRUPTIONS`.
+
+    Everything else is valid and as untidy as a user's buffer may be (entries shuffled,
+    unused words random, extra dense rows with junk TwELL payloads). The constructors
+    accept such an object (types and shapes are right); :meth:`Hybrid.validate`, and so
+    every op and decoder, must reject it with ``ValueError``.
+
+    Args:
+        kind: one of :data:`HYBRID_CORRUPTIONS`, or ``None`` to draw one.
+        tiles: tile widths to draw from; ``rows``, ``row_tiles``: as :func:`activations`;
+            ``slot_choices``: as :func:`layouts`.
+    """
+    kind = draw(st.sampled_from(HYBRID_CORRUPTIONS)) if kind is None else kind
+    if kind not in HYBRID_CORRUPTIONS:
+        raise ValueError(f"kind: expected one of {HYBRID_CORRUPTIONS}, got {kind!r}")
+    need = {"duplicate_column": 2, "count_one_too_high": 0}.get(kind, 1)
+    tile, slots = draw(layouts(tiles, min_slots=4 if need == 2 else 2, slot_choices=slot_choices))
+    h = draw(activations(rows, row_tiles, tile, slots, allow_overflow=True, allow_nonfinite=True))
+    rng = np.random.default_rng(draw(_seeds()))
+    counts = (h != 0).reshape(h.shape[0], h.shape[1] // tile, tile).sum(axis=2)
+    must = (counts > slots - 1).any(axis=1) | ~np.isfinite(h).all(axis=1)
+    if kind == "dense_backup_dropped" and not must.any():
+        m = draw(st.integers(0, h.shape[0] - 1))  # make a heavy row: a NaN, or an overflow
+        if draw(st.booleans()):
+            h[m, draw(st.integers(0, h.shape[1] - 1))] = np.nan
+        else:
+            h[m, :slots] = bf16_values_like(rng, slots)
+        must[m] = True
+    light_kinds = CORRUPTIONS + ("count_one_too_high",)
+    if kind in light_kinds or kind.startswith("row_id") or kind == "row_ids_unsorted":
+        h = np.concatenate([h, np.zeros((1, h.shape[1]), np.float32)])  # a light row
+        must = np.append(must, False)
+    m_light = int(np.nonzero(~must)[0][-1]) if (~must).any() else -1
+    j = draw(st.integers(0, h.shape[1] // tile - 1))
+    if kind in light_kinds:
+        # Give the chosen light row-tile exactly `need` (or more, up to a full tile) entries.
+        have = int(np.count_nonzero(h[m_light, j * tile : (j + 1) * tile]))
+        if have < need or have > slots - 1:
+            h[m_light, j * tile : (j + 1) * tile] = 0
+            columns = j * tile + rng.choice(tile, size=need, replace=False)
+            h[m_light, columns] = bf16_values_like(rng, need)
+    packed = pack(h, tile, slots, rng=rng, shuffle=True, garbage=True)
+    extra = np.array(draw(st.lists(st.booleans(), min_size=h.shape[0], max_size=h.shape[0])), bool)
+    if m_light >= 0:
+        extra[m_light] = False  # the row to corrupt stays light
+    dense_rows = np.nonzero(must | extra)[0].astype(np.int32)
+    for m in dense_rows[extra[dense_rows] & ~must[dense_rows]]:
+        words = packed[m].reshape(-1, slots)
+        words[:, 1:] = rng.integers(0, 2**32, size=words[:, 1:].shape, dtype=np.uint32)
+    words = packed[m_light, j * slots : (j + 1) * slots]
+    count = int(words[0])
+    if kind == "count_over_tile":
+        words[0] = draw(st.integers(tile + 1, 2**32 - 1))
+    elif kind == "count_one_too_high":
+        words[0] = count + 1
+        if count + 1 <= slots - 1:
+            words[count + 1] = 0  # what a zero-filling producer leaves after the entries
+    elif kind in CORRUPTIONS:
+        slot = draw(st.integers(1, count))
+        if kind == "column_outside_tile":
+            column = draw(st.integers(0, 65535 - tile))
+            column = column if column < j * tile else column + tile
+            words[slot] = (words[slot] & np.uint32(0xFFFF0000)) | np.uint32(column)
+        elif kind == "zero_value":
+            sign = draw(st.sampled_from([0x0000, 0x8000]))
+            words[slot] = (words[slot] & np.uint32(0xFFFF)) | np.uint32(sign << 16)
+        else:  # duplicate_column
+            other = draw(st.integers(1, count - 1))
+            other = other if other < slot else other + 1
+            words[slot] = (words[slot] & np.uint32(0xFFFF0000)) | (words[other] & 0xFFFF)
+    elif kind == "dense_backup_dropped":
+        victim = draw(st.sampled_from(np.nonzero(must)[0].tolist()))
+        dense_rows = dense_rows[dense_rows != victim]
+    elif kind == "row_id_negative":
+        dense_rows = np.concatenate([[-draw(st.integers(1, 2**31))], dense_rows])
+    elif kind == "row_id_out_of_range":
+        dense_rows = np.append(dense_rows, draw(st.integers(h.shape[0], 2**31 - 1)))
+    elif kind == "row_ids_unsorted":
+        if dense_rows.size < 2:  # M >= 2 here (a light row was appended)
+            dense_rows = np.union1d(dense_rows, [0, m_light])
+        dense_rows = dense_rows[::-1].copy()
+    else:  # row_id_repeated
+        if dense_rows.size:
+            repeated = draw(st.sampled_from(dense_rows.tolist()))
+            dense_rows = np.sort(np.append(dense_rows, repeated))
+        else:  # M >= 2 here (a light row was appended)
+            dense_rows = np.array([m_light, m_light])
+    dense_rows = dense_rows.astype(np.int32)
+    safe = np.clip(dense_rows, 0, h.shape[0] - 1)  # the values the user copied
+    ell = TwELL(packed, h.shape, tile, slots)
+    return CorruptHybrid(Hybrid(ell, dense_rows, h[safe]), kind)
+
+
 # --------------------------------------------------------------------------- FFN problems
 class FFNProblem(NamedTuple):
     """One FFN block's inputs, float32 and bf16-representable (``torch.nn.Linear`` layout).
@@ -547,3 +715,118 @@ def ffn_problems(
     if gated:
         return FFNProblem(bf16(x), bf16(gating), bf16(w_up), bf16(w_down))
     return FFNProblem(bf16(x), None, bf16(gating), bf16(w_down))
+
+
+@st.composite
+def nonfinite_ffn_problems(
+    draw: st.DrawFn,
+    gated: bool | st.SearchStrategy[bool] | None = None,
+    *,
+    places: tuple[str, ...] = ("w_gate", "w_up", "w_down"),
+    max_values: int = 3,
+    **kwargs: Any,
+) -> FFNProblem:
+    """An :func:`ffn_problems` block with 1..``max_values`` NaN/±Inf values planted.
+
+    Each value goes into one of ``places`` (``"x"`` may be added; ``"w_gate"`` falls back
+    to ``w_up`` for a non-gated block). Weight values go, when there is one, to a unit
+    that no token activates: that is where a sparse path that skips inactive units
+    differs from dense math, which computes ``0 · Inf = NaN`` there.
+
+    Args:
+        gated: as :func:`ffn_problems`. ``**kwargs``: passed on to it.
+        places: where values may go: any of ``"x"``, ``"w_gate"``, ``"w_up"``,
+            ``"w_down"``.
+        max_values: most values planted.
+    """
+    problem = draw(ffn_problems(gated, **kwargs))
+    arrays = {name: None if a is None else a.copy() for name, a in problem._asdict().items()}
+    gating = arrays["w_gate"] if arrays["w_gate"] is not None else arrays["w_up"]
+    with np.errstate(all="ignore"):
+        pre = problem.x.astype(np.float64) @ gating.T.astype(np.float64)
+    inactive = np.nonzero((pre <= 0).all(axis=0))[0]
+    n, k = gating.shape
+    for _ in range(draw(st.integers(1, max_values))):
+        place = draw(st.sampled_from(places))
+        if place == "w_gate" and arrays["w_gate"] is None:
+            place = "w_up"
+        value = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+        if place == "x":
+            row = draw(st.integers(0, problem.x.shape[0] - 1))
+            arrays["x"][row, draw(st.integers(0, k - 1))] = value
+            continue
+        pool = inactive if inactive.size and draw(st.integers(0, 3)) else np.arange(n)
+        unit = int(pool[draw(st.integers(0, len(pool) - 1))])
+        column = draw(st.integers(0, k - 1))
+        if place == "w_down":
+            arrays["w_down"][column, unit] = value
+        else:
+            arrays[place][unit, column] = value
+    return FFNProblem(**arrays)
+
+
+#: What :func:`malformed` does to an argument.
+MALFORMATIONS = (
+    "same",  # unchanged (so that the valid path is exercised too)
+    "transposed",  # a.T (for an N-D array: axes reversed)
+    "flattened",  # a.ravel()
+    "batched",  # a[None]: an extra leading axis
+    "unsqueezed",  # a[..., None]: an extra trailing axis
+    "shorter",  # one axis one shorter (possibly down to 0)
+    "longer",  # one axis one longer (the new entries are zero)
+    "float16",  # another floating dtype (valid: twell takes it)
+    "integer",  # int32 values
+    "boolean",  # bool values
+    "complex",  # complex64 values
+    "list",  # a Python list
+    "scalar",  # a Python float
+    "none",  # None
+)
+
+
+@st.composite
+def malformed(
+    draw: st.DrawFn, array: np.ndarray, kinds: tuple[str, ...] = MALFORMATIONS
+) -> tuple[Any, str]:
+    """``(value, kind)``: ``array`` gone wrong in one of ``kinds`` (:data:`MALFORMATIONS`).
+
+    Some results are still valid arguments (``"same"``, ``"float16"``, a ``"batched"`` x,
+    a transposed square matrix, ``None`` for an optional ``w_gate``): a property test
+    decides validity with its own rule and checks that the op raises ``TypeError`` or
+    ``ValueError`` exactly when the argument is invalid, and otherwise returns what dense
+    math returns for the argument as it is.
+    """
+    kind = draw(st.sampled_from(kinds))
+    if kind == "same":
+        return array, kind
+    if kind == "transposed":
+        return np.ascontiguousarray(array.T), kind
+    if kind == "flattened":
+        return array.ravel(), kind
+    if kind == "batched":
+        return array[None], kind
+    if kind == "unsqueezed":
+        return array[..., None], kind
+    if kind in ("shorter", "longer"):
+        if array.ndim == 0:
+            return array, "same"
+        axis = draw(st.integers(0, array.ndim - 1))
+        if kind == "shorter":
+            return np.take(array, np.arange(max(0, array.shape[axis] - 1)), axis=axis), kind
+        pad = [(0, 1 if a == axis else 0) for a in range(array.ndim)]
+        return np.pad(array, pad), kind
+    if kind == "float16":
+        with np.errstate(over="ignore"):
+            return array.astype(np.float16), kind
+    if kind == "integer":
+        with np.errstate(invalid="ignore"):
+            return np.nan_to_num(array).astype(np.int32), kind
+    if kind == "boolean":
+        return array != 0, kind
+    if kind == "complex":
+        return array.astype(np.complex64), kind
+    if kind == "list":
+        return array.tolist(), kind
+    if kind == "scalar":
+        return 1.0, kind
+    return None, kind
