@@ -362,7 +362,15 @@ def print_table(records: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from twell.options import PATHS
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if argv is not None and "--sweep" in argv:  # batch-size and density sweeps
+        from twell.sweeps import main as sweeps_main
+
+        return sweeps_main([a for a in argv if a != "--sweep"])
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="--sweep: batch-size and density sweeps of the public torch API (twell.sweeps)",
+    )
     parser.add_argument("--workloads", nargs="+", default=["uniform"])
     parser.add_argument("--M", nargs="+", type=int, default=[16384])
     parser.add_argument("--K", type=int, default=2048)

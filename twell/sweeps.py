@@ -1,0 +1,201 @@
+"""Batch-size and density sweeps: twell's public torch API against the dense torch
+block, in the three timing modes of docs/benchmark.md, plus the host cost of one call.
+
+For each configuration, in one process, on the same torch bf16 tensors:
+``per_call`` (events around one call, synchronised), ``back_to_back`` (20 calls, one
+pair of events), ``graph`` (a ``torch.cuda.graph`` capture replayed; M <= 4096), and at
+M=64 ``host_us`` (CPU time per call in a loop that does not wait). Weight sets rotate so
+the working set exceeds L2. Records go to JSON (``--out``) and a table is printed.
+
+    python -m twell bench --sweep --out results.json --plot sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import twell
+from twell.benchmark import gpu_name, make_problem, versions
+from twell.reference.forward import ffn_dense
+from twell.testing.asserts import relative_error
+
+
+def per_call_ms(fn: Any, sets: int, reps: int = 20) -> float:
+    for i in range(5):
+        fn(i % sets)
+    times = []
+    for i in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn(i % sets)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def back_to_back_ms(fn: Any, sets: int, calls: int = 20, reps: int = 5) -> float:
+    for i in range(5):
+        fn(i % sets)
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for i in range(calls):
+            fn(i % sets)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return statistics.median(times)
+
+
+def graph_ms(fn: Any, sets: int, reps: int = 20) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3 * sets):
+            fn(i % sets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        keep = [fn(i) for i in range(sets)]
+    times = []
+    for i in range(5 + reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(stop) / sets)
+    del keep
+    return statistics.median(times)
+
+
+def host_us(fn: Any, sets: int, calls: int = 200) -> float:
+    for i in range(10):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(calls):
+        fn(i % sets)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> list[dict]:
+    p = make_problem(workload, m, k, n)
+    cuda = [torch.from_numpy(a.astype(np.float32)).cuda().bfloat16() for a in p.arrays()]
+    x = cuda[0]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    sets = max(1, min(8, math.ceil(3 * l2 / (2 * (m * k + 3 * n * k)))))
+    weights = [cuda[1:]] + [[w.clone() for w in cuda[1:]] for _ in range(sets - 1)]
+    blocks = [twell.SparseFFN(*w) for w in weights]
+
+    def ours(i: int) -> Any:
+        if api == "ffn":
+            return twell.ffn(x, *weights[i])
+        return blocks[i](x)
+
+    def dense(i: int) -> Any:
+        wg, wu, wd = weights[i]
+        return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    rows = np.unique(np.linspace(0, m - 1, min(m, 256)).astype(int))
+    oracle = ffn_dense(p.x[rows], p.w_gate, p.w_up, p.w_down)
+    y = ours(0)
+    torch.cuda.synchronize()
+    y = ours(0)  # after the density switch has seen one call
+    rel = relative_error(y[torch.as_tensor(rows, device="cuda")].float().cpu().numpy(), oracle)
+    modes = {"per_call": per_call_ms, "back_to_back": back_to_back_ms}
+    if m <= 4096:
+        modes["graph"] = graph_ms
+    records = []
+    for timing, fn in modes.items():
+        t, td = fn(ours, sets), fn(dense, sets)
+        r = dict(gpu=gpu_name(), op="ffn_forward", api=api, workload=workload, M=m, K=k, N=n,
+                 tile=256, slots=32, path="fused", default=True, timing=timing, t_ms=t,
+                 t_dense_ms=td, speedup=td / t, rel_err=rel,
+                 dense_path=bool(blocks[0]._prepared.density.dense),
+                 density_estimate=blocks[0]._prepared.density.estimate, **versions())  # fmt: skip
+        if workload.startswith("density="):
+            r["p"] = float(workload.split("=")[1])
+        if m == 64 and timing != "graph":
+            r["host_us"], r["host_us_dense"] = host_us(ours, sets), host_us(dense, sets)
+        records.append(r)
+        print(json.dumps(r), flush=True)
+    return records
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Speedup against batch size (one line per timing mode) and against density, as PNG
+    (needs matplotlib: pip install 'twell[plots]')."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    batch = [r for r in records if r["workload"] == "uniform" and r["api"] == "SparseFFN"]
+    for timing in ("per_call", "back_to_back", "graph"):
+        rs = sorted((r for r in batch if r["timing"] == timing), key=lambda r: r["M"])
+        if rs:
+            left.plot([r["M"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
+    left.set(xscale="log", xlabel="tokens M", ylabel="speedup over dense (×)",
+             title=f"uniform p=0.005, K={batch[0]['K']}, N={batch[0]['N']}" if batch else "")
+    dense = [r for r in records if "p" in r]
+    for timing in ("per_call", "back_to_back"):
+        rs = sorted((r for r in dense if r["timing"] == timing), key=lambda r: r["p"])
+        if rs:
+            right.plot([r["p"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
+    right.set(xscale="log", xlabel="share of active units p", title="density, M=16384")
+    for axis in (left, right):
+        axis.axhline(1.0, color="grey", lw=0.8)
+        axis.legend()
+    fig.suptitle(records[0]["gpu"] if records else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m twell bench --sweep")
+    parser.add_argument("--out", default=None, help="JSON records")
+    parser.add_argument("--plot", default=None, help="PNG of the sweeps (needs matplotlib)")
+    parser.add_argument("--M", nargs="+", type=int,
+                        default=[1, 8, 64, 512, 2048, 4096, 16384, 65536])  # fmt: skip
+    parser.add_argument(
+        "--densities", nargs="*",
+        default=["density=0.001", "density=0.005", "density=0.02", "density=0.05", "density=0.1"],
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    records = []
+    for m in args.M:
+        records += config("uniform", m, 2048, 5632)
+    records += config("uniform", min(16384, max(args.M)), 2048, 5632, api="ffn")
+    for workload in args.densities:
+        records += config(workload, 16384, 2048, 5632)
+    if args.plot:
+        plot(records, args.plot)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(f"{'workload':<14}{'api':<10}{'M':>7} {'timing':<13}{'twell':>8}{'dense':>8}{'x':>6}"
+          f"{'err':>9}{'host us':>9}{'dense us':>9}")  # fmt: skip
+    for r in records:
+        host, host_dense = r.get("host_us", math.nan), r.get("host_us_dense", math.nan)
+        print(f"{r['workload']:<14}{r['api']:<10}{r['M']:>7} {r['timing']:<13}{r['t_ms']:>8.3f}"
+              f"{r['t_dense_ms']:>8.3f}{r['speedup']:>6.2f}{r['rel_err']:>9.1e}"
+              f"{host:>9.1f}{host_dense:>9.1f}")  # fmt: skip
+    return 0
