@@ -290,43 +290,61 @@ def bench_config(
     return records
 
 
-def demo(problem: Any) -> dict[str, Any]:
+def demo(problem: Any, *, large: int = 16384) -> dict[str, Any]:
     """Run a workload problem through the kernels and time it against dense cuBLAS.
 
-    The GPU part of ``python -m twell demo``: the protocol's timer (median of 20 after 5
-    warm-ups), the float64 oracle on the first 256 rows, the torch dense baseline when
-    torch is installed.
+    The GPU part of ``python -m twell demo``: the protocol's timer (back-to-back calls,
+    median of 5 rounds of 20 after warm-up), the float64 oracle on the first 256 rows,
+    the torch dense baseline (torch bf16 ``F.linear`` chain) on the same torch tensors.
+    When the asked batch is smaller than ``large`` tokens, the same workload at ``large``
+    tokens is timed too, so the report shows a batch where the sparse block wins beside
+    the one that was asked for (whichever way each comes out).
 
     Returns:
-        ``"hybrid"`` (the GPU :class:`twell.Hybrid` of the gate), the relative error, the
-        twell and dense times (ms) and the speedup.
+        ``"hybrid"`` (the GPU :class:`twell.Hybrid` of the gate), the relative error, and
+        per batch size the twell and dense times (ms) and the speedup (> 1: faster).
     """
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
     import twell
     from twell.reference.forward import ffn_dense
+    from twell.sweeps import back_to_back_ms
 
-    x, w_gate, w_up, w_down = (to_device(a) for a in problem.arrays())
-    block = twell.SparseFFN(w_gate, w_up, w_down)
-    y = block(x)
-    rows = min(256, x.shape[0])
+    def tensors(p: Any) -> list[Any]:
+        return [None if a is None else torch.from_numpy(np.asarray(a, np.float32)).cuda()
+                .bfloat16() for a in p.arrays()]  # fmt: skip
+
+    def timed(p: Any) -> tuple[Any, float, float]:
+        x, wg, wu, wd = tensors(p)
+        block = twell.SparseFFN(wg, wu, wd)
+        if wg is None:
+            dense = lambda i: F.linear(F.relu(F.linear(x, wu)), wd)  # noqa: E731
+        else:
+            dense = lambda i: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
+        return block(x), back_to_back_ms(lambda i: block(x), 1), back_to_back_ms(dense, 1)
+
+    m = problem.x.shape[0]
+    y, t, t_dense = timed(problem)
+    rows = min(256, m)
     ref = ffn_dense(problem.x[:rows], problem.w_gate, problem.w_up, problem.w_down)
+    x_gpu, w_first = (to_device(a) for a in (problem.x, problem.w_gate))
     report: dict[str, Any] = {
-        "hybrid": twell.gate(x, w_gate if w_gate is not None else w_up),
-        "rel. error": relative_error(y[:rows], ref),
-        "twell GPU (ms)": time_ms(lambda i: block(x), 1),
+        "hybrid": twell.gate(x_gpu, w_first),
+        "rel. error": relative_error(y[:rows].float().cpu().numpy(), ref),
+        f"twell M={m} (ms)": t,
+        f"dense M={m} (ms)": t_dense,
+        f"speedup M={m}": t_dense / t,
     }
-    try:
-        import torch
-        import torch.nn.functional as F  # noqa: N812
-    except ImportError:
-        return report
-    xt, wu, wd = (torch.from_dlpack(a) for a in (x, w_up, w_down))
-    if w_gate is None:
-        dense = lambda i: F.linear(F.relu(F.linear(xt, wu)), wd)  # noqa: E731
-    else:
-        wg = torch.from_dlpack(w_gate)
-        dense = lambda i: F.linear(F.relu(F.linear(xt, wg)) * F.linear(xt, wu), wd)  # noqa: E731
-    report["dense cuBLAS (ms)"] = time_ms(dense, 1)
-    report["speedup"] = report["dense cuBLAS (ms)"] / report["twell GPU (ms)"]
+    if m < large:
+        from twell import workloads
+
+        big = workloads.make(problem.name, large, problem.x.shape[1], problem.w_up.shape[0],
+                             seed=0)  # fmt: skip
+        _, t, t_dense = timed(big)
+        report[f"twell M={large} (ms)"] = t
+        report[f"dense M={large} (ms)"] = t_dense
+        report[f"speedup M={large}"] = t_dense / t
     return report
 
 
