@@ -39,3 +39,31 @@ def test_bench_without_a_gpu_says_so(monkeypatch: pytest.MonkeyPatch, capsys) ->
 def test_other_commands_reject_unknown_options() -> None:
     with pytest.raises(SystemExit):
         cli.main(["demo", "--bogus"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--tokens", "0"],
+        ["demo", "--tokens", "-3"],
+        ["demo", "--tokens", "many"],
+        ["check", "--tokens", "0"],
+        ["check", "--width", "0"],
+        ["check", "--ffn", "100"],
+    ],
+)
+def test_bad_sizes_are_usage_errors_not_tracebacks(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --" in err and "expected" in err and "Traceback" not in err
+
+
+def test_bench_help_needs_no_gpu(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m twell bench") and "--workloads" in out

@@ -11,11 +11,12 @@ is decided here, by rules written independently of twell's validation layer.
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import twell
@@ -25,6 +26,8 @@ from twell.testing import assert_relative_error, assert_same_matrix
 from twell.testing import strategies as tst
 
 TOL = 1e-2
+#: Tests run once per kind of defect: a fifth of the profile's examples each.
+PER_KIND = settings(max_examples=max(10, settings.default.max_examples // 5))
 FLOATS = {np.dtype(t) for t in (ml_dtypes.bfloat16, np.float16, np.float32, np.float64)}
 BAD = (TypeError, ValueError)
 
@@ -171,6 +174,7 @@ def test_ops_on_user_built_hybrids_raise_or_equal_dense_math(h, k, nonfinite, se
 
 
 @pytest.mark.parametrize("kind", tst.HYBRID_CORRUPTIONS)
+@PER_KIND
 @given(data=st.data())
 def test_each_corruption_is_named_in_the_error(kind, data):
     case = data.draw(tst.corrupt_hybrids(kind))
@@ -544,7 +548,39 @@ def test_a_wrong_k_x_is_blamed_on_x():
             call()
     with pytest.raises(ValueError, match=r"^w_up: expected shape \(32, 8\) \(axis 1 = K = 8"):
         twell.ffn(x, wg, wu[:, :7], wd, tile=32, slots=4)
+    doc_example = "w_down: expected shape (8, 64) (axis 1 = N = 64, as in w_gate, w_up), "
+    doc_example += "got (8, 96)"  # the example of docs/ops.md
+    with pytest.raises(ValueError, match=f"^{re.escape(doc_example)}$"):
+        twell.ffn(x, np.ones((64, 8)), np.ones((64, 8)), np.ones((8, 96)), tile=32, slots=4)
     with pytest.raises(TypeError, match=r"^x: expected an array, got None"):
         twell.gate(None, wg)
     with pytest.raises(TypeError, match=r"^w_gate: expected an array, got None"):
         twell.gate(x, None)
+
+
+@given(tst.corrupt_packed())
+def test_a_corrupt_twell_is_not_decoded(case):
+    packed, shape, tile, slots, kind = case
+    ell = TwELL(packed, shape, tile, slots)
+    for decode in (ell.to_dense, ell.to_csr):
+        with pytest.raises(ValueError, match=r"^(packed: |TwELL: )"):
+            decode()
+    with pytest.raises(ValueError, match=r"^h(\.packed|: )"):
+        reference.l1_loss(ell)
+
+
+def test_from_dense_checks_its_options():
+    h = np.eye(2, 32, dtype=np.float32)
+    with pytest.raises(TypeError, match=r"^also_dense: expected a numpy boolean mask"):
+        Hybrid.from_dense(h, 32, 4, also_dense=[True, False])
+    with pytest.raises(TypeError, match=r"^max_row_nnz: expected an int"):
+        Hybrid.from_dense(h, 32, 4, max_row_nnz=1.5)
+    with pytest.raises(ValueError, match=r"^max_row_nnz: expected an int >= 0"):
+        Hybrid.from_dense(h, 32, 4, max_row_nnz=-1)
+
+
+def test_l1_loss_of_an_overflowed_twell_names_h():
+    ell = TwELL.from_dense(np.ones((1, 32), np.float32), 32, 4)
+    with pytest.raises(ValueError, match=r"^h: TwELL: 1 row\(s\) overflowed"):
+        reference.l1_loss(ell)
+    assert reference.l0(ell) == 32.0  # the count words are the true counts

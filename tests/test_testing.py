@@ -119,3 +119,31 @@ def test_as_host_takes_torch_bfloat16_tensors():
     host = as_host(values)
     assert host.dtype == bfloat16
     np.testing.assert_array_equal(host.astype(np.float32), values.float().numpy())
+
+
+# ------------------------------------------------------------------ robustness strategies
+@given(tst.nonfinite_ffn_problems(places=("x", "w_gate", "w_up", "w_down")))
+def test_nonfinite_ffn_problems_plant_nan_or_inf(problem):
+    planted = [a for a in problem if a is not None and not np.isfinite(a).all()]
+    assert planted
+    assert problem.x.shape[1] == problem.w_up.shape[1] == problem.w_down.shape[0]
+
+
+@given(tst.corrupt_hybrids(slot_choices=(4, 32)))
+def test_corrupt_hybrids_pass_the_constructors_and_fail_validate(case):
+    assert case.kind in tst.HYBRID_CORRUPTIONS
+    assert case.matrix.slots in (4, 32)
+    with pytest.raises(ValueError, match=r"^(packed|dense_rows): "):
+        case.matrix.validate()
+
+
+@given(tst.malformed(np.ones((3, 4), np.float32)))
+def test_malformed_says_what_it_did(case):
+    value, kind = case
+    assert kind in tst.MALFORMATIONS
+    expected_type = {"list": list, "scalar": float, "none": type(None)}.get(kind, np.ndarray)
+    assert isinstance(value, expected_type)
+    if kind == "transposed":
+        assert value.shape == (4, 3)
+    if kind in ("shorter", "longer"):
+        assert sum(value.shape) == 7 + (1 if kind == "longer" else -1)

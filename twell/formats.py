@@ -99,8 +99,9 @@ class TwELL:
         slots: 32-bit words per row-tile including the count word, a power of two in
             [2, tile]; a tile holds at most ``slots - 1`` entries.
 
-    The constructor checks shapes and dtypes only (cheap); :meth:`validate` checks the
-    contents of a buffer that came from outside.
+    The constructor checks types, dtypes and shapes only (cheap: nothing reads the
+    contents); :meth:`validate` checks the contents of a buffer that came from outside,
+    and runs by itself once before the first decode or op (:func:`ensure_valid`).
     """
 
     def __init__(
@@ -331,6 +332,10 @@ class Hybrid:
         dense: ``[R, N]`` values of those rows (any float dtype).
 
     Row ``m`` is ``dense[i]`` where ``dense_rows[i] == m``, else row ``m`` of ``ell``.
+
+    The constructor checks types, dtypes and shapes (and that there are at most M ids);
+    :meth:`validate` checks the contents, by itself once before the first decode or op
+    (:func:`ensure_valid`), unless twell built the object.
     """
 
     def __init__(self, ell: TwELL, dense_rows: Any, dense: Any) -> None:
@@ -446,7 +451,15 @@ class Hybrid:
         return self.ell.xp
 
     def light_mask(self) -> Any:
-        """Boolean ``[M]``: rows read from the TwELL part."""
+        """Boolean ``[M]``: rows read from the TwELL part.
+
+        Raises:
+            ValueError: the object is invalid (see :meth:`validate`).
+        """
+        ensure_valid(self)
+        return self._light_mask()
+
+    def _light_mask(self) -> Any:
         xp = self.xp
         mask = xp.ones(self.shape[0], dtype=bool)
         mask[self.dense_rows] = False
@@ -558,7 +571,7 @@ class Hybrid:
                     f"dense_rows: row ids must lie in [0, {self.shape[0]}), got "
                     f"[{int(rows[0])}, {int(rows[-1])}]"
                 )
-        light = self.light_mask()
+        light = self._light_mask()  # dense_rows are in range now
         overflow = self.ell.overflow_rows()
         orphan = overflow[light[overflow]]
         if orphan.size:

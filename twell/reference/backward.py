@@ -52,7 +52,11 @@ def l1_loss(h: Any, reduction: str = "mean") -> float:
     h = check_activation("h", h, "l1_loss")
     if isinstance(h, (TwELL, Hybrid)):
         rows, columns = h.shape
-        total = float(np.abs(h.to_csr().data.astype(np.float64)).sum())
+        try:
+            entries = h.to_csr().data
+        except ValueError as error:  # a TwELL that overflowed: its entries are not all here
+            raise ValueError(f"h: {error}") from None
+        total = float(np.abs(entries.astype(np.float64)).sum())
     else:
         dense = upcast(h)
         rows, columns = int(np.prod(dense.shape[:-1])), dense.shape[-1]  # tokens × units

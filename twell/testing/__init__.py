@@ -1,9 +1,12 @@
 """Test support for twell and for code built on it: Hypothesis strategies, assertions, profiles.
 
 - :mod:`twell.testing.strategies`: activations with controlled per-tile counts, valid and
-  corrupt TwELL/Hybrid objects, whole FFN problems (needs ``hypothesis``).
-- :mod:`twell.testing.asserts`: :func:`assert_same_matrix` (compares TwELL, Hybrid,
-  sparse and dense matrices through decoding) and :func:`relative_error`.
+  corrupt TwELL/Hybrid objects (``corrupt_packed``, ``corrupt_hybrids``), whole FFN
+  problems, also with NaN/Inf planted in the weights (``nonfinite_ffn_problems``), and
+  malformed arguments (``malformed``) (needs ``hypothesis``).
+- :mod:`twell.testing.asserts`: :func:`assert_same_matrix` (validates both sides, then
+  compares TwELL, Hybrid, sparse and dense matrices through decoding) and
+  :func:`relative_error`.
 - :mod:`twell.testing.profiles`: the ``dev``/``ci``/``deep`` Hypothesis profiles and
   :func:`~twell.testing.profiles.load_profile`.
 
