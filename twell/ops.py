@@ -310,19 +310,23 @@ class SparseFFN:
             raise ValueError(f"x: expected shape [..., {k}] (the block's K), got {tuple(x.shape)}")
         o = self.options
         if self._prepared is None:
-            inputs = _validate(x=x, weights=self._weights, tile=o.tile, slots=o.slots)
+            inputs = _validate(
+                x=x, weights=self._weights, tile=o.tile, slots=o.slots, empty_ok=True
+            )
             a = inputs.arrays
             y = reference.ffn(
                 a["x"], a.get("w_gate"), a["w_up"], a["w_down"], tile=o.tile, slots=o.slots
             )
             return _restore(y, inputs)
-        inputs = _validate(x=x, weights={})
+        inputs = _validate(x=x, weights={}, empty_ok=True)
         if inputs.library != self.library or _device_id(x) != self._device:
             raise TypeError(
                 f"x: expected a {self.library} array on GPU {self._device} like the block's "
                 f"weights, got a {inputs.library} array"
                 + (f" on GPU {_device_id(x)}" if inputs.library != "numpy" else "")
             )
+        if inputs.rows == 0:
+            return _empty_result(inputs)
         if inputs.library == "torch":  # a graph replay per call (twell._graphs)
             return _restore(self._graphed(inputs.arrays["x"]), inputs)
         with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):

@@ -54,7 +54,7 @@ def gate(x: Any, w_gate: Any, options: Options, path: str = "epilogue") -> Hybri
         else:
             source_rows = rows
         heavy_rows.gather_relu_rows(pre, source_rows, dense)
-    return Hybrid(TwELL(packed, (m, n), tile, slots), rows, dense)
+    return Hybrid._trusted(TwELL._trusted(packed, (m, n), tile, slots), rows, dense)
 
 
 def _hybrid_parts(h: Hybrid) -> tuple[Any, Any, Any, Any, Any, int]:
