@@ -282,6 +282,10 @@ class TwELL:
 
     def _validate(self, rows: Any) -> None:
         xp = self.xp
+        if xp is not np:  # on the GPU: one pass of twell/kernels/validate.cu
+            light = None if rows is None else xp.ascontiguousarray(rows, dtype=xp.uint8)
+            self._raise_gpu_failure(_gpu_first_failure(self, light, routing=False))
+            return
         counts = self._words()[:, :, 0]  # compared as unsigned 32-bit words
         too_many = counts > self.tile
         if bool(too_many.any()):
@@ -321,6 +325,39 @@ class TwELL:
             fail(duplicate, "column {column} is stored twice in this tile")
 
     check_format = validate
+
+    def _raise_gpu_failure(self, failure: tuple[str, int, int, int] | None) -> None:
+        """Raise what the NumPy checks raise for the kernel's first failure, if any."""
+        if failure is None:
+            return
+        what, m, j, slot = failure
+        words = self._words()
+        count = int(words[m, j, 0])
+        if what == "count":
+            raise ValueError(
+                f"packed: row {m}, tile {j}: count {count} exceeds the tile width {self.tile}"
+            )
+        column = int(words[m, j, slot]) & 0xFFFF
+        start, end = j * self.tile, (j + 1) * self.tile
+        text = {
+            "outside": f"column {column} lies outside the tile [{start}, {end})",
+            "zero": f"stores a zero value at column {column} (zeros are never stored)",
+            "duplicate": f"column {column} is stored twice in this tile",
+        }
+        if what in text:
+            raise ValueError(f"packed: row {m}, tile {j}, slot {slot}: {text[what]}")
+        reason = "overflowed a tile" if what == "overflow" else "holds a non-finite value"
+        raise ValueError(f"dense_rows: row {m} {reason} but has no dense backup")
+
+
+def _gpu_first_failure(
+    ell: TwELL, light: Any | None, *, routing: bool
+) -> tuple[str, int, int, int] | None:
+    from twell.kernels.validate import first_failure
+
+    packed = ell.xp.ascontiguousarray(ell.packed)
+    with packed.device:
+        return first_failure(packed, ell.tile, ell.slots, light, routing=routing)
 
 
 class Hybrid:
@@ -572,6 +609,10 @@ class Hybrid:
                     f"[{int(rows[0])}, {int(rows[-1])}]"
                 )
         light = self._light_mask()  # dense_rows are in range now
+        if xp is not np:  # on the GPU: one pass of twell/kernels/validate.cu
+            failure = _gpu_first_failure(self.ell, light.astype(xp.uint8), routing=True)
+            self.ell._raise_gpu_failure(failure)
+            return
         overflow = self.ell.overflow_rows()
         orphan = overflow[light[overflow]]
         if orphan.size:

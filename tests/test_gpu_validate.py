@@ -1,0 +1,59 @@
+"""validate.cu (the GPU check of user-built formats) against the NumPy checks: the same
+verdict on drawn corrupt and valid Hybrids, and the same message for a single defect.
+
+Skipped without a GPU; run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from twell.formats import Hybrid, TwELL
+from twell.kernels.compile import unavailable_reason
+from twell.testing import strategies as tst
+
+pytestmark = pytest.mark.gpu
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+
+
+def on_gpu(h: Hybrid) -> Hybrid:
+    ell = TwELL(cp.asarray(h.ell.packed), h.shape, h.tile, h.slots)
+    dense = h.dense
+    if dense.dtype.itemsize == 2 and dense.dtype != np.float16:  # bf16 travels as bits
+        dense = cp.asarray(dense.view(np.uint16)).view(dense.dtype)
+    else:
+        dense = cp.asarray(dense)
+    return Hybrid(ell, cp.asarray(h.dense_rows), dense)
+
+
+def verdict(h: Hybrid) -> str | None:
+    try:
+        h.validate()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tst.corrupt_hybrids(rows=8))
+def test_gpu_validation_rejects_what_numpy_rejects(case: tst.CorruptHybrid) -> None:
+    cpu = verdict(case.matrix)
+    assert cpu is not None, case.kind
+    gpu = verdict(on_gpu(case.matrix))
+    assert gpu is not None, case.kind
+    if case.kind in ("count_over_tile", "column_outside_tile", "zero_value"):
+        assert gpu == cpu
+
+
+@settings(max_examples=40, deadline=None)
+@given(tst.hybrid_matrices(rows=8))
+def test_gpu_validation_accepts_what_numpy_accepts(h: Hybrid) -> None:
+    assert verdict(h) is None
+    assert verdict(on_gpu(h)) is None
