@@ -15,9 +15,11 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
   moves to and from fixed-size cuBLAS GEMMs.
 - ``pipeline``: the prepared block's forward pass (routes, then heavy rows).
 - ``hybrid_ops``: ``gate``, ``down``, ``gated_down``, ``ffn`` on CuPy arrays.
+- ``validate`` / ``validate.cu``: a user-built TwELL's contents checked in one pass.
 - ``backward``: the home of the backward pass (the state the forward keeps for it).
 """
 
+from twell.kernels import validate  # noqa: F401 - declares validate.cu
 from twell.kernels.hybrid_ops import down, ffn, gate, gated_down
 from twell.kernels.pipeline import ROUTES, PreparedBlock
 
