@@ -11,6 +11,9 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
   epilogue.
 - ``pack`` / ``pack.cu``: relu + TwELL packing of a dense pre-activation.
 - ``light_rows`` / ``light_rows.cu``: the light rows' gathered up/down projections.
+- ``light_rows_decode`` / ``light_rows_decode.cu``: the same from the pre-activation for
+  few tokens (decode; ``light_rows.from_pre`` picks it), weight rows split over a
+  thread-block cluster.
 - ``heavy_rows`` / ``heavy_rows.cu``: heavy rows: compaction, tensor-core dense math,
   moves to and from fixed-size cuBLAS GEMMs.
 - ``pipeline``: the prepared block's forward pass (routes, then heavy rows).

@@ -4,7 +4,8 @@ Both kernels take ``(x, source, heavy, w_up, w_down_t, y, M, N, max_row_nnz)``, 
 ``x``/``w_up`` null for the non-gated block, and write the light rows of ``y``:
 
 - :func:`from_pre` reads the dense bf16 gate pre-activation (the "fused" route) and
-  decides every row's ``heavy`` flag by the routing rule;
+  decides every row's ``heavy`` flag by the routing rule (few tokens: through
+  ``light_rows_decode``);
 - :func:`from_twell` reads a TwELL buffer, skips rows already flagged heavy and flags
   those over ``max_row_nnz``.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from twell.kernels import light_rows_decode
 from twell.kernels.buffers import u16
 from twell.kernels.compile import Source, declare
 from twell.options import LIST_CAPACITY
@@ -23,10 +25,13 @@ from twell.options import LIST_CAPACITY
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
 #: token is done, so long tokens do not hold finished warps' registers).
 ROW_WARPS = 1
-#: Warps sharing one token in the decode-sized kernel.
+#: Warps sharing one token in the wide kernel (a few tokens each).
 WIDE_WARPS = 8
-#: Up to this many tokens, ``from_pre`` gives each token ``WIDE_WARPS`` warps.
-WIDE_ROWS_BELOW = 1024
+#: Up to this many tokens (and above ``light_rows_decode.DECODE_ROWS_BELOW``),
+#: ``from_pre`` gives each token ``WIDE_WARPS`` warps. Measured on an H100
+#: (bench/dev_wide.py, µs per launch in a graph, one warp vs eight per token): uniform
+#: M=512 53 vs 73, M=1024 64 vs 132; paperlike M=512 113 vs 76, M=1024 115 vs 135.
+WIDE_ROWS_BELOW = 512
 
 SOURCE = declare(
     Source(
@@ -71,9 +76,18 @@ def from_pre(
 ) -> None:  # fmt: skip
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
     ``heavy[m]`` (1: the row is left to the dense path) for every row. Gated if ``w_up``
-    is given. Few tokens (decode) get a block of ``WIDE_WARPS`` warps each."""
+    is given. Up to ``light_rows_decode.DECODE_ROWS_BELOW`` tokens (decode), the cluster
+    kernel of light_rows_decode.cu runs; up to ``WIDE_ROWS_BELOW``, a block of
+    ``WIDE_WARPS`` warps per token; above, a warp per token."""
     m = y.shape[0]
     if m == 0:
+        return
+    # The kernel is chosen by M here, not in pipeline's fused route: this function is the
+    # one "light rows from pre" contract, so every caller (the route, tests, benches) gets
+    # the same choice, and the route stays a composition of stages.
+    if m <= light_rows_decode.DECODE_ROWS_BELOW:
+        light_rows_decode.from_pre(x, pre, heavy, w_up, w_down_t, y, tile=tile, slots=slots,
+                                   max_row_nnz=max_row_nnz)  # fmt: skip
         return
     if m <= WIDE_ROWS_BELOW:
         function, grid, block = "twell_light_rows_from_pre_wide", m, WIDE_WARPS

@@ -1,0 +1,365 @@
+"""The decode kernel (light_rows_decode.cu) against light_rows.cu's wide kernel and float64
+dense math (skipped without a GPU).
+
+Every buffer comes from ``twell.kernels.buffers.alloc``, poisoned with 0xFF bytes (NaN in
+bf16), so an element the kernel forgot to write fails, and heavy rows of ``y`` must still
+hold the poison afterwards (the dense path writes them, not this kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from twell import reference, workloads
+from twell.formats import dense_row_mask
+from twell.kernels.compile import unavailable_reason
+from twell.options import LIST_CAPACITY, default_max_row_nnz
+
+pytestmark = pytest.mark.gpu
+
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from twell.benchmark import to_device as to_gpu  # noqa: E402
+from twell.kernels import buffers, light_rows, light_rows_decode  # noqa: E402
+from twell.kernels.buffers import u16  # noqa: E402
+from twell.kernels.pipeline import PreparedBlock  # noqa: E402
+from twell.options import Options  # noqa: E402
+from twell.testing import strategies as tst  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+POISON = 0xFFFF
+NEG, POS = 0xBF80, 0x3F00  # bf16 -1.0 and 0.5
+TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
+        out = cp.empty(shape, dtype=dtype)
+        out.view(cp.uint8)[...] = 0xFF
+        return out
+
+    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+
+
+# ---------------------------------------------------------------------- problems
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32).astype(BF16).view(np.uint16)
+
+
+def values(bits: np.ndarray) -> np.ndarray:
+    return bits.view(BF16).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=4)
+def weights(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 bits of ``w_up [N, K]`` and ``w_down_t [N, K]``."""
+    rng = np.random.default_rng(seed)
+    w_up = bf16_bits(rng.standard_normal((n, k)) / np.sqrt(k))
+    w_down_t = bf16_bits(rng.standard_normal((n, k)) / np.sqrt(n * 0.01))
+    return w_up, w_down_t
+
+
+def random_pre(rng: np.random.Generator, m: int, n: int, p: float) -> np.ndarray:
+    """bf16 bits: each unit positive (0.25..2) with probability ``p``, else negative."""
+    magnitude = rng.uniform(0.25, 2.0, size=(m, n))
+    return bf16_bits(np.where(rng.random((m, n)) < p, magnitude, -magnitude))
+
+
+def special_rows(pre: np.ndarray, tile: int, slots: int, max_row_nnz: int) -> None:
+    """Boundary cases in rows 1..10 (those that exist); row 0 stays random. Heavy: 1-4, 7,
+    9, 10; light: 5 (no active unit), 6, 8."""
+    m, n = pre.shape
+    tiles = n // tile
+    spread = [j * tile + i for i in range(slots - 1) for j in range(tiles)]  # <= slots-1 a tile
+    assert max_row_nnz + 1 <= len(spread)
+
+    def active(columns: object) -> np.ndarray:  # -1.0 everywhere, +0.5 at ``columns``
+        row = np.full(n, NEG, np.uint16)
+        row[columns] = POS
+        return row
+
+    empty = active([])
+    empty[0::3], empty[1::3] = 0x8000, 0x0000  # -0 and +0 are not active
+    overflow = slice(tile, tile + slots) if tiles > 1 else slice(0, slots)
+    pokes = {1: (100, 0x7FC0), 2: (200, 0x7F80), 3: (300, 0xFF80), 10: (n - 1, 0xFFC1)}
+    rows = {
+        4: np.full(n, POS, np.uint16),  # every unit active
+        5: empty,
+        6: active(slice(0, slots - 1)),  # slots - 1 in one tile
+        7: active(overflow),  # slots in one tile
+        8: active(spread[:max_row_nnz]),  # max_row_nnz active
+        9: active(spread[: max_row_nnz + 1]),  # one more
+    }
+    for row, (column, bits) in pokes.items():  # NaN, +Inf, -Inf, negative NaN
+        if row < m:
+            pre[row, column % n] = bits
+    for row, values_ in rows.items():
+        if row < m:
+            pre[row] = values_
+
+
+def expected_heavy(pre: np.ndarray, tile: int, slots: int, max_row_nnz: int) -> np.ndarray:
+    """The routing rule on values (docs/format.md): relu keeps positives and NaN."""
+    f = values(pre)
+    keeps = (f > 0) | np.isnan(f)
+    m, n = pre.shape
+    counts = keeps.reshape(m, n // tile, tile).sum(axis=2)
+    limit = min(max_row_nnz, LIST_CAPACITY)
+    return dense_row_mask(counts, ~np.isfinite(f).all(axis=1), slots, limit)
+
+
+def dense_rows(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t: np.ndarray,
+               light: np.ndarray) -> np.ndarray:  # fmt: skip
+    """float64 ``y`` of the light rows (heavy rows: zeros)."""
+    g = values(pre)
+    h = np.where(g > 0, g, 0.0)
+    h[~light] = 0.0
+    if x is not None:
+        h *= values(x) @ values(w_up).T
+    return h @ values(w_down_t)
+
+
+# ---------------------------------------------------------------------- running
+def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
+        w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int
+        ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """``(heavy, y bits)`` from the decode kernel or the wide kernel, on poisoned buffers."""
+    m, k = pre.shape[0], w_down_t.shape[1]
+    gated = x is not None
+    xg, wu = (cp.asarray(x), cp.asarray(w_up)) if gated else (None, None)
+    pg, wdt = cp.asarray(pre), cp.asarray(w_down_t)
+    heavy = buffers.alloc((m,), np.uint8)
+    y = buffers.alloc((m, k), np.uint16)
+    if kernel == "decode":
+        light_rows_decode.from_pre(xg, pg, heavy, wu, wdt, y, tile=tile, slots=slots,
+                                   max_row_nnz=max_row_nnz)  # fmt: skip
+    else:
+        light_rows._launch("twell_light_rows_from_pre_wide", m, 32 * light_rows.WIDE_WARPS, xg,
+                           u16(pg), heavy, wu, wdt, y, tile, slots, max_row_nnz)  # fmt: skip
+    return heavy.get().astype(bool), y.get()
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t: np.ndarray, *,
+          tile: int, slots: int, max_row_nnz: int) -> np.ndarray:  # fmt: skip
+    """The decode kernel on one problem: heavy flags by the routing rule and equal to the
+    wide kernel's; light rows close to float64 math and to the wide kernel, rows without
+    active units zero; heavy rows of y untouched; the same bits on a second run. Returns
+    the heavy flags."""
+    kw = {"tile": tile, "slots": slots, "max_row_nnz": max_row_nnz}
+    heavy, y = run("decode", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(heavy, expected_heavy(pre, tile, slots, max_row_nnz))
+    light = ~heavy
+    assert np.all(y[heavy] == POISON), "heavy rows of y were written"
+    got = values(y[light])
+    assert np.isfinite(got).all(), "a light row holds NaN/Inf (unwritten?)"
+    ref = dense_rows(x, pre, w_up, w_down_t, light)[light]
+    if np.linalg.norm(ref) > 0:
+        assert rel_err(got, ref) <= TOL
+    empty = ~(values(pre[light]) > 0).any(axis=1)
+    assert np.all(got[empty] == 0), "a light row without active units is not zero"
+    again_heavy, again = run("decode", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(again_heavy, heavy)
+    np.testing.assert_array_equal(again, y)  # bit for bit (heavy rows: both poison)
+    wide_heavy, wide = run("wide", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(wide_heavy, heavy)
+    want = values(wide[light])
+    if np.linalg.norm(want) > 0:
+        assert rel_err(got, want) <= TOL
+    else:
+        assert np.all(got == 0)
+    return heavy
+
+
+# ---------------------------------------------------------------------- tests
+N_MAIN = 4608  # 18 tiles of 256, 36 of 128 (two scan windows)
+
+
+@pytest.mark.parametrize(("tile", "slots"), [(256, 32), (128, 16)])
+@pytest.mark.parametrize("k", [8, 264, 2048])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m", [1, 2, 7, 37, 64])
+def test_decode_matches_wide_kernel_and_dense_math(m: int, gated: bool, k: int, tile: int,
+                                                   slots: int) -> None:  # fmt: skip
+    rng = np.random.default_rng(1000 * m + k)
+    limit = default_max_row_nnz(N_MAIN)
+    pre = random_pre(rng, m, N_MAIN, 0.01)
+    special_rows(pre, tile, slots, limit)
+    w_up, w_down_t = weights(N_MAIN, k, seed=k)
+    x = bf16_bits(rng.standard_normal((m, k))) if gated else None
+    heavy = check(x, pre, w_up, w_down_t, tile=tile, slots=slots, max_row_nnz=limit)
+    if m > 10:  # the special rows
+        assert heavy[[1, 2, 3, 4, 7, 9, 10]].all() and not heavy[[5, 6, 8]].any()
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_every_row_heavy_leaves_y_untouched(gated: bool) -> None:
+    m, k, n = 37, 264, 1024
+    rng = np.random.default_rng(5)
+    pre = random_pre(rng, m, n, 0.02)
+    pre[:, 7] = 0x7FC0
+    w_up, w_down_t = weights(n, k, seed=1)
+    x = bf16_bits(rng.standard_normal((m, k))) if gated else None
+    heavy = check(x, pre, w_up, w_down_t, tile=256, slots=32, max_row_nnz=30)
+    assert heavy.all()
+
+
+@pytest.mark.parametrize("max_row_nnz", [0, 1, LIST_CAPACITY])
+def test_row_limits(max_row_nnz: int) -> None:
+    """0: only rows without active units are light; the list capacity: none over it."""
+    m, k, n = 64, 264, 2048
+    rng = np.random.default_rng(max_row_nnz)
+    pre = random_pre(rng, m, n, 0.005)
+    pre[::5] = NEG
+    w_up, w_down_t = weights(n, k, seed=2)
+    x = bf16_bits(rng.standard_normal((m, k)))
+    check(x, pre, w_up, w_down_t, tile=256, slots=32, max_row_nnz=max_row_nnz)
+
+
+def test_capacity_limits_of_a_batch() -> None:
+    """Many long light rows: a batch's pair list fills up (PAIR_CAPACITY / max_row_nnz
+    tokens a batch), and K = 4096 stages the fewest pairs per chunk."""
+    m, k, n = 64, 4096, 8192
+    rng = np.random.default_rng(9)
+    pre = random_pre(rng, m, n, 0.08)  # ~650 active units a row
+    w_up, w_down_t = weights(n, k, seed=3)
+    x = bf16_bits(rng.standard_normal((m, k)))
+    heavy = check(x, pre, w_up, w_down_t, tile=256, slots=128, max_row_nnz=LIST_CAPACITY)
+    assert not heavy.all()
+
+
+@pytest.mark.parametrize("clusters", [1, 3, 64])
+def test_any_cluster_count_is_correct(clusters: int) -> None:
+    """Fewer clusters than fit (several batches each) or more (a second wave)."""
+    m, k, n = 64, 264, 2048
+    rng = np.random.default_rng(clusters)
+    pre = random_pre(rng, m, n, 0.02)
+    special_rows(pre, 256, 32, 40)
+    w_up, w_down_t = weights(n, k, seed=4)
+    x = cp.asarray(bf16_bits(rng.standard_normal((m, k))))
+    heavy = buffers.alloc((m,), np.uint8)
+    y = buffers.alloc((m, k), np.uint16)
+    light_rows_decode._launch(x, cp.asarray(pre), heavy, cp.asarray(w_up), cp.asarray(w_down_t),
+                              y, tile=256, slots=32, max_row_nnz=40, clusters=clusters)  # fmt: skip
+    want_heavy, want = run("wide", x.get(), pre, w_up, w_down_t, tile=256, slots=32,
+                           max_row_nnz=40)  # fmt: skip
+    np.testing.assert_array_equal(heavy.get().astype(bool), want_heavy)
+    light = ~want_heavy
+    assert np.all(y.get()[want_heavy] == POISON)
+    assert rel_err(values(y.get()[light]), values(want[light])) <= TOL
+
+
+def test_from_pre_picks_the_decode_kernel_up_to_the_bound(monkeypatch: pytest.MonkeyPatch):
+    calls: list[int] = []
+    original = light_rows_decode.from_pre
+
+    def spy(*args: object, **kwargs: object) -> None:
+        calls.append(args[5].shape[0])
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(light_rows_decode, "from_pre", spy)
+    k, n = 264, 1024
+    w_up, w_down_t = weights(n, k, seed=6)
+    bound = light_rows_decode.DECODE_ROWS_BELOW
+    for m in (1, bound, bound + 1):
+        rng = np.random.default_rng(m)
+        pre = cp.asarray(random_pre(rng, m, n, 0.01))
+        heavy = buffers.alloc((m,), np.uint8)
+        y = buffers.alloc((m, k), np.uint16)
+        light_rows.from_pre(None, pre, heavy, None, cp.asarray(w_down_t), y, tile=256, slots=32,
+                            max_row_nnz=30)  # fmt: skip
+        want = expected_heavy(pre.get(), 256, 32, 30)
+        np.testing.assert_array_equal(heavy.get().astype(bool), want)
+        assert not (y.get()[~want] == POISON).any() and (y.get()[want] == POISON).all()
+    assert calls == [1, bound]
+
+
+def test_decode_can_be_captured_in_a_cuda_graph() -> None:
+    m, k, n = 37, 2048, 4608
+    rng = np.random.default_rng(11)
+    pre = random_pre(rng, m, n, 0.01)
+    special_rows(pre, 256, 32, 100)
+    w_up, w_down_t = (cp.asarray(a) for a in weights(n, k, seed=k))
+    x, pg = cp.asarray(bf16_bits(rng.standard_normal((m, k)))), cp.asarray(pre)
+    kw = {"tile": 256, "slots": 32, "max_row_nnz": 100}
+    eager_heavy = buffers.alloc((m,), np.uint8)
+    eager = buffers.alloc((m, k), np.uint16)
+    light_rows_decode.from_pre(x, pg, eager_heavy, w_up, w_down_t, eager, **kw)
+    heavy = buffers.alloc((m,), np.uint8)
+    y = buffers.alloc((m, k), np.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        light_rows_decode.from_pre(x, pg, heavy, w_up, w_down_t, y, **kw)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        first = y.copy()
+        y.fill(POISON)
+        graph.launch(stream)
+        stream.synchronize()
+    assert cp.array_equal(heavy, eager_heavy)
+    assert cp.array_equal(y, eager) and cp.array_equal(first, eager)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m", [1, 37, 64])
+def test_fused_route_matches_dense_float64(m: int, gated: bool) -> None:
+    """The whole block through the fused route (decode kernel, then the heavy rows)."""
+    p = workloads.heavy(m, 512, 1024, p=0.02, frac=0.1, seed=m)
+    x = p.x.astype(np.float32)
+    if m > 2:
+        x[1, 5] = np.nan
+    x = x.astype(BF16)
+    w_gate = p.w_gate if gated else None
+    block = PreparedBlock(*(to_gpu(a) for a in (w_gate, p.w_up, p.w_down)),
+                          Options(path="fused", density_switch=False))  # fmt: skip
+    y = block(to_gpu(x))
+    got = y.view(cp.uint16).get().view(BF16).astype(np.float64)
+    ref = reference.forward.ffn_dense(x, w_gate, p.w_up, p.w_down)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(ref))
+    rows = np.isfinite(ref).all(axis=1)
+    assert rel_err(got[rows], ref[rows]) <= TOL
+    assert cp.array_equal(y.view(cp.uint16), block(to_gpu(x)).view(cp.uint16))
+
+
+_GPU_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@_GPU_SETTINGS
+@given(
+    tst.packing_problems(tiles=(32, 128, 256), slot_choices=(4, 16, 32), rows=st.integers(1, 64),
+                         row_tiles=st.integers(1, 3), allow_nonfinite=True),
+    st.sampled_from([8, 16, 264]),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(0, 80)),
+    st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_hypothesis_decode(problem: tuple, k: int, gated: bool, max_row_nnz: int | None,
+                           seed: int) -> None:  # fmt: skip
+    h, tile, slots = problem
+    pre = bf16_bits(h)
+    m, n = pre.shape
+    limit = default_max_row_nnz(n) if max_row_nnz is None else max_row_nnz
+    rng = np.random.default_rng(seed)
+    w_up = bf16_bits(rng.standard_normal((n, k)) / np.sqrt(k))
+    w_down_t = bf16_bits(rng.standard_normal((n, k)) / np.sqrt(n))
+    x = bf16_bits(rng.standard_normal((m, k))) if gated else None
+    check(x, pre, w_up, w_down_t, tile=tile, slots=slots, max_row_nnz=limit)

@@ -1,0 +1,157 @@
+"""Launcher of ``light_rows_decode.cu``: the fused route's light rows for few tokens.
+
+:func:`from_pre` has the contract of :func:`twell.kernels.light_rows.from_pre` (which
+calls it up to :data:`DECODE_ROWS_BELOW` tokens): from the bf16 gate pre-activation it
+writes ``heavy[m]`` for every row and the light rows of ``y``; heavy rows of ``y`` are
+left as they are. One launch on CuPy's current stream, no allocation, no host
+synchronisation: it can be captured in a CUDA graph.
+
+The kernel splits every weight row over the CTAs of a thread-block cluster (its
+``__cluster_dims__``, so CuPy's plain launch starts clusters); the number of clusters is
+the driver's ``cuOccupancyMaxActiveClusters`` (asked once per device), at most M.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import numpy as np
+
+from twell.kernels.buffers import u16
+from twell.kernels.compile import Source, declare, device_info
+from twell.options import LIST_CAPACITY
+
+#: Up to this many tokens (M <= DECODE_ROWS_BELOW), ``light_rows.from_pre`` runs this
+#: kernel; above, light_rows.cu's. The two sum in different orders, so a row's output
+#: bits depend on which side of this bound M lies (and, here, on M and the device's
+#: cluster count); within one kernel they are identical run to run. Measured on an H100
+#: (K = 2048, N = 5632, µs per launch in a CUDA graph, this kernel vs the wide one):
+#: uniform M = 1 12.5 vs 26.8, M = 64 gated 22.8 vs 31.6, non-gated 12.9 vs 39.3;
+#: paperlike M = 64 gated 48.5 vs 44.6, non-gated 27.4 vs 68.5; uniform M = 256 gated
+#: 75.2 vs 39.4 (bench/decode/check_decode.py).
+DECODE_ROWS_BELOW = 64
+#: Threads per CTA, CTAs per cluster, and the dynamic shared memory of a CTA (the sm_90
+#: opt-in maximum: one CTA per SM; the kernel sizes its staging ring to fit and
+#: static_asserts that its layout does).
+THREADS = 256
+CLUSTER = 8
+SMEM_BYTES = 232448
+#: Most (token, unit) pairs of one batch of tokens (the kernel's shared pair list).
+PAIR_CAPACITY = 4096
+
+SOURCE = declare(
+    Source(
+        "light_rows_decode.cu",
+        parameters=("KDIM", "TILE", "SLOTS", "GATED"),
+        constants={
+            "THREADS": THREADS, "CLUSTER": CLUSTER, "SMEM_BYTES": SMEM_BYTES,
+            "LIST_CAPACITY": LIST_CAPACITY, "PAIR_CAPACITY": PAIR_CAPACITY,
+        },
+        examples=tuple(
+            {"KDIM": k, "TILE": 256, "SLOTS": 32, "GATED": g}
+            for k in (8, 264, 2048, 4096) for g in (0, 1)
+        ) + tuple(
+            {"KDIM": k, "TILE": t, "SLOTS": s, "GATED": g}
+            for k, t, s in [(2048, 128, 16), (2048, 64, 8), (1032, 32, 2), (4096, 256, 128),
+                            (2048, 256, 256)]
+            for g in (0, 1)
+        ),
+    )
+)  # fmt: skip
+
+_NULL = np.uint64(0)
+_FUNCTION = "twell_light_rows_decode"
+#: Clusters that fit at once, per device id (see :func:`_clusters`).
+_CLUSTERS: dict[int, int] = {}
+
+
+def from_pre(
+    x: Any | None, pre: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
+    tile: int, slots: int, max_row_nnz: int,
+) -> None:  # fmt: skip
+    """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
+    ``heavy[m]`` (1: the row is left to the dense path) for every row. Gated if ``w_up``
+    is given."""
+    _launch(x, pre, heavy, w_up, w_down_t, y, tile=tile, slots=slots,
+            max_row_nnz=max_row_nnz)  # fmt: skip
+
+
+def _launch(
+    x: Any | None, pre: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
+    tile: int, slots: int, max_row_nnz: int, clusters: int | None = None,
+) -> None:  # fmt: skip
+    """:func:`from_pre`, with the number of clusters given (``None``: as many as fit at
+    once; ``bench/decode`` times others). Any number gives a correct result."""
+    m, k = y.shape
+    if m == 0:
+        return
+    gated = w_up is not None
+    kernel = SOURCE.kernel(_FUNCTION, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
+    if kernel.max_dynamic_shared_size_bytes < SMEM_BYTES:
+        kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
+    count = max(1, min(m, _clusters(kernel) if clusters is None else int(clusters)))
+    kernel(
+        (count * CLUSTER,), (THREADS,),
+        (
+            u16(x) if gated else _NULL, u16(pre), heavy, u16(w_up) if gated else _NULL,
+            u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
+            np.int32(max_row_nnz),
+        ),
+        shared_mem=SMEM_BYTES,
+    )  # fmt: skip
+
+
+def _clusters(kernel: Any) -> int:
+    """Clusters of the kernel that fit on the current device at once (more would run in
+    a second wave): the driver's ``cuOccupancyMaxActiveClusters``, asked once per device
+    (every variant has the same shared memory, so the same answer), or SMs // CLUSTER
+    when the driver cannot say. A host query: no synchronisation."""
+    info = device_info()
+    found = _CLUSTERS.get(info.id)
+    if found is None:
+        found = _max_active_clusters(kernel.kernel.ptr, info.multiprocessors)
+        if found is None:
+            found = max(1, info.multiprocessors // CLUSTER)
+        _CLUSTERS[info.id] = found
+    return found
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h); no attributes: the kernel carries its cluster size."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+@functools.cache
+def _occupancy_function() -> Any:
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        fn = libcuda.cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
+    return fn
+
+
+def _max_active_clusters(function: int, multiprocessors: int) -> int | None:
+    """``cuOccupancyMaxActiveClusters`` for the CUfunction ``function``, or None."""
+    fn = _occupancy_function()
+    if fn is None:
+        return None
+    config = _LaunchConfig()
+    config.grid[:] = (CLUSTER * max(1, multiprocessors // CLUSTER), 1, 1)
+    config.block[:] = (THREADS, 1, 1)
+    config.shared_mem_bytes = SMEM_BYTES
+    count = ctypes.c_int(0)
+    status = fn(ctypes.byref(count), ctypes.c_void_p(function), ctypes.byref(config))
+    return int(count.value) if status == 0 and count.value > 0 else None
