@@ -64,10 +64,13 @@ def test_sparse_mlp_matches_the_reference_block_on_cpu() -> None:
     assert relative_error(y.numpy(), expected) < 1e-2
 
 
-def test_sparse_mlp_gradients_flow_through_the_dense_path_on_cpu() -> None:
+@pytest.mark.parametrize("train_kernels", [True, False], ids=["reference-op", "dense-torch"])
+def test_sparse_mlp_gradients_on_cpu_match_the_reference(train_kernels: bool) -> None:
+    # train_kernels: through twell::ffn_train_forward/backward (the NumPy reference on
+    # CPU); else dense torch math. Both give float64-exact gradients.
     problem = workloads.uniform(16, 64, 256, seed=1)
     mlp = _mlp_from_problem(problem)
-    sparse = SparseMLP.from_module(mlp)
+    sparse = SparseMLP.from_module(mlp, train_kernels=train_kernels)
     x = torch.from_numpy(problem.x.astype(np.float64)).requires_grad_()
     dy = torch.ones(16, 64, dtype=torch.float64)
     sparse(x).backward(dy)

@@ -2,8 +2,9 @@
 
 A Llama-style MLP computes ``down_proj(act(gate_proj(x)) * up_proj(x))``; with ``act``
 ReLU that is twell's gated block. :class:`SparseMLP` wraps the three ``nn.Linear``
-modules (sharing their parameters, no copy) and :func:`sparsify` swaps every such MLP of
-a model in place::
+modules (sharing their parameters, no copy: the state dict keeps the names
+``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight`` and their layouts) and
+:func:`sparsify` swaps every such MLP of a model in place::
 
     model = transformers.LlamaForCausalLM(config_with_relu).cuda().bfloat16()
     twell.torch.sparsify(model)          # returns how many MLPs were replaced
@@ -12,12 +13,28 @@ a model in place::
 
 What runs where:
 
-- CUDA tensors with autograd not recording (``torch.no_grad()``/``inference_mode()``):
-  twell's GPU kernels, through a :class:`twell.SparseFFN` prepared on first use and
-  rebuilt whenever a weight changes (tracked by the tensors' version counters).
-- Anything else — CPU tensors, or a forward whose gradients are needed — runs the same
-  block in dense torch math. twell's training kernels are not built yet; the dense path
-  keeps results and gradients right meanwhile.
+- No gradient needed (``torch.no_grad()``/``inference_mode()``), CUDA tensors: twell's
+  GPU kernels, through a :class:`twell.SparseFFN` prepared on first use and rebuilt
+  whenever a weight changes (tracked by the tensors' version counters). CPU tensors:
+  dense torch math.
+- Gradients needed (training), ``train_kernels=True`` (the default): the custom ops
+  ``twell::ffn_train_forward`` / ``twell::ffn_train_backward`` (:mod:`twell.autograd`):
+  the GPU kernels for CUDA tensors, the float64 NumPy reference for CPU tensors. They
+  work with autograd, ``torch.compile(fullgraph=True)`` and CUDA graphs, and keep only
+  the compressed activations (TwELL words, heavy-row ids) for the backward.
+  ``train_kernels=False``: dense torch math.
+
+Training with the L1 penalty: every forward that records gradients leaves the layer's
+L1 term in ``mlp.l1`` (a differentiable float32 scalar) and its L0 in ``mlp.l0`` (mean
+active units per token, no gradient)::
+
+    y = model(x)
+    loss = task_loss(y) + coeff * twell.torch.l1_penalty(model)   # sum of the layers' l1
+    loss.backward()
+
+Mixed precision: under ``torch.autocast`` the block's input is cast to the autocast
+dtype; fp32 (master) weights go to the op as they are, the kernels round them to bf16
+and their gradients come back in fp32.
 """
 
 from __future__ import annotations
@@ -27,10 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from twell.autograd import REDUCTIONS, ffn_train
 from twell.ops import SparseFFN
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
-__all__ = ["SparseMLP", "is_relu_mlp", "sparsify"]
+__all__ = ["SparseMLP", "is_relu_mlp", "l0_per_layer", "l1_penalty", "sparsify"]
 
 
 def _is_relu(act: Any) -> bool:
@@ -55,11 +73,21 @@ class SparseMLP(nn.Module):
         tile, slots: TwELL geometry of the hidden activation (``N % tile == 0``).
         dense_capacity: see :class:`twell.SparseFFN` (fraction of tokens whose heavy rows
             go through fixed-size cuBLAS GEMMs).
+        train_kernels: run forwards that record gradients through twell's training ops
+            (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
+        reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
+            entries) or ``"per_token"`` (sum over units, mean over tokens).
+
+    Attributes:
+        l1: after a forward that records gradients, the L1 term of its hidden
+            activation (differentiable float32 scalar); None after one that does not.
+        l0: likewise, the mean number of active units per token (float32 scalar tensor,
+            no gradient); None after a forward without gradients.
 
     Raises:
         TypeError: a layer is not an ``nn.Linear``.
-        ValueError: a layer has a bias, the shapes do not chain, or ``dense_capacity`` is
-            not in [0, 1].
+        ValueError: a layer has a bias, the shapes do not chain, ``dense_capacity`` is
+            not in [0, 1], or ``reduction`` is unknown.
     """
 
     def __init__(
@@ -71,6 +99,8 @@ class SparseMLP(nn.Module):
         tile: int = DEFAULT_TILE,
         slots: int = DEFAULT_SLOTS,
         dense_capacity: float = 0.0,
+        train_kernels: bool = True,
+        reduction: str = "mean",
     ) -> None:
         super().__init__()
         for name, layer in (
@@ -92,7 +122,13 @@ class SparseMLP(nn.Module):
         self.options = Options(tile, slots, dense_capacity=dense_capacity)
         if n % self.options.tile:
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+        self.train_kernels = bool(train_kernels)
+        self.reduction = reduction
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.l1: torch.Tensor | None = None
+        self.l0: torch.Tensor | None = None
         self._block: SparseFFN | None = None
         self._block_key: tuple | None = None
 
@@ -114,7 +150,10 @@ class SparseMLP(nn.Module):
 
     def extra_repr(self) -> str:
         n, k = self.gate_proj.weight.shape
-        return f"K={k}, N={n}, tile={self.options.tile}, slots={self.options.slots}"
+        return (
+            f"K={k}, N={n}, tile={self.options.tile}, slots={self.options.slots}, "
+            f"train_kernels={self.train_kernels}, reduction={self.reduction!r}"
+        )
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
@@ -134,13 +173,54 @@ class SparseMLP(nn.Module):
         return self._block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output for ``x [..., K]``."""
+        """The block's output for ``x [..., K]``; sets :attr:`l1` and :attr:`l0`."""
+        weights = self._weights()
         needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or any(w.requires_grad for w in self._weights())
+            x.requires_grad or any(w.requires_grad for w in weights)
         )
-        if x.is_cuda and not needs_grad:
-            return self.prepared()(x.contiguous())
-        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+        if not needs_grad:
+            self.l1 = self.l0 = None
+            if x.is_cuda:
+                return self.prepared()(x.contiguous())
+            return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+        if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+            # The op sees the autocast dtype for x; fp32 master weights go in as they are
+            # (the kernels round them to bf16; their gradients come back in fp32).
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        if self.train_kernels:
+            y, l1, l0 = ffn_train(x, *weights, self.options, self.reduction)
+        else:
+            y, l1, l0 = self._dense(x)
+        self.l1, self.l0 = l1, l0
+        return y
+
+    def _dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense torch math: ``(y, l1, l0)`` as the training op defines them."""
+        pre = self.gate_proj(x)
+        h = torch.relu(pre) * self.up_proj(x)
+        m = max(1, h.numel() // h.shape[-1])
+        total = h.abs().sum(dtype=torch.float32)
+        l1 = total / (m * h.shape[-1]) if self.reduction == "mean" else total / m
+        l0 = (pre.detach() > 0).sum(dtype=torch.float32) / m
+        return self.down_proj(h), l1, l0
+
+
+def l1_penalty(model: nn.Module) -> torch.Tensor | float:
+    """The sum of the L1 terms (:attr:`SparseMLP.l1`) that the last forward of ``model``
+    left in its :class:`SparseMLP` layers (0.0 when none did)."""
+    terms = [m.l1 for m in model.modules() if isinstance(m, SparseMLP) and m.l1 is not None]
+    if not terms:
+        return 0.0
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def l0_per_layer(model: nn.Module) -> list[float]:
+    """The L0 (mean active units per token) of each :class:`SparseMLP` of ``model`` at
+    its last forward with gradients, in module order (reads them on the host)."""
+    return [float(m.l0) for m in model.modules() if isinstance(m, SparseMLP) and m.l0 is not None]
 
 
 def sparsify(
@@ -149,11 +229,14 @@ def sparsify(
     tile: int = DEFAULT_TILE,
     slots: int = DEFAULT_SLOTS,
     dense_capacity: float = 0.0,
+    train_kernels: bool = True,
+    reduction: str = "mean",
 ) -> int:
     """Replace every Llama-style ReLU MLP inside ``model`` by a :class:`SparseMLP`.
 
-    Parameters are shared, not copied. MLPs with another activation are left alone.
-    ``tile``, ``slots`` and ``dense_capacity`` go to every :class:`SparseMLP`.
+    Parameters are shared, not copied, and the state dict keeps its keys. MLPs with
+    another activation are left alone. The keyword arguments go to every
+    :class:`SparseMLP`.
 
     Returns:
         The number of MLPs replaced.
@@ -166,7 +249,8 @@ def sparsify(
     ]
     for parent, name, child in targets:
         replacement = SparseMLP.from_module(
-            child, tile=tile, slots=slots, dense_capacity=dense_capacity
-        )
+            child, tile=tile, slots=slots, dense_capacity=dense_capacity,
+            train_kernels=train_kernels, reduction=reduction,
+        )  # fmt: skip
         setattr(parent, name, replacement)
     return len(targets)

@@ -1,0 +1,521 @@
+"""The FFN block as PyTorch custom ops with autograd: twell's training path.
+
+Two operators in the ``twell`` namespace, made with ``torch.library.custom_op`` (fake
+implementations for ``torch.compile``, autograd through ``register_autograd``):
+
+``twell::ffn_train_forward(x, w_gate?, w_up, w_down, tile, slots, max_row_nnz,
+dense_capacity, reduction) -> (y, l1, packed, heavy, ids, count)``
+
+- ``x [M, K]``, ``w_gate``/``w_up`` ``[N, K]``, ``w_down [K, N]`` (``nn.Linear``
+  layouts; ``w_gate=None`` is the non-gated block). ``y [M, K]`` in ``x``'s dtype.
+- ``l1``: float32 scalar, the L1 term ``l1_loss(h, reduction)`` of the hidden activation
+  ``h`` (``"mean"``: mean of ``|h|`` over the M·N entries; ``"per_token"``: sum over
+  units, mean over tokens). It is differentiable: its gradient flows into ``x`` and the
+  weights, so ``loss = task_loss + coeff * l1`` trains the penalty.
+- What the backward reads, compressed (never a dense ``[M, N]`` tensor): ``packed``, the
+  TwELL words of ``relu(x @ w_gate.T)`` (``relu(x @ w_up.T)`` non-gated) as int32
+  ``[M, N/tile*slots]`` (a view of the uint32 words of docs/format.md), ``heavy`` uint8
+  ``[M]`` (1: the row took the dense path), ``ids`` int32 ``[M]`` (the heavy rows' ids,
+  ascending, in ``ids[:count]``; the rest unspecified) and ``count`` int32 ``[1]``.
+
+``twell::ffn_train_backward(dy?, dl1?, x, w_gate?, w_up, w_down, packed, heavy, ids,
+count, tile, slots, max_row_nnz, dense_capacity, reduction) -> (dx, dw_gate, dw_up,
+dw_down)``: the gradients of ``<dy, y> + dl1 · l1``. ``dx`` has ``x``'s dtype, each
+weight gradient its weight's dtype; ``dw_gate`` is an empty tensor for the non-gated
+block. A missing ``dy`` or ``dl1`` (None) counts as zero.
+
+Where they run:
+
+- **CUDA tensors**: twell's GPU kernels. The forward prepares the weights
+  (:class:`twell.kernels.pipeline.PreparedBlock`: bf16 copies and the transposed
+  ``w_down``) on every call, since an optimizer step changes them, and runs
+  ``PreparedBlock.forward(x, save=True)``; the backward prepares them again from the
+  saved weights and runs ``twell.kernels.backward.ffn_backward``. Everything runs on
+  torch's current stream with torch's allocator, without host synchronisation (so
+  forward and backward can be captured in a CUDA graph), with one exception: a
+  defined ``dl1`` is read on the host (``float(dl1)``) unless the backward kernels take
+  the coefficient on the device (:func:`_l1_coefficient`). The value of ``l1`` needs
+  ``|g * u|`` at the active units, which the forward kernels do not hand out yet: it is
+  recomputed with cuBLAS in bf16 (:func:`_l1_value_cuda`, two GEMMs per call for the
+  gated block, in row chunks; nothing of size ``[M, N]`` is kept).
+- **CPU tensors**: the float64 NumPy reference (``twell.reference.ffn``,
+  ``twell.reference.ffn_backward``), results cast back to the inputs' dtypes; this is
+  what CI checks against torch autograd of the dense block.
+
+:func:`ffn_train` is the differentiable entry point that :class:`twell.torch.SparseMLP`
+calls; it also returns the L0 statistic (mean active units per token, from the TwELL
+count words; not differentiable).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from twell.options import Options, check_geometry
+
+__all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward", "l0_from_packed"]
+
+#: The L1 reductions (docs/ops.md): mean over M·N entries, or sum over units / M.
+REDUCTIONS = ("mean", "per_token")
+
+#: Elements of one chunk of the GPU's recomputed hidden activation (the L1 value).
+_L1_CHUNK_ELEMENTS = 1 << 24
+
+
+# ---------------------------------------------------------------------- checks
+def _check_args(
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tile: int,
+    slots: int,
+    reduction: str,
+) -> None:
+    """Shapes, geometry and reduction (``ValueError`` naming the argument)."""
+    check_geometry(tile, slots)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
+    if w_up.dim() != 2:
+        raise ValueError(f"w_up: expected a 2-D tensor [N, K], got shape {tuple(w_up.shape)}")
+    n, k = w_up.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x: expected K={k} columns (as in w_up), got shape {tuple(x.shape)}")
+    if w_gate is not None and tuple(w_gate.shape) != (n, k):
+        raise ValueError(f"w_gate: expected shape ({n}, {k}), got {tuple(w_gate.shape)}")
+    if tuple(w_down.shape) != (k, n):
+        raise ValueError(f"w_down: expected shape ({k}, {n}), got {tuple(w_down.shape)}")
+    if n % tile:
+        raise ValueError(f"w_up: N={n} is not a multiple of tile={tile}")
+
+
+def _options(tile: int, slots: int, max_row_nnz: int, dense_capacity: float) -> Options:
+    return Options(
+        tile, slots, max_row_nnz=None if max_row_nnz < 0 else max_row_nnz,
+        dense_capacity=dense_capacity, density_switch=False,
+    )  # fmt: skip
+
+
+def _unview(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor that is not a view (same memory). A custom op's output that is a
+    view of a buffer made inside it would refuse in-place changes under autograd."""
+    if t._base is None:
+        return t
+    out = torch.empty((0,), dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def _l1_scale(reduction: str, m: int, n: int) -> float:
+    return 1.0 / max(1, m * n) if reduction == "mean" else 1.0 / max(1, m)
+
+
+# ---------------------------------------------------------------------- forward op
+@torch.library.custom_op("twell::ffn_train_forward", mutates_args=())
+def ffn_train_forward(
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tile: int,
+    slots: int,
+    max_row_nnz: int,
+    dense_capacity: float,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, l1, packed, heavy, ids, count)`` of the block (see the module docstring)."""
+    _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+    if x.device.type == "cuda":
+        return _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz,
+                             dense_capacity, reduction)  # fmt: skip
+    if x.device.type != "cpu":
+        raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
+    return _forward_cpu(x, w_gate, w_up, w_down, tile, slots, reduction)
+
+
+@ffn_train_forward.register_fake
+def _forward_fake(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction):
+    _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+    m = x.shape[0]
+    n = w_up.shape[0]
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((m, n // tile * slots), dtype=torch.int32),
+        x.new_empty((m,), dtype=torch.uint8),
+        x.new_empty((m,), dtype=torch.int32),
+        x.new_empty((1,), dtype=torch.int32),
+    )
+
+
+# ---------------------------------------------------------------------- backward op
+@torch.library.custom_op("twell::ffn_train_backward", mutates_args=())
+def ffn_train_backward(
+    dy: torch.Tensor | None,
+    dl1: torch.Tensor | None,
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    packed: torch.Tensor,
+    heavy: torch.Tensor,
+    ids: torch.Tensor,
+    count: torch.Tensor,
+    tile: int,
+    slots: int,
+    max_row_nnz: int,
+    dense_capacity: float,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dw_gate, dw_up, dw_down)`` of ``<dy, y> + dl1 · l1`` (module docstring)."""
+    _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+    if dy is not None and tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"dy: expected the output's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if dl1 is not None and dl1.numel() != 1:
+        raise ValueError(f"dl1: expected a scalar, got shape {tuple(dl1.shape)}")
+    if x.shape[0] == 0 or (dy is None and dl1 is None):
+        return _zero_grads(x, w_gate, w_up, w_down)
+    if x.device.type == "cuda":
+        return _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count,
+                              tile, slots, max_row_nnz, dense_capacity, reduction)  # fmt: skip
+    return _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction)
+
+
+@ffn_train_backward.register_fake
+def _backward_fake(
+    dy,
+    dl1,
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    packed,
+    heavy,
+    ids,
+    count,
+    tile,
+    slots,
+    max_row_nnz,
+    dense_capacity,
+    reduction,
+):
+    return (
+        torch.empty_like(x),
+        w_up.new_empty((0,)) if w_gate is None else torch.empty_like(w_gate),
+        torch.empty_like(w_up),
+        torch.empty_like(w_down),
+    )
+
+
+def _zero_grads(x, w_gate, w_up, w_down):
+    return (
+        torch.zeros_like(x),
+        w_up.new_empty((0,)) if w_gate is None else torch.zeros_like(w_gate),
+        torch.zeros_like(w_up),
+        torch.zeros_like(w_down),
+    )
+
+
+# ---------------------------------------------------------------------- autograd
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction = inputs
+    _, _, packed, heavy, ids, count = output
+    ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count)
+    ctx.settings = (tile, slots, max_row_nnz, dense_capacity, reduction)
+    ctx.gated = w_gate is not None
+    # Unused outputs give None (not zeros): no L1 work, no host read of a zero dl1.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, dy, dl1, *_unused):
+    x, w_gate, w_up, w_down, packed, heavy, ids, count = ctx.saved_tensors
+    if dy is None and dl1 is None:
+        return (None,) * 9
+    if not ctx.gated:
+        w_gate = None
+    dx, dw_gate, dw_up, dw_down = ffn_train_backward(
+        None if dy is None else dy.contiguous(), dl1, x, w_gate, w_up, w_down, packed, heavy,
+        ids, count, *ctx.settings,
+    )  # fmt: skip
+    needs = ctx.needs_input_grad
+    return (
+        dx if needs[0] else None,
+        dw_gate if ctx.gated and needs[1] else None,
+        dw_up if needs[2] else None,
+        dw_down if needs[3] and dy is not None else None,  # the L1 term needs no w_down
+        None, None, None, None, None,
+    )  # fmt: skip
+
+
+ffn_train_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------- entry point
+def l0_from_packed(packed: torch.Tensor, slots: int) -> torch.Tensor:
+    """Mean number of active units per token (float32 scalar) from the TwELL count words
+    (word 0 of every row-tile holds the true count, overflowed tiles included)."""
+    m = packed.shape[0]
+    counts = packed.reshape(m, packed.shape[1] // slots, slots)[:, :, 0]
+    return counts.sum(dtype=torch.float32) / max(1, m)
+
+
+def ffn_train(
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    options: Options,
+    reduction: str = "mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block on ``x [..., K]`` through the training ops: ``(y, l1, l0)``.
+
+    ``y [..., K]`` (``x``'s dtype) and ``l1`` (float32 scalar) are differentiable; ``l0``
+    (float32 scalar, mean active units per token) is not.
+    """
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y, l1, packed, _, _, _ = ffn_train_forward(
+        x2, w_gate, w_up, w_down, options.tile, options.slots,
+        -1 if options.max_row_nnz is None else options.max_row_nnz, options.dense_capacity,
+        reduction,
+    )  # fmt: skip
+    return y.reshape(x.shape), l1, l0_from_packed(packed.detach(), options.slots)
+
+
+# ---------------------------------------------------------------------- CPU: reference
+def _numpy(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().to(torch.float64).numpy()
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A C-contiguous tensor of ``dtype`` from a NumPy result (fake impls promise that)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def _forward_cpu(x, w_gate, w_up, w_down, tile, slots, reduction):
+    from twell import reference
+
+    xf, wg, wu, wd = (_numpy(t) for t in (x, w_gate, w_up, w_down))
+    m, n = x.shape[0], w_up.shape[0]
+    g = reference.gate(xf, wu if wg is None else wg, tile=tile, slots=slots)
+    if wg is None:
+        y = reference.down(g, wd)
+    else:
+        y = reference.gated_down(xf, g, wu, wd)
+    with np.errstate(all="ignore"):  # dense math on non-finite values is the contract
+        pre = xf @ (wu if wg is None else wg).T
+        h = reference.forward.relu(pre)
+        if wg is not None:
+            h = h * (xf @ wu.T)
+        l1 = float(np.abs(h).sum()) * _l1_scale(reduction, m, n)
+    rows = g.dense_rows.astype(np.int32)
+    heavy = np.zeros(m, dtype=np.uint8)
+    heavy[rows] = 1
+    ids = np.zeros(m, dtype=np.int32)
+    ids[: rows.size] = rows
+    return (
+        _tensor(y, x.dtype),
+        torch.tensor(l1, dtype=torch.float32),
+        torch.from_numpy(np.ascontiguousarray(g.ell.packed).view(np.int32).copy()),
+        torch.from_numpy(heavy),
+        torch.from_numpy(ids),
+        torch.tensor([rows.size], dtype=torch.int32),
+    )
+
+
+def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
+    from twell import reference
+
+    xf, wg, wu, wd = (_numpy(t) for t in (x, w_gate, w_up, w_down))
+    dyf = np.zeros(xf.shape) if dy is None else _numpy(dy)
+    coeff = 0.0 if dl1 is None else float(dl1)
+    dx, dwg, dwu, dwd = reference.ffn_backward(xf, wg, wu, wd, dyf, coeff, reduction=reduction)
+    return (
+        _tensor(dx, x.dtype),
+        w_up.new_empty((0,)) if w_gate is None else _tensor(dwg, w_gate.dtype),
+        _tensor(dwu, w_up.dtype),
+        _tensor(dwd, w_down.dtype),
+    )
+
+
+# ---------------------------------------------------------------------- CUDA: kernels
+@functools.cache
+def _training_block_class() -> type:
+    """:class:`PreparedBlock` without its host-synchronising weight check (imported on
+    first use: the GPU branch only)."""
+    from twell.kernels.convert import as_bf16, transpose
+    from twell.kernels.pipeline import DensitySwitch, PreparedBlock
+    from twell.options import check_width
+
+    class TrainingBlock(PreparedBlock):
+        """A :class:`PreparedBlock` for one training step: the same layouts, built with no
+        host synchronisation (capturable). ``PreparedBlock`` checks that the weights are
+        finite (three reductions read on the host) for its dense fallback, which only
+        its ``save=False`` path takes; training calls ``forward(x, save=True)``, whose
+        routing sends non-finite pre-activations to the dense rows by itself."""
+
+        def __init__(self, w_gate: Any, w_up: Any, w_down: Any, options: Options) -> None:
+            self.options = options
+            self.w_gate = None if w_gate is None else as_bf16(w_gate)
+            self.w_up = as_bf16(w_up)
+            self.w_down = as_bf16(w_down)
+            self.n, self.k = self.w_up.shape
+            check_width(self.k)
+            self.max_row_nnz = options.row_limit(self.n)
+            self.w_down_t = transpose(self.w_down)
+            self.weights_finite = True  # not checked: see the class docstring
+            self.density = DensitySwitch(self.n, False)
+            self._graph_scratch: list[list[Any]] = []
+
+    return TrainingBlock
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _check_cuda(**tensors: torch.Tensor | None) -> None:
+    device = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            raise TypeError(f"{name}: expected a CUDA tensor like x, got one on {t.device}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} like x, got {t.device}")
+
+
+def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction):
+    from twell._interop import on_gpu
+
+    _check_cuda(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    m, n = x.shape[0], w_up.shape[0]
+    if m == 0:
+        return (
+            torch.empty_like(x),
+            torch.zeros((), dtype=torch.float32, device=x.device),
+            torch.zeros((0, n // tile * slots), dtype=torch.int32, device=x.device),
+            torch.zeros((0,), dtype=torch.uint8, device=x.device),
+            torch.zeros((0,), dtype=torch.int32, device=x.device),
+            torch.zeros((1,), dtype=torch.int32, device=x.device),
+        )
+    options = _options(tile, slots, max_row_nnz, dense_capacity)
+    arrays = {"x": x.contiguous(), "w_gate": _contiguous(w_gate), "w_up": w_up.contiguous(),
+              "w_down": w_down.contiguous()}  # fmt: skip
+    with on_gpu("torch", arrays) as (v, to_caller):
+        block = _training_block_class()(v["w_gate"], v["w_up"], v["w_down"], options)
+        y, saved = block.forward(v["x"], save=True)
+        outputs = [
+            to_caller(a)
+            for a in (y, saved.packed.view(np.int32), saved.heavy, saved.ids[:m], saved.count)
+        ]
+        # The block's bf16 copies of the weights, as torch tensors (no second conversion).
+        w_gate_bf16, w_up_bf16 = (
+            None if t is None else t if t.dtype == torch.bfloat16 else to_caller(c)
+            for t, c in ((arrays["w_gate"], block.w_gate), (arrays["w_up"], block.w_up))
+        )
+    y, packed, heavy, ids, count = (_unview(t) for t in outputs)
+    l1 = _l1_value_cuda(arrays["x"], w_gate_bf16, w_up_bf16, reduction)
+    return y, l1, packed, heavy, ids, count
+
+
+def _l1_value_cuda(
+    x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, reduction: str
+) -> torch.Tensor:
+    """``l1_loss(h, reduction)`` on the GPU, float32 scalar, no host synchronisation.
+
+    The gated block's ``h = g * u`` needs ``u = x @ w_up.T`` at the active units, which
+    the forward kernels form but do not keep; until they hand out per-row sums of ``|h|``
+    this recomputes ``h`` in bf16 with cuBLAS, in row chunks of at most 2^24 elements that
+    are dropped at once (nothing of size ``[M, N]`` is kept): one GEMM per chunk for the
+    non-gated block, two for the gated one.
+    """
+    m, n = x.shape[0], w_up.shape[0]
+    bf16 = torch.bfloat16
+    xb, wu = x.to(bf16), w_up.to(bf16)
+    wg = None if w_gate is None else w_gate.to(bf16)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    rows = max(1, _L1_CHUNK_ELEMENTS // max(1, n))
+    for start in range(0, m, rows):
+        xc = xb[start : start + rows]
+        h = torch.relu(xc @ wu.T) if wg is None else torch.relu(xc @ wg.T).mul_(xc @ wu.T)
+        total += h.abs_().sum(dtype=torch.float32)
+    return total * _l1_scale(reduction, m, n)
+
+
+def _l1_coefficient(dl1: torch.Tensor | None, backward_module: Any) -> Any:
+    """What ``ffn_backward`` gets as ``l1_coeff``: 0.0 without an L1 gradient; a CuPy
+    float32 ``[1]`` device array when the backward kernels take one
+    (``backward_module.DEVICE_L1_COEFF`` true: no host synchronisation); else
+    ``float(dl1)``, one host read, which a CUDA-graph capture cannot contain."""
+    if dl1 is None:
+        return 0.0
+    if getattr(backward_module, "DEVICE_L1_COEFF", False):
+        from twell._interop import cupy_view
+
+        return cupy_view(dl1.detach().reshape(1).to(torch.float32).contiguous())
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "twell: the L1 term's gradient cannot be captured in a CUDA graph yet: the "
+            "backward kernels take its coefficient as a host number (reading it would "
+            "synchronise). Capture a step without the L1 term, or run it eagerly."
+        )
+    return float(dl1)
+
+
+def _backward_cuda(
+    dy,
+    dl1,
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    packed,
+    heavy,
+    ids,
+    count,
+    tile,
+    slots,
+    max_row_nnz,
+    dense_capacity,
+    reduction,
+):
+    from twell._interop import on_gpu
+    from twell.kernels import backward as kernels_backward
+    from twell.kernels.backward import Activations
+
+    ffn_backward = getattr(kernels_backward, "ffn_backward", None)
+    if ffn_backward is None:
+        raise RuntimeError(
+            "twell: the GPU backward (twell.kernels.backward.ffn_backward) is not built yet"
+        )
+    _check_cuda(dy=dy, dl1=dl1, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, packed=packed)
+    if dy is None:
+        dy = torch.zeros_like(x)
+    coeff = _l1_coefficient(dl1, kernels_backward)
+    options = _options(tile, slots, max_row_nnz, dense_capacity)
+    arrays = {
+        "x": x.contiguous(), "dy": dy.to(x.dtype).contiguous(), "w_gate": _contiguous(w_gate),
+        "w_up": w_up.contiguous(), "w_down": w_down.contiguous(), "packed": packed.contiguous(),
+        "heavy": heavy.contiguous(), "ids": ids.contiguous(), "count": count.contiguous(),
+    }  # fmt: skip
+    with on_gpu("torch", arrays) as (v, to_caller):
+        block = _training_block_class()(v["w_gate"], v["w_up"], v["w_down"], options)
+        saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"])
+        grads = ffn_backward(block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=reduction)
+        dx, dwg, dwu, dwd = (None if g is None else _unview(to_caller(g)) for g in grads)
+    return (
+        dx.to(x.dtype).contiguous(),
+        w_up.new_empty((0,)) if w_gate is None else dwg.to(w_gate.dtype).contiguous(),
+        dwu.to(w_up.dtype).contiguous(),
+        dwd.to(w_down.dtype).contiguous(),
+    )
