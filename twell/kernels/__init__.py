@@ -19,10 +19,11 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
 - ``pipeline``: the prepared block's forward pass (routes, then heavy rows).
 - ``hybrid_ops``: ``gate``, ``down``, ``gated_down``, ``ffn`` on CuPy arrays.
 - ``validate`` / ``validate.cu``: a user-built TwELL's contents checked in one pass.
-- ``backward``: the home of the backward pass (the state the forward keeps for it).
+- ``backward`` / ``backward.cu``: the backward pass (the state the forward keeps for it,
+  the unit lists, the gradients).
 """
 
-from twell.kernels import validate  # noqa: F401 - declares validate.cu
+from twell.kernels import backward, validate  # noqa: F401 - declare their sources
 from twell.kernels.hybrid_ops import down, ffn, gate, gated_down
 from twell.kernels.pipeline import ROUTES, PreparedBlock
 

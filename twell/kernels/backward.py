@@ -1,28 +1,85 @@
-"""The home of the FFN block's backward pass on the GPU (not built yet).
+"""The FFN block's backward pass on the GPU (launcher of ``backward.cu``), and the state a
+forward pass keeps for it.
 
-What exists: :class:`Activations`, the compressed state a forward pass keeps for the
-backward (``PreparedBlock.forward(x, save=True)`` returns it), so the forward already
-produces everything the backward will read and nothing dense of size ``[M, N]``.
+:func:`ffn_backward` computes the gradients of ``<dy, y> + l1_coeff · l1_loss(h)`` from the
+:class:`Activations` of ``PreparedBlock.forward(x, save=True)``, with work proportional to
+the active units, deterministically (no float atomics) and without synchronising the
+host. Its NumPy oracle is :func:`twell.reference.ffn_backward`. The steps (backward.cu's
+header has the details):
 
-The design the backward kernels will follow (docs/design.md, "Training"):
+1. **Light rows**, one warp per token: for each active unit of the token's TwELL entries,
+   ``u = x·w_up[n]`` is recomputed, ``dh = dy·w_down_t[n]`` (+ the L1 term), ``da``,
+   ``du``; ``dx`` is accumulated in fp32 registers, and the pair values (``da, du, h``) are
+   stored at the pair's index. The step also routes the backward's heavy rows: the
+   forward's, plus rows whose ``x`` or ``dy`` holds Inf/NaN (dense math spreads those to
+   every unit, so only the dense path reproduces it) and rows over the pair capacity.
+2. **Unit lists** (:class:`UnitLists`): the transposed view of the light pairs, built on
+   the device by a counting sort.
+3. **Weight gradients of the light pairs**, a block per unit (long lists in segments),
+   summed in ascending token order in fp32.
+4. **Heavy rows** in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles for
+   ``a, u, dy·w_down`` → ``da, du, h`` (bf16), the rows of ``dx``, and the rows' weight
+   gradients added to the light part (light first, then heavy: fixed order).
+5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``.
 
-- ``dh = dy @ w_down`` only at the active (token, unit) pairs of the packed gate, plus the
-  L1 term's gradient (``l1_coeff * sign(h) / (M*N)`` for ``reduction="mean"``, ``/ M`` for
-  ``"per_token"``); ``da = dh * u`` and ``du = dh * g`` on the same pairs.
-- ``dx = da @ w_gate + du @ w_up`` as a gather over each token's active units (the
-  forward's light-row kernel with the roles of x and y exchanged).
-- ``dw_gate = daᵀ x``, ``dw_up = duᵀ x``, ``dw_down = dyᵀ h`` through the transposed view
-  of the pairs (units × tokens), built on the device by prefix sums, and reduced in a
-  fixed order (bitwise reproducible; no float atomics).
-- Heavy rows (``ids[:count]``) through dense tensor-core math, as in the forward.
-
-The NumPy oracle of all of it is :func:`twell.reference.ffn_backward`.
+Weight gradients are returned in **fp32** (as torch keeps master gradients of bf16
+weights); ``dx`` in ``x``'s dtype (bf16 math inside).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from twell._validation import check_number, check_reduction
+from twell.kernels.buffers import alloc, empty_bf16, u16
+from twell.kernels.compile import Source, declare, device_info
+from twell.kernels.convert import as_bf16, from_bf16
+from twell.kernels.heavy_rows import compact_rows
+from twell.options import LIST_CAPACITY
+
+#: Tokens per block of the unit-list kernels (one bit each in the shared masks).
+CHUNK_ROWS = 256
+#: Warps of a unit-list block.
+UNIT_WARPS = 8
+#: Pairs a weight-gradient block stages in shared memory at a time.
+GRAD_BATCH = 256
+#: Blocks per SM the light kernel's register budget is sized for (255 registers at most).
+LIGHT_MIN_BLOCKS = 8
+#: Shortest segment of a unit list (a unit with more pairs is split across blocks).
+MIN_SEGMENT = 256
+#: Heavy rows per chunk of step 4: M / HEAVY_CHUNKS (rounded up to 64), kept within
+#: [HEAVY_CHUNK_MIN, HEAVY_CHUNK_MAX]. The chunk's buffers take 3 * rows * N bf16 (gated);
+#: a chunk past the device's heavy-row count costs three or four empty launches.
+HEAVY_CHUNK_MIN = 1024
+HEAVY_CHUNK_MAX = 4096
+HEAVY_CHUNKS = 8
+#: Reductions of the L1 penalty (twell.reference.l1_loss).
+REDUCTIONS = ("mean", "per_token")
+#: ``l1_coeff`` may be a CuPy float ``[1]`` device array: the kernels read it, so a
+#: training step never reads it on the host (twell.autograd uses this).
+DEVICE_L1_COEFF = True
+
+SOURCE = declare(
+    Source(
+        "backward.cu",
+        parameters=("KDIM", "TILE", "SLOTS", "GATED"),
+        constants={
+            "LIST_CAPACITY": LIST_CAPACITY, "BW_CHUNK_ROWS": CHUNK_ROWS,
+            "BW_UNIT_WARPS": UNIT_WARPS, "BW_GRAD_BATCH": GRAD_BATCH,
+            "BW_LIGHT_MIN_BLOCKS": LIGHT_MIN_BLOCKS,
+        },
+        examples=tuple(
+            {"KDIM": k, "TILE": 256, "SLOTS": s, "GATED": g}
+            for k in (8, 264, 2048, 4096) for s in (32, 64) for g in (0, 1)
+        ) + ({"KDIM": 136, "TILE": 32, "SLOTS": 2, "GATED": 1},),
+    )
+)  # fmt: skip
+
+_NULL = np.uint64(0)
 
 
 @dataclass
@@ -41,3 +98,301 @@ class Activations:
     heavy: Any
     ids: Any
     count: Any
+
+
+@dataclass
+class UnitLists:
+    """The transposed (units × tokens) view of the light pairs of a TwELL buffer.
+
+    A *pair* is an active (token ``t``, unit ``n``) of a light row. Its index is
+    ``p = t * row_cap + r``, ``r`` the entry's rank in its row in TwELL order (tiles
+    ascending, slots ascending): ``r = tile_off[t, j] + slot - 1``, where ``tile_off``
+    (int32 ``[M, N/tile]``) is the exclusive prefix of the row's tile counts. Arrays of
+    per-pair values have ``M * row_cap`` entries and are indexed by ``p``.
+
+    The pairs of unit ``n`` are ``tokens[s:e]`` / ``pairs[s:e]`` with
+    ``s, e = unit_start[n], unit_start[n + 1]``, in ascending token order. Built on the
+    device, without atomics on values and without host synchronisation: capacities come
+    from ``M`` and ``row_cap`` alone (a light row has at most ``row_cap`` entries; the
+    builder's caller routes longer rows to the dense path).
+
+    Attributes:
+        unit_start: int32 ``[N + 1]``; ``unit_start[N]`` is the number of pairs.
+        tokens: int32 ``[capacity]``, the token of each listed pair.
+        pairs: int32 ``[capacity]``, the pair index of each listed pair.
+        seg_start: int32 ``[N + 1]``: exclusive prefix of the extra segments of each
+            unit (``max(0, ceil(count / seg) - 1)``), for kernels that split long lists.
+        row_cap, capacity, seg, extra_cap: the bounds (``capacity = M * row_cap``,
+            ``extra_cap = capacity // seg`` bounds ``seg_start[N]``).
+        counts: int32 ``[ceil(M / CHUNK_ROWS), N]`` scratch (per-chunk offsets).
+    """
+
+    unit_start: Any
+    tokens: Any
+    pairs: Any
+    seg_start: Any
+    row_cap: int
+    capacity: int
+    seg: int
+    extra_cap: int
+    counts: Any
+
+
+def grad_threads(k: int) -> int:
+    """Threads of a weight-gradient block for width ``k`` (backward.cu's GRAD_THREADS)."""
+    chunks = k // 8
+    return 256 if chunks >= 256 else 32 * math.ceil(chunks / 32)
+
+
+def segment_length(capacity: int, n: int) -> int:
+    """Pairs per unit-list segment: a power of two >= MIN_SEGMENT, so that the extra
+    segments (at most ``capacity // seg``) need a workspace of at most ``N / 2`` rows."""
+    seg = MIN_SEGMENT
+    while capacity // seg > max(1, n // 2):
+        seg *= 2
+    return seg
+
+
+def heavy_chunk_rows(m: int) -> int:
+    """Heavy rows handled per chunk of step 4 (a multiple of 64)."""
+    rows = min(m, max(HEAVY_CHUNK_MIN, min(HEAVY_CHUNK_MAX, math.ceil(m / HEAVY_CHUNKS))))
+    return 64 * max(1, math.ceil(rows / 64))
+
+
+def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int:
+    """Most entries a light row may keep in the backward: the forward's row limit, what
+    the TwELL geometry can hold, the light kernel's list, and int32 pair indices."""
+    cap = min(max_row_nnz, (n // tile) * (slots - 1), LIST_CAPACITY)
+    return max(0, min(cap, (2**31 - 1) // max(1, m)))
+
+
+def _launch(function: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
+            params: dict[str, int]) -> None:  # fmt: skip
+    SOURCE.kernel(function, **params)(grid, block, args)
+
+
+def _multiprocessors() -> int:
+    return device_info().multiprocessors
+
+
+def build_unit_lists(
+    packed: Any, light: Any, tile_off: Any, n: int, row_cap: int, params: dict[str, int]
+) -> UnitLists:
+    """The :class:`UnitLists` of the rows of ``packed`` with ``light[t] == 0`` (uint8
+    ``[M]``; those rows are trusted: counts <= slots - 1, at most ``row_cap`` entries,
+    columns inside their tiles), given their ``tile_off``. ``params`` are backward.cu's
+    compile-time parameters (``KDIM``, ``TILE``, ``SLOTS``, ``GATED``)."""
+    m = packed.shape[0]
+    tiles = n // params["TILE"]
+    capacity = m * row_cap
+    chunks = math.ceil(m / CHUNK_ROWS)
+    counts = alloc((chunks, n), np.int32)
+    totals = alloc((n,), np.int32)
+    unit_start = alloc((n + 1,), np.int32)
+    seg_start = alloc((n + 1,), np.int32)
+    tokens = alloc((max(1, capacity),), np.int32)
+    pairs = alloc((max(1, capacity),), np.int32)
+    seg = segment_length(capacity, n)
+    i32 = np.int32
+    _launch("twell_bw_unit_count", (chunks, tiles), (UNIT_WARPS * 32,),
+            (packed, light, i32(m), i32(n), counts), params)  # fmt: skip
+    _launch("twell_bw_unit_chunks", (math.ceil(n / 256),), (256,),
+            (counts, i32(chunks), i32(n), totals), params)  # fmt: skip
+    _launch("twell_bw_unit_starts", (1,), (1024,),
+            (totals, i32(n), i32(seg), unit_start, seg_start), params)  # fmt: skip
+    _launch("twell_bw_unit_scatter", (chunks, tiles), (UNIT_WARPS * 32,),
+            (packed, light, tile_off, i32(m), i32(n), i32(row_cap), counts, unit_start,
+             tokens, pairs), params)  # fmt: skip
+    return UnitLists(unit_start, tokens, pairs, seg_start, row_cap, capacity, seg,
+                     capacity // seg, counts)  # fmt: skip
+
+
+def ffn_backward(
+    block: Any,
+    x: Any,
+    dy: Any,
+    saved: Activations,
+    *,
+    l1_coeff: float = 0.0,
+    reduction: str = "mean",
+) -> tuple[Any, Any | None, Any, Any]:
+    """Gradients of ``<dy, y> + l1_coeff · l1_loss(h, reduction)`` for the block's forward
+    ``y, saved = block.forward(x, save=True)``.
+
+    Args:
+        block: the ``PreparedBlock`` that ran the forward pass.
+        x: ``[M, K]`` CuPy array, the forward's input. dy: ``[M, K]``, the upstream
+            gradient (both rounded to bf16 if they are not).
+        saved: the forward's :class:`Activations`.
+        l1_coeff: weight of the L1 penalty on ``h``: a finite number, or a one-element
+            float CuPy array that the kernels read on the device (:data:`DEVICE_L1_COEFF`);
+            reduction: ``"mean"`` (divides by M·N) or ``"per_token"`` (divides by M), as
+            :func:`twell.reference.l1_loss`.
+
+    Returns:
+        ``(dx, dw_gate, dw_up, dw_down)``: ``dx`` ``[M, K]`` in ``x``'s dtype; the weight
+        gradients in float32 with the ``torch.nn.Linear`` layouts ``[N, K]``, ``[N, K]``,
+        ``[K, N]``; ``dw_gate`` is None for the non-gated block.
+    """
+    check_reduction(reduction, REDUCTIONS)
+    coeff = _l1_coefficient(l1_coeff)
+    xb, dyb = as_bf16(x), as_bf16(dy)
+    n, k, gated = block.n, block.k, block.gated
+    if xb.ndim != 2 or xb.shape[1] != k:
+        raise ValueError(f"x: expected shape (M, {k}), got {tuple(xb.shape)}")
+    if dyb.shape != xb.shape:
+        raise ValueError(f"dy: expected shape {tuple(xb.shape)} (x's), got {tuple(dyb.shape)}")
+    m = xb.shape[0]
+    tile, slots = block.options.tile, block.options.slots
+    tiles = n // tile
+    nv = 3 if gated else 2
+    # Weight gradients, [N, K] each: (dw_gate, dw_up, dw_down_t) or (dw_up, dw_down_t).
+    dws = [alloc((n, k), np.float32) for _ in range(nv)]
+    dw_down = alloc((k, n), np.float32)
+    dx = empty_bf16((m, k))
+    if m == 0:
+        for array in (*dws, dw_down):
+            array.fill(0)
+        return _result(dx, x, dws, dw_down, gated)
+    if saved.packed is None or tuple(saved.packed.shape) != (m, tiles * slots):
+        raise ValueError(
+            f"saved.packed: expected a uint32 array of shape {(m, tiles * slots)}, got "
+            f"{None if saved.packed is None else tuple(saved.packed.shape)}"
+        )
+    if tuple(saved.heavy.shape) != (m,):
+        raise ValueError(f"saved.heavy: expected shape {(m,)}, got {tuple(saved.heavy.shape)}")
+
+    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
+    sms = _multiprocessors()
+    i32 = np.int32
+    scale = 1.0 / (m * n) if reduction == "mean" else 1.0 / m
+    if isinstance(coeff, float):
+        l1 = (_NULL, np.float32(coeff * scale))
+    else:  # a device scalar: the kernels multiply it by the scale
+        l1 = (coeff, np.float32(scale))
+    row_cap = row_capacity(block.max_row_nnz, n, tile, slots, m)
+    capacity = m * row_cap
+    w_gate = _NULL if block.w_gate is None else u16(block.w_gate)
+    w_up, w_down_t = u16(block.w_up), u16(block.w_down_t)
+    x16, dy16 = u16(xb), u16(dyb)
+
+    # 1. Light rows: dx, pair values, the backward's heavy rows.
+    heavy = alloc((m,), np.uint8)
+    tile_off = alloc((m, tiles), np.int32)
+    stride = max(1, capacity)
+    vals = alloc((nv, stride), np.float32)
+    # A non-finite weight: every row takes dense math (which spreads NaN everywhere).
+    all_heavy, all_heavy_dev = _weights_flag(block, sms, params)
+    _launch("twell_bw_light", (m,), (32,),
+            (x16, dy16, saved.packed, saved.heavy, i32(all_heavy), all_heavy_dev, w_gate, w_up,
+             w_down_t, u16(dx), heavy, tile_off, vals, np.int64(stride), i32(m), i32(n),
+             i32(row_cap), *l1), params)  # fmt: skip
+
+    # 2. Unit lists of the light pairs.
+    lists = build_unit_lists(saved.packed, heavy, tile_off, n, row_cap, params)
+
+    # 3. Weight gradients of the light pairs (every row of dws written).
+    ws = alloc((max(1, lists.extra_cap) * nv, k), np.float32)
+    out = (*dws, *([_NULL] * (3 - nv)))
+    # One block per possible item (units, then extra segments): the hardware scheduler
+    # balances long and short lists; blocks past the device's item count return at once.
+    _launch("twell_bw_weight_grads", (n + lists.extra_cap,), (grad_threads(k),),
+            (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride), lists.unit_start,
+             lists.seg_start, i32(n), i32(lists.seg), i32(lists.extra_cap), *out, ws),
+            params)  # fmt: skip
+    if lists.extra_cap:
+        _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
+                (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
+
+    # 4. Heavy rows, chunk by chunk (the count stays on the device).
+    ids, count = compact_rows(heavy)
+    _heavy_rows(params, sms, m, n, k, nv, x16, dy16, ids, count, block, w_gate, w_up,
+                w_down_t, l1, dx, out)  # fmt: skip
+
+    # 5. dw_down = dw_down_t transposed.
+    _launch("twell_bw_transpose_f32", (math.ceil(k / 32), math.ceil(n / 32)), (32, 8),
+            (dws[-1], dw_down, i32(n), i32(k)), params)  # fmt: skip
+    return _result(dx, x, dws, dw_down, gated)
+
+
+def _heavy_rows(
+    params: dict[str, int], sms: int, m: int, n: int, k: int, nv: int, x16: Any, dy16: Any,
+    ids: Any, count: Any, block: Any, w_gate: Any, w_up: Any, w_down_t: Any,
+    l1: tuple[Any, Any], dx: Any, out: tuple[Any, ...],
+) -> None:  # fmt: skip
+    """Step 4: dense math for the rows ``ids[:count]``, ``heavy_chunk_rows(m)`` at a time;
+    chunks past the device count return at once."""
+    i32 = np.int32
+    cap_rows = heavy_chunk_rows(m)
+    ld = 2 * n if block.gated else n  # [da | du] or [da]
+    dadu = empty_bf16((cap_rows, ld))
+    hbuf = empty_bf16((cap_rows, n))
+    target = sms * 4
+    row_blocks = math.ceil(cap_rows / 64)
+    col_blocks = math.ceil(k / 64)
+    kblocks = ld // 32
+    ws_units = min(target // col_blocks + 1, row_blocks * max(1, kblocks // 4))
+    ws = alloc((max(1, ws_units * 64 * k),), np.float32)
+    may_split = ws_units >= 2 and target // col_blocks >= 2 and kblocks >= 8
+    w_first = w_gate if block.gated else w_up
+    unit_items = row_blocks * math.ceil(n / 64)
+    dx_items = row_blocks * col_blocks * max(1, kblocks // 4)
+    weight_items = nv * math.ceil(n / 64) * col_blocks
+    for c0 in range(0, m, cap_rows):
+        _launch("twell_bw_heavy_units", (max(1, min(unit_items, target)),), (128,),
+                (x16, dy16, ids, count, i32(c0), i32(cap_rows), w_first,
+                 w_up if block.gated else _NULL, w_down_t, i32(n), *l1, u16(dadu), i32(ld),
+                 u16(hbuf)), params)  # fmt: skip
+        _launch("twell_bw_heavy_dx", (max(1, min(dx_items, target)),), (128,),
+                (u16(dadu), i32(ld), ids, count, i32(c0), i32(cap_rows), w_gate, w_up, i32(n),
+                 u16(dx), ws, i32(target), i32(ws_units)), params)  # fmt: skip
+        if may_split:
+            _launch("twell_bw_heavy_dx_reduce",
+                    (max(1, min(math.ceil(ws_units * 64 * k / 2 / 256), sms * 8)),), (256,),
+                    (ws, ids, count, i32(c0), i32(cap_rows), i32(ld), u16(dx), i32(target),
+                     i32(ws_units)), params)  # fmt: skip
+        _launch("twell_bw_heavy_weights", (max(1, min(weight_items, target)),), (128,),
+                (u16(dadu), i32(ld), u16(hbuf), x16, dy16, ids, count, i32(c0), i32(cap_rows),
+                 i32(n), *out), params)  # fmt: skip
+
+
+def _weights_flag(block: Any, sms: int, params: dict[str, int]) -> tuple[bool, Any]:
+    """Whether every row must take dense math because a weight is not finite: the block's
+    host-checked ``weights_finite``, or, when that is None (a block built without a host
+    synchronisation), a device flag the light kernel reads."""
+    finite = getattr(block, "weights_finite", None)
+    if finite is not None:
+        return not finite, _NULL
+    flag = alloc((1,), np.int32)
+    flag.fill(0)
+    for w in (block.w_gate, block.w_up, block.w_down):
+        if w is not None and w.size:
+            n8 = w.size // 8
+            _launch("twell_bw_any_nonfinite", (max(1, min(math.ceil(n8 / 256), sms * 8)),),
+                    (256,), (u16(w), np.int64(n8), flag), params)  # fmt: skip
+    return False, flag
+
+
+def _l1_coefficient(l1_coeff: Any) -> Any:
+    """A finite host ``float``, or a float32 ``[1]`` CuPy copy of a one-element device
+    array (not read on the host, so not checked: a NaN there gives NaN gradients, as in
+    dense math)."""
+    if hasattr(l1_coeff, "__cuda_array_interface__"):
+        if getattr(l1_coeff, "size", None) != 1 or np.dtype(l1_coeff.dtype).kind != "f":
+            raise ValueError(
+                f"l1_coeff: expected a number or a one-element float device array, got "
+                f"shape {getattr(l1_coeff, 'shape', None)} dtype {l1_coeff.dtype}"
+            )
+        import cupy
+
+        out = alloc((1,), np.float32)
+        out[...] = cupy.asarray(l1_coeff).reshape(1)
+        return out
+    return check_number("l1_coeff", l1_coeff)
+
+
+def _result(dx: Any, x: Any, dws: list[Any], dw_down: Any, gated: bool) -> tuple:
+    dx_out = from_bf16(dx, x.dtype)
+    if gated:
+        return dx_out, dws[0], dws[1], dw_down
+    return dx_out, None, dws[0], dw_down

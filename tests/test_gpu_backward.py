@@ -1,0 +1,320 @@
+"""The GPU backward pass (twell.kernels.backward) against the float64 reference
+(``twell.reference.ffn_backward``); skipped without a GPU.
+
+Every buffer the launchers allocate is poisoned (0xFF bytes: NaN in bf16 and fp32, -1 in
+int32) before the kernels run, so an element a kernel forgot to write fails the
+comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from twell import reference, workloads
+from twell.kernels.compile import unavailable_reason
+
+pytestmark = pytest.mark.gpu
+
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from twell.benchmark import to_device as to_gpu  # noqa: E402
+from twell.kernels import backward, buffers  # noqa: E402
+from twell.kernels.pipeline import PreparedBlock  # noqa: E402
+from twell.options import Options  # noqa: E402
+from twell.testing import strategies as tst  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
+        out = cp.empty(shape, dtype=dtype)
+        out.view(cp.uint8)[...] = 0xFF
+        return out
+
+    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+
+
+def to_f64(a: object) -> np.ndarray:
+    if np.dtype(a.dtype) == BF16:
+        return a.view(cp.uint16).get().view(BF16).astype(np.float64)
+    return cp.asnumpy(a).astype(np.float64)
+
+
+def assert_grad_close(name: str, got: object, ref: np.ndarray | None) -> None:
+    """Same non-finite pattern; relative Frobenius error of the finite entries <= TOL."""
+    if ref is None:
+        assert got is None, name
+        return
+    got = to_f64(got)
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    finite = np.isfinite(ref)
+    mismatch = int((np.isfinite(got) != finite).sum())
+    assert mismatch == 0, f"{name}: {mismatch} entries differ in finiteness from the reference"
+    if finite.any():
+        diff = np.linalg.norm(got[finite] - ref[finite])
+        err = float(diff / max(np.linalg.norm(ref[finite]), 1e-30))
+        assert err <= TOL, f"{name}: relative error {err:.3e} > {TOL}"
+
+
+def problem(kind: str, m: int, k: int, n: int, seed: int = 0) -> workloads.Problem:
+    if kind == "uniform":
+        return workloads.uniform(m, k, n, p=0.02, seed=seed)
+    if kind == "heavy":
+        return workloads.heavy(m, k, n, p=0.02, frac=0.05, seed=seed)
+    if kind == "paperlike":
+        return workloads.paperlike(m, k, n, seed=seed, seq_len=256)
+    raise ValueError(kind)
+
+
+def weights(p: workloads.Problem, gated: bool) -> tuple[object, object, object]:
+    """(w_gate, w_up, w_down); the non-gated block takes the workload's gate as w_up, so
+    its hidden activation is as sparse as the gated block's."""
+    if gated:
+        return p.w_gate, p.w_up, p.w_down
+    return None, p.w_gate, p.w_down
+
+
+def upstream(m: int, k: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((m, k)).astype(BF16)
+
+
+def run(
+    w: tuple[object, object, object], x: np.ndarray, dy: np.ndarray, options: Options,
+    l1: float = 0.0, reduction: str = "mean", *, unchecked_weights: bool = False,
+) -> tuple[tuple[object, ...], tuple[object, ...]]:  # fmt: skip
+    block = PreparedBlock(*(to_gpu(a) for a in w), options)
+    if unchecked_weights:  # as a block built without a host synchronisation
+        block.weights_finite = None
+    xg, dyg = to_gpu(x), to_gpu(dy)
+    _, saved = block.forward(xg, save=True)
+    got = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=l1, reduction=reduction)
+    again = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=l1, reduction=reduction)
+    for a, b in zip(got, again, strict=True):
+        if a is not None:
+            assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "not deterministic"
+    return got, reference.ffn_backward(x, *w, dy, l1, reduction=reduction)
+
+
+def check(got: tuple[object, ...], ref: tuple[object, ...]) -> None:
+    for name, g, r in zip(("dx", "dw_gate", "dw_up", "dw_down"), got, ref, strict=True):
+        assert_grad_close(name, g, r)
+    assert got[0].dtype == BF16
+    assert all(g is None or g.dtype == np.float32 for g in got[1:])
+
+
+CASES = [
+    # (workload, M, K, N, slots)
+    ("uniform", 1, 264, 512, 32),
+    ("uniform", 37, 8, 512, 32),
+    ("uniform", 300, 264, 1024, 64),
+    ("heavy", 37, 264, 512, 32),
+    ("heavy", 300, 512, 1024, 32),
+    ("heavy", 300, 8, 512, 64),
+    ("paperlike", 300, 512, 512, 32),
+    ("paperlike", 37, 264, 1024, 64),
+]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), CASES)
+def test_backward_matches_reference(kind: str, m: int, k: int, n: int, slots: int, gated: bool):
+    p = problem(kind, m, k, n, seed=m + k)
+    got, ref = run(weights(p, gated), p.x, upstream(m, k, m), Options(slots=slots))
+    check(got, ref)
+
+
+@pytest.mark.parametrize("strength", ["1e-2", "strong"])
+@pytest.mark.parametrize("reduction", ["mean", "per_token"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("kind", "m"), [("uniform", 37), ("heavy", 300)])
+def test_backward_with_l1(kind: str, m: int, gated: bool, reduction: str, strength: str):
+    """l1_coeff = 1e-2, and a coefficient whose per-element gradient (0.05 · sign(h)) is a
+    visible part of dh, so that a wrong sign or scale fails."""
+    n = 512
+    l1 = 1e-2 if strength == "1e-2" else 0.05 * m * (n if reduction == "mean" else 1)
+    p = problem(kind, m, 264, n, seed=3)
+    got, ref = run(weights(p, gated), p.x, upstream(m, 264, 4), Options(), l1, reduction)
+    check(got, ref)
+
+
+def test_backward_l1_coefficient_on_the_device():
+    """A one-element device array as l1_coeff (read by the kernels, never by the host)."""
+    p = problem("heavy", 300, 264, 512, seed=3)
+    w = weights(p, True)
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options())
+    xg, dyg = to_gpu(p.x), to_gpu(upstream(300, 264, 4))
+    _, saved = block.forward(xg, save=True)
+    coeff = cp.full((1,), 3.0, dtype=cp.float32)
+    got = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=coeff, reduction="per_token")
+    check(got, reference.ffn_backward(p.x, *w, upstream(300, 264, 4), 3.0, reduction="per_token"))
+    with pytest.raises(ValueError, match="l1_coeff"):
+        backward.ffn_backward(block, xg, dyg, saved, l1_coeff=cp.zeros(2, dtype=cp.float32))
+
+
+def _with_nonfinite(x: np.ndarray, dy: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray]:
+    x, dy = x.astype(np.float32), dy.astype(np.float32)
+    if where in ("x", "both"):
+        x[1, 5] = np.nan
+        x[2, 7] = np.inf
+    if where in ("dy", "both"):
+        dy[4, 3] = np.nan  # a light row: dense math spreads it to every unit
+        dy[6, 0] = -np.inf
+    return x.astype(BF16), dy.astype(BF16)
+
+
+@pytest.mark.parametrize("where", ["x", "dy", "both"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_nonfinite_rows_propagate_like_dense_math(where: str, gated: bool):
+    p = problem("heavy", 300, 264, 512, seed=11)
+    x, dy = _with_nonfinite(p.x, upstream(300, 264, 12), where)
+    got, ref = run(weights(p, gated), x, dy, Options(), 1e-2)
+    check(got, ref)
+
+
+@pytest.mark.parametrize("checked", ["host", "device"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_nonfinite_weight_runs_dense(gated: bool, checked: str):
+    """A NaN weight makes every row dense: the block's host check, or (weights_finite
+    None) the backward's own check on the device."""
+    p = problem("uniform", 150, 72, 512, seed=5)
+    w_gate, w_up, w_down = weights(p, gated)
+    w_up = w_up.astype(np.float32)
+    w_up[7, 2] = np.nan  # a unit no token may use: dense math still spreads it
+    w = (w_gate, w_up.astype(BF16), w_down)
+    dy = upstream(150, 72, 6)
+    got, ref = run(w, p.x, dy, Options(), unchecked_weights=checked == "device")
+    check(got, ref)
+
+
+def test_backward_checks_unchecked_weights_without_changing_finite_results():
+    p = problem("heavy", 300, 264, 512, seed=9)
+    dy = upstream(300, 264, 10)
+    got, ref = run(weights(p, True), p.x, dy, Options(), unchecked_weights=True)
+    check(got, ref)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_segments_and_heavy_chunks(monkeypatch: pytest.MonkeyPatch, gated: bool):
+    """Short unit-list segments (many extra segments) and small heavy chunks (several
+    chunks in use) take the code paths that large batches take."""
+    monkeypatch.setattr(backward, "MIN_SEGMENT", 4)
+    monkeypatch.setattr(backward, "HEAVY_CHUNK_MIN", 64)
+    p = problem("heavy", 600, 264, 512, seed=21)
+    x, dy = p.x, upstream(600, 264, 22)
+    got, ref = run(weights(p, gated), x, dy, Options(max_row_nnz=4))
+    check(got, ref)
+
+
+def test_backward_hot_units_split_into_segments():
+    """paperlike has hot units (thousands of tokens): their lists are cut into segments."""
+    p = problem("paperlike", 4096, 264, 1024, seed=2)
+    got, ref = run(weights(p, True), p.x, upstream(4096, 264, 3), Options())
+    check(got, ref)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_many_tokens(gated: bool):
+    """M past 2^17: token ids, pair indices and chunk offsets stay exact."""
+    m = 131072 + 37
+    p = problem("uniform", m, 16, 256, seed=1)
+    got, ref = run(weights(p, gated), p.x, upstream(m, 16, 2), Options())
+    check(got, ref)
+
+
+def test_backward_empty_batch():
+    p = problem("uniform", 4, 264, 512)
+    block = PreparedBlock(*(to_gpu(a) for a in weights(p, True)), Options())
+    x = to_gpu(np.zeros((0, 264), BF16))
+    _, saved = block.forward(x, save=True)
+    dx, dwg, dwu, dwd = backward.ffn_backward(block, x, x, saved)
+    assert dx.shape == (0, 264)
+    for g, shape in ((dwg, (512, 264)), (dwu, (512, 264)), (dwd, (264, 512))):
+        assert g.shape == shape and not bool(g.any())
+
+
+def test_backward_rejects_bad_arguments():
+    p = problem("uniform", 8, 264, 512)
+    block = PreparedBlock(*(to_gpu(a) for a in weights(p, True)), Options())
+    x = to_gpu(p.x)
+    _, saved = block.forward(x, save=True)
+    with pytest.raises(ValueError, match="dy: expected shape"):
+        backward.ffn_backward(block, x, x[:4], saved)
+    with pytest.raises(ValueError, match="reduction"):
+        backward.ffn_backward(block, x, x, saved, reduction="sum")
+    with pytest.raises(ValueError, match="l1_coeff"):
+        backward.ffn_backward(block, x, x, saved, l1_coeff=float("nan"))
+    with pytest.raises(ValueError, match="saved.packed"):
+        backward.ffn_backward(block, x[:4], x[:4], saved)
+
+
+def test_unit_lists_match_numpy():
+    """The transposed view, built on its own from packed words, light flags and tile
+    offsets computed in NumPy."""
+    m, k, n, tile, slots = 700, 264, 1024, 256, 32
+    p = problem("heavy", m, k, n, seed=8)
+    h = reference.gate(p.x, p.w_gate, tile=tile, slots=slots)
+    packed = np.asarray(h.ell.packed)
+    light = np.zeros(m, np.uint8)  # 1: a heavy row, left out of the lists
+    light[np.asarray(h.dense_rows)] = 1
+    counts = packed[:, ::slots].astype(np.int64)
+    row_cap = int(counts[light == 0].sum(axis=1).max())
+    tile_off = (np.cumsum(counts, axis=1) - counts).astype(np.int32)
+    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": 1}
+    lists = backward.build_unit_lists(
+        cp.asarray(packed), cp.asarray(light), cp.asarray(tile_off), n, row_cap, params
+    )
+    start = cp.asnumpy(lists.unit_start)
+    tokens, pairs = cp.asnumpy(lists.tokens), cp.asnumpy(lists.pairs)
+    expected: dict[int, list[tuple[int, int]]] = {u: [] for u in range(n)}
+    for t in np.nonzero(light == 0)[0]:
+        for j in range(n // tile):
+            for s in range(1, int(counts[t, j]) + 1):
+                unit = int(packed[t, j * slots + s] & 0xFFFF)
+                expected[unit].append((int(t), int(t) * row_cap + int(tile_off[t, j]) + s - 1))
+    assert start[0] == 0 and start[n] == sum(len(v) for v in expected.values())
+    for u in range(n):
+        span = slice(start[u], start[u + 1])
+        assert list(zip(tokens[span], pairs[span], strict=True)) == expected[u], u
+
+
+_GPU_SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@_GPU_SETTINGS
+@given(
+    tst.ffn_problems(k=st.sampled_from([8, 16, 264]), tiles=st.integers(1, 2), tile=256,
+                     rows=st.integers(1, 70)),
+    st.sampled_from([0.0, 1e-2]),
+    st.sampled_from(["mean", "per_token"]),
+    st.sampled_from([2, 32]),
+    st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_hypothesis_backward(
+    p: tst.FFNProblem, l1: float, reduction: str, slots: int, seed: int
+) -> None:
+    w = tuple(None if a is None else np.asarray(a).astype(BF16) for a in p[1:])
+    x = np.asarray(p.x).astype(BF16)
+    dy = upstream(x.shape[0], x.shape[1], seed)
+    got, ref = run(w, x, dy, Options(slots=slots), l1, reduction)
+    check(got, ref)
+
+
+def test_dataclass_fields_are_what_the_pipeline_passes():
+    fields = [f.name for f in dataclasses.fields(backward.Activations)]
+    assert fields == ["packed", "heavy", "ids", "count"]

@@ -1,0 +1,1163 @@
+// backward.cu — the backward pass of the FFN block (gated or not), on the state the
+// forward kept (twell/kernels/backward.py: Activations).
+//
+// Gradients of L = <dy, y> + l1s * sum |h| (l1s = l1_coeff / (M*N) or / M; the coefficient
+// comes as a host number or as a device scalar, read by the kernels: no host sync):
+//   gated:     a = x wgᵀ, g = relu(a), u = x wuᵀ, h = g u, y = h wdᵀ
+//              dh = dy wd + l1s sign(h),  da = dh u [a > 0],  du = dh g
+//              dx = da wg + du wu,  dWg = daᵀ x,  dWu = duᵀ x,  dWd = dyᵀ h
+//   non-gated: a = x wuᵀ, h = relu(a); da = dh [a > 0]; dx = da wu; dWu = daᵀ x; dWd = dyᵀ h
+//
+// ------------------------------------------------------------------ the pipeline
+//  1 light      twell_bw_light: one warp per token (light_rows.cu's pattern). For each
+//               active unit n of the token's TwELL entries (g = the stored bf16 gate
+//               value): u = x[t]·w_up[n] (recomputed), dh = dy[t]·w_down_t[n] + l1 term,
+//               da, du; dx[t] = sum da·w_gate[n] + du·w_up[n] in fp32, in entry order.
+//               The pair values (da, du, h) go to `vals` at the pair's index. It also
+//               decides the backward's routing: a row is heavy (left to step 4) when the
+//               forward said so, a weight holds Inf/NaN (every row: the host's flag, or
+//               twell_bw_any_nonfinite's on the device), a tile overflows, the row has
+//               more than row_cap entries, an entry is invalid or non-finite, or its x or
+//               dy row holds Inf/NaN (dense math then spreads NaN to every unit: only
+//               the dense path reproduces it). Duplicate columns in a tile are not
+//               checked (twell's producers never write them).
+//  2 unit lists twell_bw_unit_count -> twell_bw_unit_chunks -> twell_bw_unit_starts ->
+//               twell_bw_unit_scatter: the transposed view ("unit lists", below), by a
+//               counting sort whose ranks come from popcounts of per-chunk bit masks
+//               (integer atomicOr in shared memory: order-free), no float atomics.
+//  3 weights    twell_bw_weight_grads (+ twell_bw_weight_grads_finish): per unit, over its
+//               list in ascending token order, in fp32: dWg[n] += da x[t],
+//               dWu[n] += du x[t], dWd_t[n] += h dy[t]. Lists longer than `seg` entries are
+//               cut into segments computed by different blocks; segment 0 writes the
+//               output row, the others a workspace row, and the finish kernel adds them
+//               in segment order. Units nobody uses get zero rows.
+//  4 heavy      per chunk of heavy rows (ids[c0 : c0 + cap_rows] of the backward's row
+//               list), tensor cores (mma.sync m16n8k16, ldmatrix, cp.async ring):
+//               twell_bw_heavy_units  a, u, dy·wd for 64 rows x 64 units, then da, du, h
+//                                     (bf16) into chunk buffers (dense math, NaN kept);
+//               twell_bw_heavy_dx     dx rows = [da du] [wg; wu] (split over the reduction
+//                                     when few rows; twell_bw_heavy_dx_reduce adds splits
+//                                     in order);
+//               twell_bw_heavy_weights dW += (chunk's da, du, h)ᵀ (x, x, dy): fp32
+//                                     read-add-write of the tile, after the light part.
+//  5 transpose  twell_bw_transpose_f32: dWd_t [N, K] -> dWd [K, N].
+// Row counts of step 4 live on the device (count[0]); grids are sized for the worst case
+// and blocks loop over the work that exists. Nothing synchronises with the host.
+//
+// ------------------------------------------------------------------ layouts
+// Row-major; bf16 as uint16 bits. x, dy, dx [M, K]; packed [M, N/TILE*SLOTS];
+// w_gate, w_up, w_down_t [N, K]; heavy flags uint8 [M]; weight grads fp32 [N, K].
+// row_cap R: the most entries a light row may have (the launcher proves the bounds).
+//
+// PAIRS. The active (token, unit) pairs of the light rows. Pair index p = t*R + r, where r
+// is the entry's rank in its row in TwELL order (tiles ascending, slots ascending):
+// r = tile_off[t, j] + slot - 1, tile_off [M, tiles] int32 = the exclusive prefix over
+// the row's tiles of their counts (written by step 1). Per-pair values: vals fp32
+// [NV, M*R] (structure of arrays): gated (da, du, h), non-gated (da, h).
+//
+// UNIT LISTS (the transposed view, reused by the prefill kernels): for unit n,
+//   entries unit_start[n] .. unit_start[n+1]-1 (int32 [N+1]) of
+//   tokens int32 [M*R]  the token t, ascending within a unit
+//   pairs  int32 [M*R]  the pair index p (where the pair's values live)
+// built from per-chunk counts counts int32 [C, N] (C = ceil(M / CHUNK_ROWS); after
+// step 2b, the exclusive prefix over chunks) and seg_start int32 [N+1] (exclusive prefix
+// of the extra segments of each unit, max(0, ceil(count / seg) - 1)).
+//
+// ------------------------------------------------------------------ determinism
+// Every float sum has one owner and a fixed order: step 1 in entry order, step 3 in token
+// order (+ segments in order), step 4 per mma fragment in k order (+ splits in order),
+// light before heavy. The only atomics are integer ORs into shared bit masks.
+//
+// Limits: K = TWELL_KDIM, a multiple of 8, <= 4096; N % TILE == 0, N <= 65536; M * R <
+// 2^31 (the launcher lowers R if needed); 16-byte aligned rows.
+//
+// Compile-time parameters: TWELL_KDIM, TWELL_TILE, TWELL_SLOTS, TWELL_GATED; constants
+// shared with backward.py: TWELL_LIST_CAPACITY, TWELL_BW_CHUNK_ROWS, TWELL_BW_UNIT_WARPS,
+// TWELL_BW_GRAD_BATCH, TWELL_BW_LIGHT_MIN_BLOCKS. TWELL_EMU builds the file for a CPU
+// emulator (tests without a GPU): it replaces the PTX helpers below, nothing else.
+
+#define NCH ((TWELL_KDIM + 255) / 256)
+#define FULL_CHUNKS (TWELL_KDIM % 256 == 0)
+#define WPL ((TWELL_SLOTS + 31) / 32)
+#define NV (TWELL_GATED ? 3 : 2)
+#define KCH (TWELL_KDIM / 8)
+// Threads of a weight-gradient block: 16-byte chunks of a row, one per thread (256 at most).
+#define GRAD_THREADS (KCH >= 256 ? 256 : ((KCH + 31) / 32) * 32)
+#define CPT ((KCH + GRAD_THREADS - 1) / GRAD_THREADS)
+#define CW (TWELL_BW_CHUNK_ROWS / 32)
+#define FULL 0xffffffffu
+// The light kernel keeps a unit's up row in registers between its dot product and its
+// axpy up to K = 2048 (at 4096 the fp32 dx row alone takes 128 registers).
+#define KEEP_UP (NCH <= 8)
+
+// ---------------------------------------------------------------- PTX helpers
+#ifndef TWELL_EMU
+__device__ __forceinline__ void bw_cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void bw_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bw_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void bw_ldmatrix(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void bw_ldmatrix_trans(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+#else
+__device__ __forceinline__ void bw_cp_async16(void* smem, const void* gmem, bool valid) {
+  emu::cp_async(smem, gmem, 16, valid ? 16 : 0);
+}
+__device__ __forceinline__ void bw_cp_commit() { emu::cp_commit(); }
+template <int N>
+__device__ __forceinline__ void bw_cp_wait() {
+  emu::cp_wait(N);
+}
+__device__ __forceinline__ void bw_ldmatrix(uint32_t (&r)[4], const uint16_t* p) {
+  emu::ldmatrix(r, p, false);
+}
+__device__ __forceinline__ void bw_ldmatrix_trans(uint32_t (&r)[4], const uint16_t* p) {
+  emu::ldmatrix(r, p, true);
+}
+#endif
+
+// ---------------------------------------------------------------- small helpers
+__device__ __forceinline__ bool chunk_valid(int c, int lane) {
+  return FULL_CHUNKS || (c * 256 + lane * 8 < TWELL_KDIM);
+}
+
+__device__ __forceinline__ bool non_finite8(uint4 v) {
+  return twell_non_finite(v.x & 0xffffu) || twell_non_finite(v.x >> 16) ||
+         twell_non_finite(v.y & 0xffffu) || twell_non_finite(v.y >> 16) ||
+         twell_non_finite(v.z & 0xffffu) || twell_non_finite(v.z >> 16) ||
+         twell_non_finite(v.w & 0xffffu) || twell_non_finite(v.w >> 16);
+}
+
+// sign(h) as NumPy has it: -1, 0, +1, NaN for NaN.
+__device__ __forceinline__ float sign_of(float h) {
+  return h > 0.f ? 1.f : (h < 0.f ? -1.f : (h == 0.f ? 0.f : h));
+}
+
+// Largest n in [0, N) with start[n] <= e (start non-decreasing, start[0] = 0 <= e).
+__device__ __forceinline__ int find_unit(const int* __restrict__ start, int N, int e) {
+  int lo = 0, hi = N;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (start[mid] <= e) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// =======================================================================================
+// 1. Light rows: one warp per token.
+// =======================================================================================
+struct LightShared {
+  uint32_t list[TWELL_LIST_CAPACITY];
+  uint4 dy[NCH * 32];
+#if TWELL_GATED
+  uint4 x[NCH * 32];
+#if !KEEP_UP
+  float coef[2][TWELL_LIST_CAPACITY];  // (da, du) of each entry
+#endif
+#endif
+};
+
+// dx chunks c0 .. c0+C-1 of a row (bf16, streaming stores).
+template <int C>
+__device__ __forceinline__ void store_chunks(uint4* out, int lane, int c0,
+                                             const float (&acc)[C][8]) {
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int cc = c0 + c;
+    if (cc < NCH && chunk_valid(cc, lane)) {
+      uint4 v;
+      v.x = twell_pack_bf16x2(acc[c][0], acc[c][1]);
+      v.y = twell_pack_bf16x2(acc[c][2], acc[c][3]);
+      v.z = twell_pack_bf16x2(acc[c][4], acc[c][5]);
+      v.w = twell_pack_bf16x2(acc[c][6], acc[c][7]);
+      __stcs(out + cc * 32 + lane, v);
+    }
+  }
+}
+
+// Copies a K-wide bf16 row to shared memory (dst may be null: check only); returns,
+// for the whole warp, whether any value is Inf or NaN.
+__device__ __forceinline__ bool load_row(uint4* dst, const uint16_t* __restrict__ src,
+                                         int lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  bool bad = false;
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+    const uint4 v = chunk_valid(c, lane) ? __ldcs(s + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    bad |= non_finite8(v);
+    if (dst != nullptr) dst[c * 32 + lane] = v;
+  }
+  return __any_sync(FULL, bad);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(FULL, v, d);
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(32, TWELL_BW_LIGHT_MIN_BLOCKS)
+twell_bw_light(const uint16_t* __restrict__ x,         // [M, K]
+               const uint16_t* __restrict__ dy,        // [M, K]
+               const uint32_t* __restrict__ packed,    // [M, N/TILE*SLOTS]
+               const uint8_t* __restrict__ heavy_in,   // [M] the forward's heavy rows
+               int all_heavy,                          // 1: every row is heavy
+               const int* __restrict__ all_heavy_dev,  // [1] the same, on the device (or null)
+               const uint16_t* __restrict__ w_gate,    // [N, K] (gated only)
+               const uint16_t* __restrict__ w_up,      // [N, K]
+               const uint16_t* __restrict__ w_down_t,  // [N, K]
+               uint16_t* __restrict__ dx,              // [M, K] out (light rows)
+               uint8_t* __restrict__ heavy_out,        // [M] out: the backward's heavy rows
+               int* __restrict__ tile_off,             // [M, tiles] out
+               float* __restrict__ vals,               // [NV, cap] out
+               long long cap, int M, int N, int row_cap,
+               const float* __restrict__ l1_dev,  // [1] L1 coefficient on the device, or null
+               float l1_host) {                   // l1_dev ? the L1 scale : coefficient * scale
+  __shared__ LightShared sm;
+  const float l1s = l1_dev != nullptr ? l1_dev[0] * l1_host : l1_host;
+  const int lane = threadIdx.x;
+  const long long row = blockIdx.x;
+  if (row >= M) return;
+  const int tiles = N / TWELL_TILE;
+  const uint32_t* words = packed + row * (long long)tiles * TWELL_SLOTS;
+  bool is_heavy = all_heavy || (all_heavy_dev != nullptr && all_heavy_dev[0]) || heavy_in[row];
+
+  // Count words: overflow, the row's total, the tiles' offsets.
+  if (!is_heavy) {
+    bool bad = false;
+    int nnz = 0;
+    for (int j0 = 0; j0 < tiles; j0 += 32) {
+      const int j = j0 + lane;
+      const uint32_t word = j < tiles ? __ldg(words + j * TWELL_SLOTS) : 0u;
+      const int c = (int)min(word, (uint32_t)TWELL_SLOTS);  // unsigned: never negative
+      bad |= twell_tile_overflows(c, TWELL_SLOTS);
+      int incl = c;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(FULL, incl, d);
+        if (lane >= d) incl += t;
+      }
+      if (j < tiles) tile_off[row * tiles + j] = nnz + incl - c;
+      nnz += __shfl_sync(FULL, incl, 31);
+    }
+    is_heavy = __any_sync(FULL, bad) || nnz > row_cap;
+  }
+  // x and dy rows (to shared memory): Inf or NaN sends the row to the dense path.
+  if (!is_heavy) {
+#if TWELL_GATED
+    bool bad = load_row(sm.x, x + row * TWELL_KDIM, lane);
+#else
+    bool bad = load_row(nullptr, x + row * TWELL_KDIM, lane);
+#endif
+    bad |= load_row(sm.dy, dy + row * TWELL_KDIM, lane);
+    is_heavy = bad;
+  }
+  // The entry list, checked (columns inside their tile, positive finite values).
+  int total = 0;
+  if (!is_heavy) {
+    bool bad = false;
+    for (int j0 = 0; j0 < tiles; j0 += 32) {
+      const int mine = j0 + lane < tiles ? (int)__ldg(words + (j0 + lane) * TWELL_SLOTS) : 0;
+      const int batch = min(32, tiles - j0);
+      for (int b = 0; b < batch; ++b) {
+        const int count = __shfl_sync(FULL, mine, b);
+        const uint32_t* tw = words + (j0 + b) * TWELL_SLOTS;
+        const uint32_t lo = (uint32_t)(j0 + b) * TWELL_TILE;
+#pragma unroll
+        for (int q = 0; q < WPL; ++q) {
+          const int idx = q * 32 + lane;
+          if (idx >= 1 && idx <= count) {
+            const uint32_t w = __ldg(tw + idx);
+            const uint32_t col = w & 0xffffu, bits = w >> 16;
+            bad |= col < lo || col >= lo + TWELL_TILE || !twell_relu_keeps(bits) ||
+                   twell_non_finite(bits);
+            sm.list[total + idx - 1] = w;
+          }
+        }
+        total += count;
+      }
+    }
+    is_heavy = __any_sync(FULL, bad);
+  }
+  if (lane == 0) heavy_out[row] = is_heavy ? 1 : 0;
+  if (is_heavy) return;
+  __syncwarp();
+
+  const long long p0 = row * (long long)row_cap;
+  uint4* out = reinterpret_cast<uint4*>(dx + row * TWELL_KDIM);
+#if TWELL_GATED && !KEEP_UP
+  // Wide rows (K > 2048): the pair values first, then dx in two column halves, so that
+  // no phase holds the whole fp32 dx row next to a unit's weight rows (the up row is
+  // read twice).
+  for (int e = 0; e < total; ++e) {
+    const uint32_t entry = sm.list[e];
+    const long long n = entry & 0xffffu;
+    const float g = twell_hi_bf16(entry);
+    const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
+    const uint4* down = reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM);
+    float pu = 0.f, pd = 0.f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      const bool ok = chunk_valid(c, lane);
+      const uint4 a = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      const uint4 b = ok ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      pu = twell_dot8(sm.x[c * 32 + lane], a, pu);
+      pd = twell_dot8(sm.dy[c * 32 + lane], b, pd);
+    }
+    const float u = warp_sum(pu), dhb = warp_sum(pd);
+    const float h = g * u;
+    const float dh = dhb + l1s * sign_of(h);
+    const float da = dh * u, du = dh * g;
+    if (lane == 0) {
+      vals[p0 + e] = da;
+      vals[cap + p0 + e] = du;
+      vals[2 * cap + p0 + e] = h;
+      sm.coef[0][e] = da;
+      sm.coef[1][e] = du;
+    }
+  }
+  __syncwarp();
+#define HALF_CH ((NCH + 1) / 2)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float acc[HALF_CH][8];
+#pragma unroll
+    for (int c = 0; c < HALF_CH; ++c)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
+    for (int e = 0; e < total; ++e) {
+      const long long n = sm.list[e] & 0xffffu;
+      const float da = sm.coef[0][e], du = sm.coef[1][e];
+      const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
+      const uint4* gate = reinterpret_cast<const uint4*>(w_gate + n * TWELL_KDIM);
+#pragma unroll
+      for (int c = 0; c < HALF_CH; ++c) {
+        const int cc = half * HALF_CH + c;
+        const bool ok = cc < NCH && chunk_valid(cc, lane);
+        const uint4 gv = ok ? __ldg(gate + cc * 32 + lane) : make_uint4(0, 0, 0, 0);
+        const uint4 uv = ok ? __ldg(up + cc * 32 + lane) : make_uint4(0, 0, 0, 0);
+        twell_axpy8(da, gv, acc[c]);
+        twell_axpy8(du, uv, acc[c]);
+      }
+    }
+    store_chunks(out, lane, half * HALF_CH, acc);
+  }
+#else
+  float acc[NCH][8];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
+
+  for (int e = 0; e < total; ++e) {
+    const uint32_t entry = sm.list[e];
+    const long long n = entry & 0xffffu;
+    const float g = twell_hi_bf16(entry);
+    const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
+    const uint4* down = reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM);
+    uint4 b[NCH];
+#if TWELL_GATED
+    const uint4* gate = reinterpret_cast<const uint4*>(w_gate + n * TWELL_KDIM);
+    uint4 a[NCH];
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      const bool ok = chunk_valid(c, lane);
+      a[c] = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      b[c] = ok ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    }
+    float pu = 0.f, pd = 0.f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      pu = twell_dot8(sm.x[c * 32 + lane], a[c], pu);
+      pd = twell_dot8(sm.dy[c * 32 + lane], b[c], pd);
+    }
+    const float u = warp_sum(pu), dhb = warp_sum(pd);
+    const float h = g * u;
+    const float dh = dhb + l1s * sign_of(h);
+    const float da = dh * u, du = dh * g;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      const uint4 gv = chunk_valid(c, lane) ? __ldg(gate + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      twell_axpy8(da, gv, acc[c]);
+      twell_axpy8(du, a[c], acc[c]);
+    }
+    if (lane == 0) {
+      vals[p0 + e] = da;
+      vals[cap + p0 + e] = du;
+      vals[2 * cap + p0 + e] = h;
+    }
+#else
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+      b[c] = chunk_valid(c, lane) ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    float pd = 0.f;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) pd = twell_dot8(sm.dy[c * 32 + lane], b[c], pd);
+    const float dhb = warp_sum(pd);
+    const float h = g;  // relu(a) > 0 here: sign(h) = 1
+    const float da = dhb + l1s * sign_of(h);
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      const uint4 uv = chunk_valid(c, lane) ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      twell_axpy8(da, uv, acc[c]);
+    }
+    if (lane == 0) {
+      vals[p0 + e] = da;
+      vals[cap + p0 + e] = h;
+    }
+#endif
+  }
+  store_chunks(out, lane, 0, acc);
+#endif
+}
+
+// flag[0] = 1 if any of the n8 * 8 bf16 of w is Inf or NaN (flag zeroed before; every
+// writer stores the same 1: no atomics needed). Weights the host never checked.
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_any_nonfinite(const uint16_t* __restrict__ w, long long n8, int* __restrict__ flag) {
+  bool bad = false;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8;
+       i += (long long)gridDim.x * blockDim.x)
+    bad |= non_finite8(__ldg(reinterpret_cast<const uint4*>(w) + i));
+  if (bad) flag[0] = 1;
+}
+
+// =======================================================================================
+// 2. Unit lists: a block per (chunk of CHUNK_ROWS tokens, TwELL tile).
+// =======================================================================================
+struct UnitShared {
+  uint32_t mask[TWELL_TILE][CW];  // bit r of mask[u][r/32]: row r of the chunk uses unit u
+  int start[TWELL_TILE][CW];      // scatter: list position of the first entry of each word
+};
+
+// Sets the mask bits of the light rows of chunk c, tile j (TwELL words trusted: step 1
+// checked every light row).
+__device__ __forceinline__ void build_masks(UnitShared& sm, const uint32_t* __restrict__ packed,
+                                            const uint8_t* __restrict__ heavy, int M,
+                                            int tiles, int c, int j) {
+  uint32_t* flat = &sm.mask[0][0];
+  for (int i = threadIdx.x; i < TWELL_TILE * CW; i += blockDim.x) flat[i] = 0u;
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = warp; r < TWELL_BW_CHUNK_ROWS; r += TWELL_BW_UNIT_WARPS) {
+    const long long t = (long long)c * TWELL_BW_CHUNK_ROWS + r;
+    if (t >= M) break;
+    if (heavy[t]) continue;
+    const uint32_t* tw = packed + (t * tiles + j) * TWELL_SLOTS;
+    const int count = (int)__ldg(tw);
+#pragma unroll
+    for (int q = 0; q < WPL; ++q) {
+      const int idx = q * 32 + lane;
+      if (idx >= 1 && idx <= count) {
+        const int local = (int)(__ldg(tw + idx) & 0xffffu) - j * TWELL_TILE;
+        atomicOr(&sm.mask[local][r >> 5], 1u << (r & 31));
+      }
+    }
+  }
+  __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(TWELL_BW_UNIT_WARPS * 32)
+twell_bw_unit_count(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ heavy,
+                    int M, int N, int* __restrict__ counts) {  // counts [C, N] out
+  __shared__ UnitShared sm;
+  const int c = blockIdx.x, j = blockIdx.y;
+  build_masks(sm, packed, heavy, M, N / TWELL_TILE, c, j);
+  for (int u = threadIdx.x; u < TWELL_TILE; u += blockDim.x) {
+    int s = 0;
+#pragma unroll
+    for (int w = 0; w < CW; ++w) s += __popc(sm.mask[u][w]);
+    counts[(long long)c * N + j * TWELL_TILE + u] = s;
+  }
+}
+
+// counts [C, N] -> exclusive prefix over chunks (in place); totals[n] = entries of unit n.
+extern "C" __global__ void twell_bw_unit_chunks(int* __restrict__ counts, int C, int N,
+                                                int* __restrict__ totals) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  int run = 0;
+  for (int c0 = 0; c0 < C; c0 += 8) {
+    int v[8];
+#pragma unroll
+    for (int b = 0; b < 8; ++b) v[b] = c0 + b < C ? counts[(long long)(c0 + b) * N + n] : 0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      if (c0 + b < C) counts[(long long)(c0 + b) * N + n] = run;
+      run += v[b];
+    }
+  }
+  totals[n] = run;
+}
+
+// One block of 1024 threads: unit_start = exclusive prefix of totals (unit_start[N] = all
+// entries); seg_start = exclusive prefix of the extra segments max(0, ceil(t/seg) - 1).
+extern "C" __global__ void __launch_bounds__(1024)
+twell_bw_unit_starts(const int* __restrict__ totals, int N, int seg,
+                     int* __restrict__ unit_start, int* __restrict__ seg_start) {
+  __shared__ int s_units[1024], s_segs[1024];
+  const int t = threadIdx.x;
+  const int chunk = (N + 1023) / 1024;
+  const int begin = min(N, t * chunk), end = min(N, begin + chunk);
+  int units = 0, segs = 0;
+  for (int n = begin; n < end; ++n) {
+    const int v = totals[n];
+    units += v;
+    segs += v > 0 ? (v - 1) / seg : 0;
+  }
+  s_units[t] = units;
+  s_segs[t] = segs;
+  __syncthreads();
+  for (int d = 1; d < 1024; d <<= 1) {  // Hillis-Steele inclusive scans
+    const int au = t >= d ? s_units[t - d] : 0, as = t >= d ? s_segs[t - d] : 0;
+    __syncthreads();
+    s_units[t] += au;
+    s_segs[t] += as;
+    __syncthreads();
+  }
+  int ru = s_units[t] - units, rs = s_segs[t] - segs;
+  for (int n = begin; n < end; ++n) {
+    const int v = totals[n];
+    unit_start[n] = ru;
+    seg_start[n] = rs;
+    ru += v;
+    rs += v > 0 ? (v - 1) / seg : 0;
+  }
+  if (t == 1023) {
+    unit_start[N] = s_units[1023];
+    seg_start[N] = s_segs[1023];
+  }
+}
+
+// Writes every light entry of chunk c, tile j at its place: unit_start[n] + counts[c, n]
+// (the chunk's offset) + the number of earlier rows of the chunk using n.
+extern "C" __global__ void __launch_bounds__(TWELL_BW_UNIT_WARPS * 32)
+twell_bw_unit_scatter(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ heavy,
+                      const int* __restrict__ tile_off, int M, int N, int row_cap,
+                      const int* __restrict__ counts, const int* __restrict__ unit_start,
+                      int* __restrict__ tokens, int* __restrict__ pairs) {
+  __shared__ UnitShared sm;
+  const int c = blockIdx.x, j = blockIdx.y;
+  const int tiles = N / TWELL_TILE;
+  build_masks(sm, packed, heavy, M, tiles, c, j);
+  for (int u = threadIdx.x; u < TWELL_TILE; u += blockDim.x) {
+    const int n = j * TWELL_TILE + u;
+    int run = unit_start[n] + counts[(long long)c * N + n];
+#pragma unroll
+    for (int w = 0; w < CW; ++w) {
+      sm.start[u][w] = run;
+      run += __popc(sm.mask[u][w]);
+    }
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int r = warp; r < TWELL_BW_CHUNK_ROWS; r += TWELL_BW_UNIT_WARPS) {
+    const long long t = (long long)c * TWELL_BW_CHUNK_ROWS + r;
+    if (t >= M) break;
+    if (heavy[t]) continue;
+    const uint32_t* tw = packed + (t * tiles + j) * TWELL_SLOTS;
+    const int count = (int)__ldg(tw);
+    const int base = (int)(t * row_cap) + tile_off[t * tiles + j] - 1;
+#pragma unroll
+    for (int q = 0; q < WPL; ++q) {
+      const int idx = q * 32 + lane;
+      if (idx >= 1 && idx <= count) {
+        const int local = (int)(__ldg(tw + idx) & 0xffffu) - j * TWELL_TILE;
+        const int pos = sm.start[local][r >> 5] +
+                        __popc(sm.mask[local][r >> 5] & ((1u << (r & 31)) - 1u));
+        tokens[pos] = (int)t;
+        pairs[pos] = base + idx;
+      }
+    }
+  }
+}
+
+// =======================================================================================
+// 3. Weight gradients of the light pairs: a block per unit segment.
+// =======================================================================================
+struct GradShared {
+  int tok[TWELL_BW_GRAD_BATCH];
+  float v[NV][TWELL_BW_GRAD_BATCH];
+};
+
+#define GRAD_UNROLL 4
+
+// out[v] rows (fp32, K wide): v < NV-1 sum vals[v]·x[t], v = NV-1 sum vals[v]·dy[t].
+// Items: unit n (segment 0, writes dw[v] row n) for item < N; extra segment e = item - N
+// (writes ws row e*NV + v) after that.
+extern "C" __global__ void __launch_bounds__(GRAD_THREADS)
+twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                      const int* __restrict__ tokens, const int* __restrict__ pairs,
+                      const float* __restrict__ vals, long long cap,
+                      const int* __restrict__ unit_start, const int* __restrict__ seg_start,
+                      int N, int seg, int extra_cap, float* __restrict__ dw0,
+                      float* __restrict__ dw1, float* __restrict__ dw2,
+                      float* __restrict__ ws) {
+  __shared__ GradShared sm;
+  float* const dws[3] = {dw0, dw1, dw2};
+  const int tid = threadIdx.x;
+  const int extras = min(seg_start[N], extra_cap);
+  const int items = N + extras;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    int n, begin, end;
+    float* out[NV];
+    if (item < N) {
+      n = item;
+      begin = unit_start[n];
+      end = min(unit_start[n + 1], begin + seg);
+#pragma unroll
+      for (int v = 0; v < NV; ++v) out[v] = dws[v] + (long long)n * TWELL_KDIM;
+    } else {
+      const int e = item - N;
+      n = find_unit(seg_start, N, e);
+      const int s = e - seg_start[n] + 1;
+      begin = unit_start[n] + s * seg;
+      end = min(unit_start[n + 1], begin + seg);
+#pragma unroll
+      for (int v = 0; v < NV; ++v) out[v] = ws + ((long long)e * NV + v) * TWELL_KDIM;
+    }
+    float acc[NV][CPT][8];
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int cc = 0; cc < CPT; ++cc)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[v][cc][i] = 0.f;
+
+    for (int b0 = begin; b0 < end; b0 += TWELL_BW_GRAD_BATCH) {
+      const int nb = min(TWELL_BW_GRAD_BATCH, end - b0);
+      __syncthreads();  // the previous batch is consumed
+      for (int i = tid; i < nb; i += GRAD_THREADS) {
+        const long long p = pairs[b0 + i];
+        sm.tok[i] = tokens[b0 + i];
+#pragma unroll
+        for (int v = 0; v < NV; ++v) sm.v[v][i] = vals[v * cap + p];
+      }
+      __syncthreads();
+      for (int i = 0; i < nb; i += GRAD_UNROLL) {
+        uint4 xv[GRAD_UNROLL][CPT], dv[GRAD_UNROLL][CPT];
+#pragma unroll
+        for (int q = 0; q < GRAD_UNROLL; ++q) {
+          const bool live = i + q < nb;
+          const long long t = live ? sm.tok[i + q] : 0;
+          const uint4* xr = reinterpret_cast<const uint4*>(x + t * TWELL_KDIM);
+          const uint4* dr = reinterpret_cast<const uint4*>(dy + t * TWELL_KDIM);
+#pragma unroll
+          for (int cc = 0; cc < CPT; ++cc) {
+            const int k = tid + cc * GRAD_THREADS;
+            const bool ok = live && k < KCH;
+            xv[q][cc] = ok ? __ldg(xr + k) : make_uint4(0, 0, 0, 0);
+            dv[q][cc] = ok ? __ldg(dr + k) : make_uint4(0, 0, 0, 0);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < GRAD_UNROLL; ++q) {
+          if (i + q < nb) {
+#pragma unroll
+            for (int cc = 0; cc < CPT; ++cc) {
+#pragma unroll
+              for (int v = 0; v < NV - 1; ++v) twell_axpy8(sm.v[v][i + q], xv[q][cc], acc[v][cc]);
+              twell_axpy8(sm.v[NV - 1][i + q], dv[q][cc], acc[NV - 1][cc]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int cc = 0; cc < CPT; ++cc) {
+      const int k = tid + cc * GRAD_THREADS;
+      if (k < KCH) {
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          float4* o = reinterpret_cast<float4*>(out[v] + k * 8);
+          o[0] = make_float4(acc[v][cc][0], acc[v][cc][1], acc[v][cc][2], acc[v][cc][3]);
+          o[1] = make_float4(acc[v][cc][4], acc[v][cc][5], acc[v][cc][6], acc[v][cc][7]);
+        }
+      }
+    }
+  }
+}
+
+// Adds the extra segments of each unit to its rows, in segment order (segment 0 is
+// already there). A block per extra segment; the first segment of a unit does the work.
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra_cap,
+                             const float* __restrict__ ws, float* __restrict__ dw0,
+                             float* __restrict__ dw1, float* __restrict__ dw2) {
+  float* const dws[3] = {dw0, dw1, dw2};
+  const int extras = min(seg_start[N], extra_cap);
+  for (int e = blockIdx.x; e < extras; e += gridDim.x) {
+    const int n = find_unit(seg_start, N, e);
+    if (seg_start[n] != e) continue;
+    const int nseg = min(seg_start[n + 1], extras) - e;
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      float4* o = reinterpret_cast<float4*>(dws[v] + (long long)n * TWELL_KDIM);
+      for (int k = threadIdx.x; k < TWELL_KDIM / 4; k += blockDim.x) {
+        float4 a = o[k];
+        for (int s = 0; s < nseg; ++s) {
+          const float4 b =
+              reinterpret_cast<const float4*>(ws + ((long long)(e + s) * NV + v) * TWELL_KDIM)[k];
+          a.x += b.x;
+          a.y += b.y;
+          a.z += b.z;
+          a.w += b.w;
+        }
+        o[k] = a;
+      }
+    }
+  }
+}
+
+// =======================================================================================
+// 4. Heavy rows: tensor-core tiles of 64 x 64 outputs, 4 warps (2 x 2, 32 x 32 each),
+//    reduction slices of 32 through a 3-stage cp.async ring. Operands are staged either
+//    "K-major" (tile rows x reduction: [64][40] bf16, reduction contiguous in memory) or
+//    "R-major" (reduction rows x tile columns: [32][72] bf16, tile columns contiguous in
+//    memory; fragments through ldmatrix.trans). Pitches of 80 and 144 bytes keep the
+//    eight rows of every ldmatrix on distinct banks.
+// =======================================================================================
+#define HT 64
+#define HS 32
+#define HSTAGES 3
+#define KPITCH 40
+#define RPITCH 72
+#define HBUF 2560  // bf16 per operand and stage (>= 64*40 and 32*72)
+
+struct __align__(16) HeavyShared {
+  uint16_t a[HSTAGES][HBUF];
+  uint16_t b[HSTAGES][HBUF];
+};
+
+// K-major operand: the 64 tile rows are fixed for a tile (row pointer or null = zeros).
+struct StageK {
+  const uint16_t* p[2];
+  const uint16_t* fallback;
+  int rr[2], kc[2];
+  int red;
+  __device__ __forceinline__ void stage(int s, uint16_t* buf) const {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int k = s * HS + kc[q] * 8;
+      const bool ok = p[q] != nullptr && k < red;
+      bw_cp_async16(buf + rr[q] * KPITCH + kc[q] * 8, ok ? p[q] + k : fallback, ok);
+    }
+  }
+};
+
+template <class Fn>
+__device__ __forceinline__ StageK make_stage_k(Fn row_ptr, int row0, int red,
+                                               const uint16_t* fallback) {
+  StageK st;
+  st.fallback = fallback;
+  st.red = red;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int c = threadIdx.x + 128 * q;
+    st.rr[q] = c >> 2;
+    st.kc[q] = c & 3;
+    st.p[q] = row_ptr(row0 + st.rr[q]);
+  }
+  return st;
+}
+
+// R-major operand: the reduction row's pointer comes from `row_ptr(r)` (null = zeros),
+// columns col0 .. col0+63 of it (those >= width are zeros).
+template <class Fn>
+struct StageR {
+  Fn row_ptr;
+  const uint16_t* fallback;
+  int col0, width;
+  __device__ __forceinline__ void stage(int s, uint16_t* buf) const {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int c = threadIdx.x + 128 * q;
+      const int rr = c >> 3, mc = c & 7;
+      const uint16_t* p = row_ptr(s * HS + rr);
+      const int col = col0 + mc * 8;
+      const bool ok = p != nullptr && col < width;
+      bw_cp_async16(buf + rr * RPITCH + mc * 8, ok ? p + col : fallback, ok);
+    }
+  }
+};
+
+template <class Fn>
+__device__ __forceinline__ StageR<Fn> make_stage_r(Fn row_ptr, int col0, int width,
+                                                   const uint16_t* fallback) {
+  StageR<Fn> st{row_ptr, fallback, col0, width};
+  return st;
+}
+
+// Fragments of warp (wm, wn) for the k16 step ks of a staged slice.
+template <bool RMAJOR>
+__device__ __forceinline__ void frag_a(const uint16_t* buf, int ks, int mt, int wm, int lane,
+                                       uint32_t (&r)[4]) {
+  if (RMAJOR) {
+    const int k = ks * 16 + (lane & 7) + ((lane >> 4) << 3);
+    const int m = wm * 32 + mt * 16 + ((lane >> 3) & 1) * 8;
+    bw_ldmatrix_trans(r, buf + k * RPITCH + m);
+  } else {
+    const int m = wm * 32 + mt * 16 + (lane & 15);
+    const int k = ks * 16 + (lane >> 4) * 8;
+    bw_ldmatrix(r, buf + m * KPITCH + k);
+  }
+}
+template <bool RMAJOR>
+__device__ __forceinline__ void frag_b(const uint16_t* buf, int ks, int np, int wn, int lane,
+                                       uint32_t (&r)[4]) {
+  if (RMAJOR) {
+    const int k = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+    const int n = wn * 32 + np * 16 + (lane >> 4) * 8;
+    bw_ldmatrix_trans(r, buf + k * RPITCH + n);
+  } else {
+    const int n = wn * 32 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+    const int k = ks * 16 + ((lane >> 3) & 1) * 8;
+    bw_ldmatrix(r, buf + n * KPITCH + k);
+  }
+}
+
+__device__ __forceinline__ void zero_acc(float (&acc)[2][4][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
+// acc += A·Bᵀ over slices s0 .. s0+ns-1 (each 32 deep), A = tile rows, B = tile columns.
+template <bool A_R, bool B_R, class LA, class LB>
+__device__ __forceinline__ void mainloop(float (&acc)[2][4][4], const LA& la, const LB& lb,
+                                         int s0, int ns, HeavyShared& sm) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1;
+  __syncthreads();  // every earlier read of the ring is done
+  if (ns > 0) {
+    la.stage(s0, sm.a[0]);
+    lb.stage(s0, sm.b[0]);
+  }
+  bw_cp_commit();
+  if (ns > 1) {
+    la.stage(s0 + 1, sm.a[1]);
+    lb.stage(s0 + 1, sm.b[1]);
+  }
+  bw_cp_commit();
+#pragma unroll 1
+  for (int s = 0; s < ns; ++s) {
+    bw_cp_wait<1>();
+    __syncthreads();
+    if (s + 2 < ns) {
+      la.stage(s0 + s + 2, sm.a[(s + 2) % HSTAGES]);
+      lb.stage(s0 + s + 2, sm.b[(s + 2) % HSTAGES]);
+    }
+    bw_cp_commit();
+    const uint16_t* A = sm.a[s % HSTAGES];
+    const uint16_t* B = sm.b[s % HSTAGES];
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      uint32_t af[2][4], bf[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) frag_a<A_R>(A, ks, mt, wm, lane, af[mt]);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) frag_b<B_R>(B, ks, np, wn, lane, bf[np]);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          twell_mma_bf16(acc[mt][nt], af[mt][0], af[mt][1], af[mt][2], af[mt][3],
+                         bf[nt >> 1][(nt & 1) * 2], bf[nt >> 1][(nt & 1) * 2 + 1]);
+    }
+  }
+  bw_cp_wait<0>();
+}
+
+// Rows of this chunk: heavy rows ids[c0 .. c0 + rows - 1].
+__device__ __forceinline__ int chunk_rows(const int* __restrict__ count, int c0, int cap_rows) {
+  return max(0, min(count[0] - c0, cap_rows));
+}
+
+// 4a. da, du, h of 64 heavy rows x 64 units (dense math, NaN and Inf kept), bf16:
+//     dadu [cap_rows, ld] = (da | du) (gated, ld = 2N) or da (ld = N); hbuf [cap_rows, N].
+extern "C" __global__ void __launch_bounds__(128)
+twell_bw_heavy_units(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                     const int* __restrict__ ids, const int* __restrict__ count, int c0,
+                     int cap_rows, const uint16_t* __restrict__ w_first,  // w_gate or w_up
+                     const uint16_t* __restrict__ w_up,                   // gated only
+                     const uint16_t* __restrict__ w_down_t, int N,
+                     const float* __restrict__ l1_dev, float l1_host,  // as twell_bw_light
+                     uint16_t* __restrict__ dadu, int ld, uint16_t* __restrict__ hbuf) {
+  __shared__ HeavyShared sm;
+  const float l1s = l1_dev != nullptr ? l1_dev[0] * l1_host : l1_host;
+  const int K = TWELL_KDIM;
+  const int rows = chunk_rows(count, c0, cap_rows);
+  const int row_blocks = (rows + HT - 1) / HT, col_blocks = (N + HT - 1) / HT;
+  const int items = row_blocks * col_blocks, slices = (K + HS - 1) / HS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int rb = item / col_blocks, cb = item % col_blocks;
+    const int r0 = rb * HT, n0 = cb * HT;
+    auto x_row = [&](int i) -> const uint16_t* {
+      return i < rows ? x + (long long)ids[c0 + i] * K : nullptr;
+    };
+    auto dy_row = [&](int i) -> const uint16_t* {
+      return i < rows ? dy + (long long)ids[c0 + i] * K : nullptr;
+    };
+    float acc_a[2][4][4], acc_d[2][4][4];
+    zero_acc(acc_a);
+    zero_acc(acc_d);
+    const StageK sx = make_stage_k(x_row, r0, K, x);
+    {
+      auto w_row = [&](int n) -> const uint16_t* {
+        return n < N ? w_first + (long long)n * K : nullptr;
+      };
+      mainloop<false, false>(acc_a, sx, make_stage_k(w_row, n0, K, w_first), 0, slices, sm);
+    }
+#if TWELL_GATED
+    float acc_u[2][4][4];
+    zero_acc(acc_u);
+    {
+      auto w_row = [&](int n) -> const uint16_t* {
+        return n < N ? w_up + (long long)n * K : nullptr;
+      };
+      mainloop<false, false>(acc_u, sx, make_stage_k(w_row, n0, K, w_up), 0, slices, sm);
+    }
+#endif
+    {
+      auto w_row = [&](int n) -> const uint16_t* {
+        return n < N ? w_down_t + (long long)n * K : nullptr;
+      };
+      mainloop<false, false>(acc_d, make_stage_k(dy_row, r0, K, dy),
+                             make_stage_k(w_row, n0, K, w_down_t), 0, slices, sm);
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int n = n0 + wn * 32 + nt * 8 + 2 * t;
+        if (n >= N) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + wm * 32 + mt * 16 + g + 8 * half;
+          if (i >= rows) continue;
+          float da[2], du[2], hv[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float a = acc_a[mt][nt][2 * half + e];
+            const float dhb = acc_d[mt][nt][2 * half + e];
+            const float gv = a > 0.f ? a : (a != a ? a : 0.f);  // relu, NaN kept
+            const float mask = a > 0.f ? 1.f : 0.f;
+#if TWELL_GATED
+            const float u = acc_u[mt][nt][2 * half + e];
+            const float h = gv * u;
+            const float dh = dhb + l1s * sign_of(h);
+            da[e] = dh * u * mask;
+            du[e] = dh * gv;
+#else
+            const float h = gv;
+            const float dh = dhb + l1s * sign_of(h);
+            da[e] = dh * mask;
+            du[e] = 0.f;
+#endif
+            hv[e] = h;
+          }
+          uint16_t* row = dadu + (long long)i * ld;
+          *reinterpret_cast<uint32_t*>(row + n) = twell_pack_bf16x2(da[0], da[1]);
+#if TWELL_GATED
+          *reinterpret_cast<uint32_t*>(row + N + n) = twell_pack_bf16x2(du[0], du[1]);
+#endif
+          *reinterpret_cast<uint32_t*>(hbuf + (long long)i * N + n) =
+              twell_pack_bf16x2(hv[0], hv[1]);
+        }
+      }
+  }
+}
+
+// How many ways 4b splits its reduction (the same in both kernels, from the device count).
+__device__ __forceinline__ int dx_split(int rows, int col_blocks, int kblocks, int target,
+                                        int ws_units) {
+  const int rb = (rows + HT - 1) / HT;
+  if (rb == 0) return 1;
+  int ks = target / (rb * col_blocks);
+  ks = min(ks, kblocks / 4);
+  ks = min(ks, ws_units / rb);
+  return max(ks, 1);
+}
+
+// 4b. dx[ids[c0 + i]] = sum_r dadu[i, r] W[r] with W = [w_gate; w_up] (gated) or w_up:
+//     A K-major (dadu rows), B R-major (weight rows r, columns k).
+extern "C" __global__ void __launch_bounds__(128)
+twell_bw_heavy_dx(const uint16_t* __restrict__ dadu, int ld, const int* __restrict__ ids,
+                  const int* __restrict__ count, int c0, int cap_rows,
+                  const uint16_t* __restrict__ w_gate, const uint16_t* __restrict__ w_up,
+                  int N, uint16_t* __restrict__ dx, float* __restrict__ ws, int target,
+                  int ws_units) {
+  __shared__ HeavyShared sm;
+  const int K = TWELL_KDIM;
+  const int red = ld;  // 2N gated, N non-gated
+  const int rows = chunk_rows(count, c0, cap_rows);
+  const int row_blocks = (rows + HT - 1) / HT, col_blocks = (K + HT - 1) / HT;
+  const int kblocks = red / HS;
+  const int ks = dx_split(rows, col_blocks, kblocks, target, ws_units);
+  const int kper = (kblocks + ks - 1) / ks;
+  const int items = row_blocks * col_blocks * ks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int kss = item % ks, rest = item / ks;
+    const int rb = rest / col_blocks, cb = rest % col_blocks;
+    const int r0 = rb * HT, k0 = cb * HT;
+    const int s0 = kss * kper, s1 = min(kblocks, s0 + kper);
+    auto a_row = [&](int i) -> const uint16_t* {
+      return i < rows ? dadu + (long long)i * ld : nullptr;
+    };
+    auto w_row = [&](int r) -> const uint16_t* {
+#if TWELL_GATED
+      return r < N ? w_gate + (long long)r * K : w_up + (long long)(r - N) * K;
+#else
+      return w_up + (long long)r * K;
+#endif
+    };
+    float acc[2][4][4];
+    zero_acc(acc);
+    mainloop<false, true>(acc, make_stage_k(a_row, r0, red, dadu),
+                          make_stage_r(w_row, k0, K, w_up), s0, max(0, s1 - s0), sm);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = k0 + wn * 32 + nt * 8 + 2 * t;
+        if (col >= K) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = r0 + wm * 32 + mt * 16 + g + 8 * half;
+          if (i >= rows) continue;
+          const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+          if (ks == 1) {
+            *reinterpret_cast<uint32_t*>(dx + (long long)ids[c0 + i] * K + col) =
+                twell_pack_bf16x2(v0, v1);
+          } else {
+            float* w = ws + ((long long)kss * row_blocks * HT + i) * K + col;
+            w[0] = v0;
+            w[1] = v1;
+          }
+        }
+      }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_heavy_dx_reduce(const float* __restrict__ ws, const int* __restrict__ ids,
+                         const int* __restrict__ count, int c0, int cap_rows, int ld,
+                         uint16_t* __restrict__ dx, int target, int ws_units) {
+  const int K = TWELL_KDIM;
+  const int rows = chunk_rows(count, c0, cap_rows);
+  const int col_blocks = (K + HT - 1) / HT;
+  const int ks = dx_split(rows, col_blocks, ld / HS, target, ws_units);
+  if (ks == 1) return;
+  const long long rows_cap = (long long)((rows + HT - 1) / HT) * HT;
+  const long long total = (long long)rows * (K / 2);
+  for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < total;
+       q += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(q / (K / 2)), col = 2 * (int)(q % (K / 2));
+    float v0 = 0.f, v1 = 0.f;
+    for (int s = 0; s < ks; ++s) {
+      const float* w = ws + ((long long)s * rows_cap + i) * K + col;
+      v0 += w[0];
+      v1 += w[1];
+    }
+    *reinterpret_cast<uint32_t*>(dx + (long long)ids[c0 + i] * K + col) =
+        twell_pack_bf16x2(v0, v1);
+  }
+}
+
+// 4c. dW[which] [N, K] += Aᵀ B over the chunk's rows: which v < NV-1: A = dadu column
+//     block v (da, du), B = x rows; v = NV-1: A = hbuf, B = dy rows. Both R-major.
+//     Each output element is owned by one thread: read, add the chunk's sum, write.
+extern "C" __global__ void __launch_bounds__(128)
+twell_bw_heavy_weights(const uint16_t* __restrict__ dadu, int ld,
+                       const uint16_t* __restrict__ hbuf, const uint16_t* __restrict__ x,
+                       const uint16_t* __restrict__ dy, const int* __restrict__ ids,
+                       const int* __restrict__ count, int c0, int cap_rows, int N,
+                       float* __restrict__ dw0, float* __restrict__ dw1,
+                       float* __restrict__ dw2) {
+  __shared__ HeavyShared sm;
+  const int K = TWELL_KDIM;
+  const int rows = chunk_rows(count, c0, cap_rows);
+  if (rows == 0) return;
+  const int unit_blocks = (N + HT - 1) / HT, col_blocks = (K + HT - 1) / HT;
+  const int per = unit_blocks * col_blocks, items = NV * per;
+  const int slices = (rows + HS - 1) / HS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int which = item / per, rest = item % per;
+    const int m0 = (rest / col_blocks) * HT, k0 = (rest % col_blocks) * HT;
+    const bool last = which == NV - 1;
+    const uint16_t* abase = last ? hbuf : dadu + (long long)which * N;
+    const int apitch = last ? N : ld;
+    const uint16_t* bsrc = last ? dy : x;
+    auto a_row = [&](int r) -> const uint16_t* {
+      return r < rows ? abase + (long long)r * apitch : nullptr;
+    };
+    auto b_row = [&](int r) -> const uint16_t* {
+      return r < rows ? bsrc + (long long)ids[c0 + r] * K : nullptr;
+    };
+    float acc[2][4][4];
+    zero_acc(acc);
+    mainloop<true, true>(acc, make_stage_r(a_row, m0, N, abase), make_stage_r(b_row, k0, K, bsrc),
+                         0, slices, sm);
+    float* out = which == 0 ? dw0 : (which == 1 ? dw1 : dw2);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int k = k0 + wn * 32 + nt * 8 + 2 * t;
+        if (k >= K) continue;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int n = m0 + wm * 32 + mt * 16 + g + 8 * half;
+          if (n >= N) continue;
+          float2* o = reinterpret_cast<float2*>(out + (long long)n * K + k);
+          float2 v = *o;
+          v.x += acc[mt][nt][2 * half];
+          v.y += acc[mt][nt][2 * half + 1];
+          *o = v;
+        }
+      }
+  }
+}
+
+// =======================================================================================
+// 5. fp32 transpose: out [C, R] = in [R, C]ᵀ (32 x 32 tiles, blocks of 32 x 8).
+// =======================================================================================
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_transpose_f32(const float* __restrict__ in, float* __restrict__ out, int R, int C) {
+  __shared__ float tile[32][33];
+  const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int r = r0 + i, c = c0 + threadIdx.x;
+    if (r < R && c < C) tile[i][threadIdx.x] = in[(long long)r * C + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int c = c0 + i, r = r0 + threadIdx.x;
+    if (r < R && c < C) out[(long long)c * R + r] = tile[threadIdx.x][i];
+  }
+}
