@@ -54,8 +54,12 @@ def to_f64(a: object) -> np.ndarray:
     return cp.asnumpy(a).astype(np.float64)
 
 
-def assert_grad_close(name: str, got: object, ref: np.ndarray | None) -> None:
-    """Same non-finite pattern; relative Frobenius error of the finite entries <= TOL."""
+def assert_grad_close(
+    name: str, got: object, ref: np.ndarray | None, tol: float | None = None
+) -> None:
+    """Same non-finite pattern; relative Frobenius error of the finite entries <= tol
+    (default TOL)."""
+    tol = TOL if tol is None else tol
     if ref is None:
         assert got is None, name
         return
@@ -67,7 +71,7 @@ def assert_grad_close(name: str, got: object, ref: np.ndarray | None) -> None:
     if finite.any():
         diff = np.linalg.norm(got[finite] - ref[finite])
         err = float(diff / max(np.linalg.norm(ref[finite]), 1e-30))
-        assert err <= TOL, f"{name}: relative error {err:.3e} > {TOL}"
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol}"
 
 
 def problem(kind: str, m: int, k: int, n: int, seed: int = 0) -> workloads.Problem:
@@ -216,7 +220,29 @@ def test_backward_segments_and_heavy_chunks(monkeypatch: pytest.MonkeyPatch, gat
     p = problem("heavy", 600, 264, 512, seed=21)
     x, dy = p.x, upstream(600, 264, 22)
     got, ref = run(weights(p, gated), x, dy, Options(max_row_nnz=4))
-    check(got, ref)
+    # Nearly every row is heavy here (max_row_nnz=4): the tensor-core path keeps da/du in
+    # bf16 as dense bf16 autograd does. Its dx error sits at bf16's level: allowed up to
+    # 1.25x what torch's own bf16 autograd of the dense block gets on the same inputs.
+    dense_err = _dense_bf16_dx_error(weights(p, gated), x, dy, ref[0])
+    assert_grad_close("dx", got[0], ref[0], max(TOL, 1.25 * dense_err))
+    for name, g, r in zip(("dw_gate", "dw_up", "dw_down"), got[1:], ref[1:], strict=True):
+        assert_grad_close(name, g, r)
+
+
+def _dense_bf16_dx_error(w: tuple, x: np.ndarray, dy: np.ndarray, ref_dx: np.ndarray) -> float:
+    """Relative error of dx from torch autograd of the dense block in bf16."""
+    torch = pytest.importorskip("torch")
+
+    def t(a: object, grad: bool = False) -> object:
+        return torch.from_numpy(np.asarray(a, np.float32)).cuda().bfloat16().requires_grad_(grad)
+
+    wg, wu, wd = (None if a is None else t(a) for a in w)
+    xt = t(x, True)
+    a = torch.nn.functional.linear(xt, wu if wg is None else wg)
+    h = torch.relu(a) if wg is None else torch.relu(a) * torch.nn.functional.linear(xt, wu)
+    torch.nn.functional.linear(h, wd).backward(t(dy))
+    got = xt.grad.double().cpu().numpy()
+    return float(np.linalg.norm(got - ref_dx) / np.linalg.norm(ref_dx))
 
 
 def test_backward_hot_units_split_into_segments():

@@ -450,7 +450,7 @@ def test_gpu_gradients_match_the_float64_reference(
         loss = loss + (y.float() * dy.float()).sum()
     loss.backward()
     xf = problem.x.astype(np.float64)
-    assert relative_error(y.float().cpu().numpy(), reference.ffn(*problem.arrays())) < 1e-2
+    assert relative_error(y.detach().float().cpu().numpy(), reference.ffn(*problem.arrays())) < 1e-2
     _, wg, wu, _ = problem.arrays()
     h = np.maximum(xf @ wg.astype(np.float64).T, 0) * (xf @ wu.astype(np.float64).T)
     assert float(sparse.l1.detach()) == pytest.approx(reference.l1_loss(h, reduction), rel=1e-2)
