@@ -602,3 +602,25 @@ def test_gpu_backward_keeps_no_dense_hidden_activation() -> None:
         y = sparse(x)
     assert max(t.numel() for t in saved) < m * n // 4, [tuple(t.shape) for t in saved]
     (y.float().sum() + sparse.l1).backward()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_eval_after_a_fused_optimizer_step_sees_the_new_weights() -> None:
+    """Fused AdamW writes the parameters without moving their version counters; the
+    inference block cached by an earlier no-grad call must not survive a training step."""
+    problem = workloads.uniform(256, 256, 512, p=0.02, seed=8)
+    mlp = _cuda_mlp(problem, torch.float32, "mean")
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda()
+    optimizer = torch.optim.AdamW(mlp.parameters(), lr=1e-2, fused=True)
+    with torch.no_grad():
+        before = mlp(x.bfloat16())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (mlp(x).float() ** 2).sum().backward()
+    optimizer.step()
+    mlp.eval()
+    with torch.no_grad():
+        after = mlp(x.bfloat16())
+        dense = mlp.down_proj(torch.relu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert not torch.equal(before, after)
+    assert relative_error(after.float().cpu().numpy(), dense.float().cpu().numpy()) < 2e-2

@@ -159,7 +159,13 @@ class SparseMLP(nn.Module):
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
 
     def prepared(self) -> SparseFFN:
-        """The :class:`twell.SparseFFN` of the current weights (rebuilt after a change)."""
+        """The :class:`twell.SparseFFN` of the current weights (rebuilt after a change).
+
+        A change is seen through the weights' version counters, and the cached block is
+        also dropped by every training forward and every ``train()``/``eval()`` switch:
+        optimizers that write parameters without moving their version counter (fused
+        AdamW, writes through ``.data``) would otherwise leave a stale block behind.
+        """
         weights = self._weights()
         key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
         if self._block is None or key != self._block_key:
@@ -171,6 +177,11 @@ class SparseMLP(nn.Module):
             )  # fmt: skip
             self._block_key = key
         return self._block
+
+    def train(self, mode: bool = True) -> SparseMLP:
+        """``nn.Module.train``; also drops the cached inference block (see :meth:`prepared`)."""
+        self._block = None
+        return super().train(mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``x [..., K]``; sets :attr:`l1` and :attr:`l0`."""
@@ -187,6 +198,7 @@ class SparseMLP(nn.Module):
             # The op sees the autocast dtype for x; fp32 master weights go in as they are
             # (the kernels round them to bf16; their gradients come back in fp32).
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        self._block = None  # the weights are about to change: no stale inference block
         if self.train_kernels:
             y, l1, l0 = ffn_train(x, *weights, self.options, self.reduction)
         else:
