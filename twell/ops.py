@@ -284,8 +284,13 @@ class SparseFFN:
                 self._prepared = _kernels().PreparedBlock(
                     g.get("w_gate"), g["w_up"], g["w_down"], self.options
                 )
-            density = self._prepared.density
-            self._graphed = GraphedBlock(self._eager, lambda: density.go_dense(False))
+            # The graph cache refers to the prepared block, not to self: no reference
+            # cycle, so a dropped SparseFFN frees its graphs at once rather than in a later
+            # garbage collection that may fall inside someone else's graph capture.
+            prepared, density = self._prepared, self._prepared.density
+            self._graphed = GraphedBlock(
+                lambda x: _eager_torch(prepared, x), lambda: density.go_dense(False)
+            )
 
     @property
     def gated(self) -> bool:
@@ -332,7 +337,8 @@ class SparseFFN:
         with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
             return _restore(self._prepared(d["x"]), inputs, to_caller)
 
-    def _eager(self, x: Any) -> Any:
-        """One call of the prepared block on a validated 2-D torch tensor."""
-        with on_gpu("torch", {"x": x}) as (d, to_caller):
-            return to_caller(self._prepared(d["x"]))
+
+def _eager_torch(prepared: Any, x: Any) -> Any:
+    """One call of a prepared block on a validated 2-D torch tensor."""
+    with on_gpu("torch", {"x": x}) as (d, to_caller):
+        return to_caller(prepared(d["x"]))

@@ -700,7 +700,6 @@ extern "C" __global__ void __launch_bounds__(256)
 twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra_cap,
                              const float* __restrict__ ws, float* __restrict__ dw0,
                              float* __restrict__ dw1, float* __restrict__ dw2) {
-  float* const dws[3] = {dw0, dw1, dw2};
   const int extras = min(seg_start[N], extra_cap);
   for (int e = blockIdx.x; e < extras; e += gridDim.x) {
     const int n = find_unit(seg_start, N, e);
@@ -708,7 +707,10 @@ twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra
     const int nseg = min(seg_start[n + 1], extras) - e;
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
-      float4* o = reinterpret_cast<float4*>(dws[v] + (long long)n * TWELL_KDIM);
+      // A pointer chosen by value, not an array of pointers: one NVRTC (13.0) put such an
+      // array in local memory.
+      float* const dw = v == 0 ? dw0 : (v == 1 ? dw1 : dw2);
+      float4* o = reinterpret_cast<float4*>(dw + (long long)n * TWELL_KDIM);
       for (int k = threadIdx.x; k < TWELL_KDIM / 4; k += blockDim.x) {
         float4 a = o[k];
         for (int s = 0; s < nseg; ++s) {
