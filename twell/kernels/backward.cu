@@ -610,7 +610,6 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
                       float* __restrict__ dw1, float* __restrict__ dw2,
                       float* __restrict__ ws) {
   __shared__ GradShared sm;
-  float* const dws[3] = {dw0, dw1, dw2};
   const int tid = threadIdx.x;
   const int extras = min(seg_start[N], extra_cap);
   const int items = N + extras;
@@ -622,7 +621,8 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
       begin = unit_start[n];
       end = min(unit_start[n + 1], begin + seg);
 #pragma unroll
-      for (int v = 0; v < NV; ++v) out[v] = dws[v] + (long long)n * TWELL_KDIM;
+      for (int v = 0; v < NV; ++v)  // pointers chosen by value (see the finish kernel)
+        out[v] = (v == 0 ? dw0 : (v == 1 ? dw1 : dw2)) + (long long)n * TWELL_KDIM;
     } else {
       const int e = item - N;
       n = find_unit(seg_start, N, e);
@@ -705,24 +705,23 @@ twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra
     const int n = find_unit(seg_start, N, e);
     if (seg_start[n] != e) continue;
     const int nseg = min(seg_start[n + 1], extras) - e;
-#pragma unroll
-    for (int v = 0; v < NV; ++v) {
-      // A pointer chosen by value, not an array of pointers: one NVRTC (13.0) put such an
-      // array in local memory.
-      float* const dw = v == 0 ? dw0 : (v == 1 ? dw1 : dw2);
-      float4* o = reinterpret_cast<float4*>(dw + (long long)n * TWELL_KDIM);
-      for (int k = threadIdx.x; k < TWELL_KDIM / 4; k += blockDim.x) {
-        float4 a = o[k];
-        for (int s = 0; s < nseg; ++s) {
-          const float4 b =
-              reinterpret_cast<const float4*>(ws + ((long long)(e + s) * NV + v) * TWELL_KDIM)[k];
-          a.x += b.x;
-          a.y += b.y;
-          a.z += b.z;
-          a.w += b.w;
-        }
-        o[k] = a;
+    // One flat loop over (v, k); the output pointer chosen by value. (Two NVRTC versions
+    // spilled a few bytes here with a loop over v: 13.0 when unrolled, 13.x when not.)
+    const long long row = (long long)n * TWELL_KDIM;
+    for (int i = threadIdx.x; i < NV * (TWELL_KDIM / 4); i += blockDim.x) {
+      const int v = i / (TWELL_KDIM / 4), k = i - v * (TWELL_KDIM / 4);
+      float4* o = reinterpret_cast<float4*>((v == 0 ? dw0 : (v == 1 ? dw1 : dw2)) + row) + k;
+      const float4* src =
+          reinterpret_cast<const float4*>(ws + ((long long)e * NV + v) * TWELL_KDIM) + k;
+      float4 acc = *o;
+      for (int s = 0; s < nseg; ++s) {
+        const float4 b = src[(long long)s * NV * (TWELL_KDIM / 4)];
+        acc.x += b.x;
+        acc.y += b.y;
+        acc.z += b.z;
+        acc.w += b.w;
       }
+      *o = acc;
     }
   }
 }
