@@ -229,8 +229,12 @@ def test_backward_segments_and_heavy_chunks(monkeypatch: pytest.MonkeyPatch, gat
         assert_grad_close(name, g, r)
 
 
-def _dense_bf16_dx_error(w: tuple, x: np.ndarray, dy: np.ndarray, ref_dx: np.ndarray) -> float:
-    """Relative error of dx from torch autograd of the dense block in bf16."""
+def _dense_bf16_dx_error(
+    w: tuple, x: np.ndarray, dy: np.ndarray, ref_dx: np.ndarray, l1: float = 0.0,
+    reduction: str = "mean",
+) -> float:  # fmt: skip
+    """Relative error of dx (finite entries) from torch autograd of the dense block in
+    bf16, the loss <dy, y> + l1 · L1(h): what dense bf16 math itself gets."""
     torch = pytest.importorskip("torch")
 
     def t(a: object, grad: bool = False) -> object:
@@ -240,9 +244,13 @@ def _dense_bf16_dx_error(w: tuple, x: np.ndarray, dy: np.ndarray, ref_dx: np.nda
     xt = t(x, True)
     a = torch.nn.functional.linear(xt, wu if wg is None else wg)
     h = torch.relu(a) if wg is None else torch.relu(a) * torch.nn.functional.linear(xt, wu)
-    torch.nn.functional.linear(h, wd).backward(t(dy))
+    y = torch.nn.functional.linear(h, wd)
+    scale = 1.0 / (h.shape[0] * (h.shape[1] if reduction == "mean" else 1))
+    loss = (y.float() * t(dy).float()).sum() + l1 * scale * h.float().abs().sum()
+    loss.backward()
     got = xt.grad.double().cpu().numpy()
-    return float(np.linalg.norm(got - ref_dx) / np.linalg.norm(ref_dx))
+    finite = np.isfinite(ref_dx) & np.isfinite(got)
+    return float(np.linalg.norm((got - ref_dx)[finite]) / np.linalg.norm(ref_dx[finite]))
 
 
 def test_backward_hot_units_split_into_segments():
@@ -338,7 +346,13 @@ def test_hypothesis_backward(
     x = np.asarray(p.x).astype(BF16)
     dy = upstream(x.shape[0], x.shape[1], seed)
     got, ref = run(w, x, dy, Options(slots=slots), l1, reduction)
-    check(got, ref)
+    # slots=2 makes most rows heavy: their da/du are bf16 on the tensor-core path, as in
+    # dense bf16 autograd; dx may then sit at dense bf16 math's own error (tiny K gives
+    # few terms to average it away), so it is held to 1.25x that where it exceeds TOL.
+    dense_err = _dense_bf16_dx_error(w, x, dy, ref[0], l1, reduction)
+    assert_grad_close("dx", got[0], ref[0], max(TOL, 1.25 * dense_err))
+    for name, g, r in zip(("dw_gate", "dw_up", "dw_down"), got[1:], ref[1:], strict=True):
+        assert_grad_close(name, g, r)
 
 
 def test_dataclass_fields_are_what_the_pipeline_passes():
