@@ -7,6 +7,7 @@ the kernels run, so an unwritten element fails the comparison.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -32,24 +33,20 @@ from twell.kernels.cublas import gemm_nt  # noqa: E402
 from twell.kernels.pack import pack  # noqa: E402
 from twell.kernels.pipeline import PreparedBlock  # noqa: E402
 from twell.options import PATHS, Options  # noqa: E402
+from twell.testing.asserts import as_host  # noqa: E402
+from twell.testing.gpu import poisoned_buffers  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
-        out = cp.empty(shape, dtype=dtype)
-        out.view(cp.uint8)[...] = 0xFF
-        return out
-
-    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+def poisoned_outputs() -> Iterator[None]:
+    with poisoned_buffers():
+        yield
 
 
 def to_f64(a: object) -> np.ndarray:
-    if np.dtype(a.dtype) == BF16:
-        return a.view(cp.uint16).get().view(BF16).astype(np.float64)
-    return cp.asnumpy(a).astype(np.float64)
+    return as_host(a).astype(np.float64)
 
 
 def rel_err(y: np.ndarray, ref: np.ndarray) -> float:

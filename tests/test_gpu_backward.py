@@ -9,6 +9,7 @@ comparison.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -29,29 +30,25 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from twell.benchmark import to_device as to_gpu  # noqa: E402
-from twell.kernels import backward, buffers  # noqa: E402
+from twell.kernels import backward  # noqa: E402
 from twell.kernels.pipeline import PreparedBlock  # noqa: E402
 from twell.options import Options  # noqa: E402
 from twell.testing import strategies as tst  # noqa: E402
+from twell.testing.asserts import as_host  # noqa: E402
+from twell.testing.gpu import poisoned_buffers  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
-        out = cp.empty(shape, dtype=dtype)
-        out.view(cp.uint8)[...] = 0xFF
-        return out
-
-    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+def poisoned_outputs() -> Iterator[None]:
+    with poisoned_buffers():
+        yield
 
 
 def to_f64(a: object) -> np.ndarray:
-    if np.dtype(a.dtype) == BF16:
-        return a.view(cp.uint16).get().view(BF16).astype(np.float64)
-    return cp.asnumpy(a).astype(np.float64)
+    return as_host(a).astype(np.float64)
 
 
 def assert_grad_close(

@@ -9,6 +9,7 @@ hold the poison afterwards (the dense path writes them, not this kernel).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +37,7 @@ from twell.kernels.buffers import u16  # noqa: E402
 from twell.kernels.pipeline import PreparedBlock  # noqa: E402
 from twell.options import Options  # noqa: E402
 from twell.testing import strategies as tst  # noqa: E402
+from twell.testing.gpu import poisoned_buffers  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 POISON = 0xFFFF
@@ -44,13 +46,9 @@ TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
-        out = cp.empty(shape, dtype=dtype)
-        out.view(cp.uint8)[...] = 0xFF
-        return out
-
-    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+def poisoned_outputs() -> Iterator[None]:
+    with poisoned_buffers():
+        yield
 
 
 # ---------------------------------------------------------------------- problems

@@ -7,6 +7,7 @@ Skipped without a GPU; run on the GPU machine. Outputs are poisoned as in test_g
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,21 +24,16 @@ if _REASON is not None:
     pytest.skip(_REASON, allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-import cupy as cp  # noqa: E402
 
 import twell  # noqa: E402
-from twell.kernels import buffers  # noqa: E402
+from twell.testing.gpu import poisoned_buffers  # noqa: E402
 from twell.torch import SparseMLP  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poisoned(shape: tuple[int, ...], dtype: object) -> object:
-        out = cp.empty(shape, dtype=dtype)
-        out.view(cp.uint8)[...] = 0xFF
-        return out
-
-    monkeypatch.setattr(buffers, "cupy_empty", poisoned)
+def poisoned_outputs() -> Iterator[None]:
+    with poisoned_buffers():
+        yield
 
 
 def tensors(p: workloads.Problem) -> list:

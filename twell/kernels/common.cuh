@@ -127,4 +127,68 @@ TWELL_DEVICE void twell_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// ---------------------------------------------------------------- reading a TwELL tile
+// A warp reads a tile of T bf16 columns, lane l owning the E = T/32 columns [l*E, l*E+E):
+// twell_load_lane fetches them as raw 32-bit words in one streaming vector load (several
+// can be in flight before twell_unpack_lane splits them), twell_scan_tile applies the
+// routing rule's bit tests and counts the tile's nonzeros across the warp.
+template <int E>
+TWELL_DEVICE void twell_load_lane(const uint16_t* p, uint32_t (&raw)[(E + 1) / 2]) {
+  if constexpr (E == 8) {
+    const uint4 q = __ldcs(reinterpret_cast<const uint4*>(p));
+    raw[0] = q.x; raw[1] = q.y; raw[2] = q.z; raw[3] = q.w;
+  } else if constexpr (E == 4) {
+    const uint2 q = __ldcs(reinterpret_cast<const uint2*>(p));
+    raw[0] = q.x; raw[1] = q.y;
+  } else if constexpr (E == 2) {
+    raw[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    raw[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
+  }
+}
+
+template <int E>
+TWELL_DEVICE void twell_unpack_lane(const uint32_t (&raw)[(E + 1) / 2], uint16_t (&v)[E]) {
+  if constexpr (E == 1) {
+    v[0] = (uint16_t)raw[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) {
+      v[2 * i] = raw[i] & 0xffff;
+      v[2 * i + 1] = raw[i] >> 16;
+    }
+  }
+}
+
+// One warp's tile: `mask` bit i set when relu keeps this lane's value i, `mine` its
+// popcount, `incl` the inclusive prefix of `mine` over the lanes, `total` the tile's
+// count, `bad` whether any lane holds a non-finite value (warp-wide).
+struct TwellTileScan {
+  uint32_t mask;
+  int mine, incl, total;
+  bool bad;
+};
+
+template <int E>
+TWELL_DEVICE TwellTileScan twell_scan_tile(const uint16_t (&v)[E], int lane) {
+  TwellTileScan r;
+  r.mask = 0;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    r.mask |= (twell_relu_keeps(v[i]) ? 1u : 0u) << i;
+    bad |= twell_non_finite(v[i]);
+  }
+  r.mine = __popc(r.mask);
+  r.incl = r.mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, r.incl, d);
+    if (lane >= d) r.incl += t;
+  }
+  r.total = __shfl_sync(0xffffffffu, r.incl, 31);
+  r.bad = __any_sync(0xffffffffu, bad);
+  return r;
+}
+
 #endif

@@ -43,33 +43,6 @@ __device__ __forceinline__ bool chunk_valid(int c, int lane) {
 
 #define SCAN_BATCH 8  // tiles whose loads are in flight together in phase 1
 
-// One lane's EPL bf16 of a tile, as raw 32-bit words (EPL == 1: one 16-bit value).
-__device__ __forceinline__ void load_tile(const uint16_t* p, uint32_t* raw) {
-#if EPL == 8
-  const uint4 q = __ldcs(reinterpret_cast<const uint4*>(p));
-  raw[0] = q.x; raw[1] = q.y; raw[2] = q.z; raw[3] = q.w;
-#elif EPL == 4
-  const uint2 q = __ldcs(reinterpret_cast<const uint2*>(p));
-  raw[0] = q.x; raw[1] = q.y;
-#elif EPL == 2
-  raw[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
-#else
-  raw[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
-#endif
-}
-
-__device__ __forceinline__ void unpack_tile(const uint32_t* raw, uint16_t (&v)[EPL]) {
-#if EPL == 1
-  v[0] = (uint16_t)raw[0];
-#else
-#pragma unroll
-  for (int i = 0; i < EPL / 2; ++i) {
-    v[2 * i] = raw[i] & 0xffff;
-    v[2 * i + 1] = raw[i] >> 16;
-  }
-#endif
-}
-
 struct Shared {
   uint32_t list[TWELL_ROW_WARPS][LIST_CAP];
 #if TWELL_GATED
@@ -170,40 +143,26 @@ __device__ __forceinline__ bool scan_row(const uint16_t* __restrict__ src, int t
   int total = 0;
   bool is_heavy = false;
   for (int j0 = 0; j0 < tiles && !is_heavy; j0 += SCAN_BATCH) {
-    uint32_t raw[SCAN_BATCH][EPL / 2 > 0 ? EPL / 2 : 1];
+    uint32_t raw[SCAN_BATCH][(EPL + 1) / 2];
 #pragma unroll
     for (int b = 0; b < SCAN_BATCH; ++b) {
-      if (j0 + b < tiles) load_tile(src + (j0 + b) * TWELL_TILE + lane * EPL, raw[b]);
+      if (j0 + b < tiles) twell_load_lane<EPL>(src + (j0 + b) * TWELL_TILE + lane * EPL, raw[b]);
     }
 #pragma unroll
     for (int b = 0; b < SCAN_BATCH; ++b) {
       if (j0 + b >= tiles || is_heavy) break;
       uint16_t v[EPL];
-      unpack_tile(raw[b], v);
-      uint32_t mask = 0;
-      bool bad = false;
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) {
-        mask |= (twell_relu_keeps(v[i]) ? 1u : 0u) << i;
-        bad |= twell_non_finite(v[i]);
-      }
-      const int mine = __popc(mask);
-      int incl = mine;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int t = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += t;
-      }
-      const int count = __shfl_sync(0xffffffffu, incl, 31);
-      is_heavy = __any_sync(0xffffffffu, bad) || twell_tile_overflows(count, TWELL_SLOTS) ||
-                 twell_row_over_limit(total + count, max_row_nnz);
+      twell_unpack_lane<EPL>(raw[b], v);
+      const TwellTileScan t = twell_scan_tile<EPL>(v, lane);
+      is_heavy = t.bad || twell_tile_overflows(t.total, TWELL_SLOTS) ||
+                 twell_row_over_limit(total + t.total, max_row_nnz);
       if (!is_heavy) {
-        int slot = total + incl - mine;
+        int slot = total + t.incl - t.mine;
         const uint32_t col0 = (uint32_t)((j0 + b) * TWELL_TILE + lane * EPL);
 #pragma unroll
         for (int i = 0; i < EPL; ++i)
-          if (mask & (1u << i)) list[slot++] = (col0 + i) | ((uint32_t)v[i] << 16);
-        total += count;
+          if (t.mask & (1u << i)) list[slot++] = (col0 + i) | ((uint32_t)v[i] << 16);
+        total += t.total;
       }
     }
   }

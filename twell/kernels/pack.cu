@@ -15,23 +15,6 @@
 #define EPL (TWELL_TILE / 32)
 #define PACK_WARPS TWELL_PACK_WARPS
 
-__device__ __forceinline__ void load_lane(const uint16_t* p, uint16_t (&v)[EPL]) {
-#if EPL == 8
-  uint4 q = __ldcs(reinterpret_cast<const uint4*>(p));
-  uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) { v[2 * i] = w[i] & 0xffff; v[2 * i + 1] = w[i] >> 16; }
-#elif EPL == 4
-  uint2 q = __ldcs(reinterpret_cast<const uint2*>(p));
-  v[0] = q.x & 0xffff; v[1] = q.x >> 16; v[2] = q.y & 0xffff; v[3] = q.y >> 16;
-#elif EPL == 2
-  uint32_t q = __ldcs(reinterpret_cast<const unsigned int*>(p));
-  v[0] = q & 0xffff; v[1] = q >> 16;
-#else
-  v[0] = __ldcs(reinterpret_cast<const unsigned short*>(p));
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(PACK_WARPS * 32)
 twell_pack_rows(const uint16_t* __restrict__ pre,   // [M, N] bf16 bits, gate pre-activation
                 uint32_t* __restrict__ packed,      // [M, N/TILE*SLOTS] out
@@ -47,30 +30,17 @@ twell_pack_rows(const uint16_t* __restrict__ pre,   // [M, N] bf16 bits, gate pr
   uint32_t* dst = packed + row * (long long)tiles * TWELL_SLOTS;
   bool is_heavy = false;
 
-  uint16_t next[EPL];
-  load_lane(src + lane * EPL, next);
+  uint32_t next[(EPL + 1) / 2];
+  twell_load_lane<EPL>(src + lane * EPL, next);
   for (int j = 0; j < tiles; ++j) {
     uint16_t v[EPL];
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) v[e] = next[e];
-    if (j + 1 < tiles) load_lane(src + (j + 1) * TWELL_TILE + lane * EPL, next);
+    twell_unpack_lane<EPL>(next, v);
+    if (j + 1 < tiles) twell_load_lane<EPL>(src + (j + 1) * TWELL_TILE + lane * EPL, next);
 
-    uint32_t mask = 0;
-    bool bad = false;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      mask |= (twell_relu_keeps(v[e]) ? 1u : 0u) << e;
-      bad |= twell_non_finite(v[e]);
-    }
-    const int mine = __popc(mask);
-    int incl = mine;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int t = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += t;
-    }
-    const int total = __shfl_sync(0xffffffffu, incl, 31);
-    is_heavy |= twell_tile_overflows(total, TWELL_SLOTS) || __any_sync(0xffffffffu, bad);
+    const TwellTileScan scan = twell_scan_tile<EPL>(v, lane);
+    const uint32_t mask = scan.mask;
+    const int mine = scan.mine, incl = scan.incl, total = scan.total;
+    is_heavy |= twell_tile_overflows(total, TWELL_SLOTS) || scan.bad;
 
     // Stage the tile's words in shared memory, then store them coalesced.
     for (int w = lane; w < TWELL_SLOTS; w += 32) stage[warp][w] = 0u;

@@ -9,6 +9,8 @@
   :func:`relative_error`.
 - :mod:`twell.testing.profiles`: the ``dev``/``ci``/``deep`` Hypothesis profiles and
   :func:`~twell.testing.profiles.load_profile`.
+- :mod:`twell.testing.gpu`: :func:`~twell.testing.gpu.poisoned_buffers`, every buffer the
+  kernels write filled with 0xFF first (needs CuPy).
 
 The assertions are imported here; the strategies and profiles need Hypothesis and are
 imported from their modules.
