@@ -7,14 +7,16 @@ OLD=${1:-.old}
 OUT=${OUT:-/tmp/twell_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   PYTHONPATH="$OLD" python3 bench/compare_trees.py --label old --out "$OUT/old_$round.json" > /dev/null
   PYTHONPATH=. python3 bench/compare_trees.py --label new --out "$OUT/new_$round.json" > /dev/null
 done
 python3 - "$OUT" <<'PY'
 import json, sys, statistics
 out = sys.argv[1]
-runs = {lab: [json.load(open(f"{out}/{lab}_{r}.json")) for r in (1, 2)] for lab in ("old", "new")}
+import glob
+runs = {lab: [json.load(open(f)) for f in sorted(glob.glob(f"{out}/{lab}_*.json"))]
+        for lab in ("old", "new")}
 key = lambda r: (r["workload"], r["M"], r["path"], r.get("gated"))
 old = {key(r): r for r in runs["old"][0]}
 times = {lab: {} for lab in runs}
