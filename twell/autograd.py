@@ -347,34 +347,13 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 # ---------------------------------------------------------------------- CUDA: kernels
 @functools.cache
-def _training_block_class() -> type:
-    """:class:`PreparedBlock` without its host-synchronising weight check (imported on
-    first use: the GPU branch only)."""
-    from twell.kernels.convert import as_bf16, transpose
-    from twell.kernels.pipeline import DensitySwitch, PreparedBlock
-    from twell.options import check_width
+def _training_block(w_gate: Any, w_up: Any, w_down: Any, options: Options) -> Any:
+    """A :class:`PreparedBlock` for one training step: the same layouts, built with no
+    host synchronisation (capturable): its weights are not checked on the host
+    (``check_weights=False``); the backward checks them on the device."""
+    from twell.kernels.pipeline import PreparedBlock
 
-    class TrainingBlock(PreparedBlock):
-        """A :class:`PreparedBlock` for one training step: the same layouts, built with no
-        host synchronisation (capturable). ``PreparedBlock`` checks that the weights are
-        finite (three reductions read on the host) for its dense fallback, which only
-        its ``save=False`` path takes; training calls ``forward(x, save=True)``, whose
-        routing sends non-finite pre-activations to the dense rows by itself."""
-
-        def __init__(self, w_gate: Any, w_up: Any, w_down: Any, options: Options) -> None:
-            self.options = options
-            self.w_gate = None if w_gate is None else as_bf16(w_gate)
-            self.w_up = as_bf16(w_up)
-            self.w_down = as_bf16(w_down)
-            self.n, self.k = self.w_up.shape
-            check_width(self.k)
-            self.max_row_nnz = options.row_limit(self.n)
-            self.w_down_t = transpose(self.w_down)
-            self.weights_finite = True  # not checked: see the class docstring
-            self.density = DensitySwitch(self.n, False)
-            self._graph_scratch: list[list[Any]] = []
-
-    return TrainingBlock
+    return PreparedBlock(w_gate, w_up, w_down, options, check_weights=False)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -412,7 +391,7 @@ def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capac
     arrays = {"x": x.contiguous(), "w_gate": _contiguous(w_gate), "w_up": w_up.contiguous(),
               "w_down": w_down.contiguous()}  # fmt: skip
     with on_gpu("torch", arrays) as (v, to_caller):
-        block = _training_block_class()(v["w_gate"], v["w_up"], v["w_down"], options)
+        block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
         y, saved = block.forward(v["x"], save=True)
         outputs = [
             to_caller(a)
@@ -509,7 +488,7 @@ def _backward_cuda(
         "heavy": heavy.contiguous(), "ids": ids.contiguous(), "count": count.contiguous(),
     }  # fmt: skip
     with on_gpu("torch", arrays) as (v, to_caller):
-        block = _training_block_class()(v["w_gate"], v["w_up"], v["w_down"], options)
+        block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
         saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"])
         grads = ffn_backward(block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=reduction)
         dx, dwg, dwu, dwd = (None if g is None else _unview(to_caller(g)) for g in grads)

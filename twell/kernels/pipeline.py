@@ -72,9 +72,21 @@ class PreparedBlock:
         w_up: ``[N, K]``; w_down: ``[K, N]`` (``torch.nn.Linear`` layout), CuPy arrays,
             already validated (``twell.ops`` does that).
         options: how the block runs (:class:`twell.options.Options`).
+        check_weights: check once that the weights are finite (three reductions read on
+            the host: a synchronisation). False (a training step, which must not
+            synchronise): ``weights_finite`` is None, unknown; the backward then checks
+            on the device, and the forward's ``save=True`` path does not use it.
     """
 
-    def __init__(self, w_gate: Any | None, w_up: Any, w_down: Any, options: Options) -> None:
+    def __init__(
+        self,
+        w_gate: Any | None,
+        w_up: Any,
+        w_down: Any,
+        options: Options,
+        *,
+        check_weights: bool = True,
+    ) -> None:
         self.options = options
         self.w_gate = None if w_gate is None else as_bf16(w_gate)
         self.w_up = as_bf16(w_up)
@@ -83,7 +95,9 @@ class PreparedBlock:
         check_width(self.k)
         self.max_row_nnz = options.row_limit(self.n)
         self.w_down_t = transpose(self.w_down)
-        self.weights_finite = _all_finite(self.w_gate, self.w_up, self.w_down)
+        self.weights_finite: bool | None = (
+            _all_finite(self.w_gate, self.w_up, self.w_down) if check_weights else None
+        )
         self.density = DensitySwitch(self.n, options.density_switch)
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
