@@ -43,7 +43,7 @@ $(CORE_STAMP): pyproject.toml | $(PY)
 
 # Everything the test suite needs. torch goes in first, then twell[test], then ruff.
 $(TEST_STAMP): pyproject.toml | $(PY)
-	$(PIP) install $(if $(strip $(TORCH_INDEX)),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
+	$(PIP) install --retries 1 --timeout 10 $(if $(strip $(TORCH_INDEX)),--extra-index-url "$(TORCH_INDEX)") "$(TORCH)"
 	$(PIP) install -e '.[test]'
 	$(PIP) install ruff
 	touch $(CORE_STAMP) $@
