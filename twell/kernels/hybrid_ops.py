@@ -104,9 +104,10 @@ def gated_down(x: Any, g: Hybrid, w_up: Any, w_down: Any) -> Any:
 def ffn(x: Any, w_gate: Any | None, w_up: Any, w_down: Any, options: Options) -> Any:
     """The whole block (``w_gate=None``: non-gated); ``x``'s dtype out.
 
-    Prepares the weights on every call: hold a :class:`PreparedBlock` (or the public
-    ``twell.SparseFFN``) to pay that once. No host synchronisation. Not for CUDA-graph
-    capture (its prepared weights and scratch are freed after the call).
+    Prepares the weights on every call, including their finiteness check (one host
+    synchronisation): hold a :class:`PreparedBlock` (or the public ``twell.SparseFFN``)
+    to pay that once. Not for CUDA-graph capture (its prepared weights and scratch are
+    freed after the call).
     """
     import cupy
 
