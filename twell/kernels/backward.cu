@@ -73,8 +73,7 @@
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_TILE, TWELL_SLOTS, TWELL_GATED; constants
 // shared with backward.py: TWELL_LIST_CAPACITY, TWELL_BW_CHUNK_ROWS, TWELL_BW_UNIT_WARPS,
-// TWELL_BW_GRAD_BATCH, TWELL_BW_LIGHT_MIN_BLOCKS. TWELL_EMU builds the file for a CPU
-// emulator (tests without a GPU): it replaces the PTX helpers below, nothing else.
+// TWELL_BW_GRAD_BATCH, TWELL_BW_LIGHT_MIN_BLOCKS.
 
 #define NCH ((TWELL_KDIM + 255) / 256)
 #define FULL_CHUNKS (TWELL_KDIM % 256 == 0)
@@ -91,7 +90,6 @@
 #define KEEP_UP (NCH <= 8)
 
 // ---------------------------------------------------------------- PTX helpers
-#ifndef TWELL_EMU
 __device__ __forceinline__ void bw_cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
@@ -115,22 +113,6 @@ __device__ __forceinline__ void bw_ldmatrix_trans(uint32_t (&r)[4], const uint16
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
-#else
-__device__ __forceinline__ void bw_cp_async16(void* smem, const void* gmem, bool valid) {
-  emu::cp_async(smem, gmem, 16, valid ? 16 : 0);
-}
-__device__ __forceinline__ void bw_cp_commit() { emu::cp_commit(); }
-template <int N>
-__device__ __forceinline__ void bw_cp_wait() {
-  emu::cp_wait(N);
-}
-__device__ __forceinline__ void bw_ldmatrix(uint32_t (&r)[4], const uint16_t* p) {
-  emu::ldmatrix(r, p, false);
-}
-__device__ __forceinline__ void bw_ldmatrix_trans(uint32_t (&r)[4], const uint16_t* p) {
-  emu::ldmatrix(r, p, true);
-}
-#endif
 
 // ---------------------------------------------------------------- small helpers
 __device__ __forceinline__ bool chunk_valid(int c, int lane) {
