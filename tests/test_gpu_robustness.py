@@ -1,5 +1,6 @@
-"""No silent wrong numbers on the GPU (issue 8): the public ops on CuPy arrays raise or
-equal dense float64 math (skipped without a GPU; run on the GPU machine).
+"""No silent wrong numbers on the GPU (docs/ops.md, "Errors and bad input"): the public
+ops on CuPy arrays raise or equal dense float64 math (skipped without a GPU; run on the
+GPU machine).
 
 Only the public API is used (``twell.gate``, ``twell.down``, ``twell.gated_down``,
 ``twell.ffn``, ``twell.SparseFFN``), on CuPy arrays and formats wrapped around CuPy

@@ -1,4 +1,5 @@
-"""No silent wrong numbers (issue 8): every entry point raises or equals dense float64 math.
+"""No silent wrong numbers (docs/ops.md, "Errors and bad input"): every entry point
+raises or equals dense float64 math.
 
 The properties build corrupt and edge buffers through the public constructors
 (``twell.testing.strategies``) and check, for every public op and reference op, that the
