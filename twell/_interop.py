@@ -15,6 +15,7 @@ A call with CuPy arrays runs on CuPy's current stream and allocates from CuPy's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from twell.kernels.buffers import allocating_with
 _streams: dict[tuple[int, int], Any] = {}
 
 
+@functools.cache
 def _torch_dtypes() -> dict[Any, np.dtype]:
     import torch
 
@@ -38,6 +40,11 @@ def _torch_dtypes() -> dict[Any, np.dtype]:
         torch.uint8: np.dtype(np.uint8),
         torch.int32: np.dtype(np.int32),
     }
+
+
+@functools.cache
+def _numpy_to_torch() -> dict[np.dtype, Any]:
+    return {v: k for k, v in _torch_dtypes().items()}
 
 
 def cupy_view(tensor: Any) -> Any:
@@ -83,7 +90,7 @@ class TorchBuffers:
         owner = self._owners.get(array.data.ptr)
         if owner is None or not array.flags.c_contiguous:
             return torch.from_dlpack(array)
-        torch_dtype = {v: k for k, v in _torch_dtypes().items()}[np.dtype(array.dtype)]
+        torch_dtype = _numpy_to_torch()[np.dtype(array.dtype)]
         return owner[: array.nbytes].view(torch_dtype).view(array.shape)
 
 

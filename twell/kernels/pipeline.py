@@ -32,7 +32,7 @@ no step uses atomics, so the same inputs give the same output bits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,13 +55,11 @@ class LightRows:
         pre: the dense bf16 gate pre-activation ``[M, N]`` when the route wrote one, or
             None: then the heavy rows' pre-activations are recomputed from ``x``.
         packed: the TwELL words of ``relu(pre)`` when the route packed them, else None.
-        scratch: buffers the route used (kept alive by a captured CUDA graph).
     """
 
     heavy: Any
     pre: Any | None = None
     packed: Any | None = None
-    scratch: list[Any] = field(default_factory=list)
 
 
 class PreparedBlock:
@@ -145,7 +143,7 @@ class PreparedBlock:
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots)
         if in_capture:
-            self._graph_scratch.append([xb, y, light.pre, light.packed, *light.scratch, *scratch])
+            self._graph_scratch.append([xb, y, light.pre, light.packed, *scratch])
         out = from_bf16(y, x.dtype)
         if not save:
             return out
