@@ -49,7 +49,6 @@ count words; not differentiable).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -346,7 +345,6 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 
 # ---------------------------------------------------------------------- CUDA: kernels
-@functools.cache
 def _training_block(w_gate: Any, w_up: Any, w_down: Any, options: Options) -> Any:
     """A :class:`PreparedBlock` for one training step: the same layouts, built with no
     host synchronisation (capturable): its weights are not checked on the host
