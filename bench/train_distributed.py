@@ -16,13 +16,54 @@ the L1 penalty and its warm-up, as in train_small.py) the script runs:
 
    - ``ddp``: ``DistributedDataParallel`` (gradients all-reduced in buckets);
    - ``fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on every transformer block
-     and on the whole model (parameters, gradients and optimizer state sharded).
+     and on the whole model (parameters, gradients and optimizer state sharded);
+
+3. **reference**: rank 0 alone (the other ranks wait) trains the model from the same
+   initial weights on its one device at the *global* batch, ``world size * --batch``:
+   step ``s``'s batch is the concatenation, in rank order, of the batches the ranks draw
+   at step ``s`` in the distributed runs (every rank's batch generator is replayed; one
+   helper, :func:`draw_batch`, draws the batches of all runs), with the same lr schedule,
+   L1 coefficient schedule (twell), gradient clipping and optimizer (fused AdamW on CUDA,
+   as DDP; FSDP2's sharded parameters take the foreach path), for as many steps as the
+   distributed runs did.
 
 Both use bf16 autocast with fp32 parameters (as train_small.py). The report (rank 0
 writes ``--out``, JSON) has, per run and rank: the training loss every ``--log-every``
-steps, the step times (median after ``--warmup-steps``), tokens/s and peak memory; per
-strategy the all-reduced mean loss and the scaling efficiency:
-``tokens/s of the whole job / (world size * mean one-GPU tokens/s)``.
+steps, the step times (median after ``--warmup-steps``), tokens/s, peak memory and the
+steps done; per strategy the all-reduced mean loss and the scaling efficiency:
+``tokens/s of the whole job / (world size * mean one-GPU tokens/s)``. ``reference_runs``
+holds the reference run of each variant (same fields, one device), and every DDP/FSDP
+run has ``loss_vs_reference``:
+
+- ``per_step``: at each step both runs logged, the reference's loss, the distributed
+  run's all-reduced mean loss, their absolute and relative difference;
+- ``max_abs_diff``, ``max_rel_diff``: over those steps;
+- ``final_step``, ``final_reference_loss``, ``final_distributed_loss``,
+  ``final_abs_diff``, ``final_rel_diff``: at the last step both logged (training loss;
+  there is no held-out evaluation here);
+- ``tail_steps``, ``tail_rel_diff``: the relative difference of the means of the last
+  ``TAIL_LOGGED`` (5) logged losses;
+- ``rtol`` and ``loss_matches``: ``tail_rel_diff <= rtol`` and every logged step's
+  ``rel_diff <= STEP_RTOL_FACTOR * rtol`` (3x).
+
+The tolerance: bitwise equality is impossible (the reductions run in other orders: DDP's
+bucketed all-reduce and FSDP2's reduce-scatter against one backward over the whole batch,
+and GEMMs of other shapes pick other kernels), and training amplifies the rounding
+differences step after step; on CUDA every matmul also rounds to bf16 under autocast
+(8-bit significand, up to 0.4% per rounding), so the runs drift apart while following the
+same loss curve. ``rtol`` is 2% on CUDA: several times the drift expected between such
+equivalent runs on identical batches, yet tight enough to flag a run that learns
+differently (gradients not synchronised across ranks, a shifted lr or L1 schedule, a
+diverging run). It cannot see every data error (batches of thousands of tokens differ
+little in loss, and AdamW largely ignores a gradient's overall scale), so batch identity
+is checked where rounding does not hide it: on CPU (``--smoke``: fp32, no autocast) only
+the reduction order differs and ``rtol`` is 1e-3; the smoke runs agree to about 1e-7,
+while a reference with half its batches replaced by other windows is off by about 2% in
+the last logged losses and 5% at single steps.
+
+``--max-minutes`` stops a run early (checked at the logged steps; DDP/FSDP ranks agree
+through the loss all-reduce); the report has ``steps_done``. The reference's limit is
+``world size`` times longer (each of its steps does the work of all ranks).
 
 ``NCCL_NVLS_ENABLE=0`` is set for the job (NVLink SHARP multicast off; see the machines'
 notes).
@@ -51,6 +92,9 @@ if str(HERE) not in sys.path:
 import train_small  # noqa: E402  (also puts the repository on sys.path)
 
 STRATEGIES = ("ddp", "fsdp")
+TAIL_LOGGED = 5  # logged losses averaged for loss_vs_reference's tail_rel_diff
+STEP_RTOL_FACTOR = 3.0  # every logged step: rel_diff <= STEP_RTOL_FACTOR * rtol
+LOSS_RTOL = {"cuda": 0.02, "cpu": 1e-3}  # see the module docstring
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +135,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="steps left out of the timing (default 10, smoke: 1)",
     )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0.0,
+        help="stop a run after this many minutes, checked at the logged steps (the "
+        "reference: world size times as long); default 0: never",
+    )
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the one-device reference at the global batch (and loss_vs_reference)",
+    )
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -103,6 +159,25 @@ def config_from(args: argparse.Namespace) -> train_small.Config:
         if getattr(args, f.name) is not None
     }
     return dataclasses.replace(config, **overrides)
+
+
+# ---------------------------------------------------------------------- batches
+def batch_generator(config: train_small.Config, rank: int) -> Any:
+    """Rank ``rank``'s batch generator (the same in its one-GPU and distributed runs, and
+    replayed by the reference)."""
+    import torch
+
+    return torch.Generator().manual_seed(config.seed + 1000 * (rank + 1))
+
+
+def draw_batch(train_data: Any, config: train_small.Config, generators: list[Any]) -> Any:
+    """One step's batch: ``config.batch`` windows from each generator, concatenated in
+    order (one generator: a rank's batch; all ranks' generators: the reference's)."""
+    import torch
+
+    return torch.cat(
+        [train_small.random_batch(train_data, config.batch, config.seq, g) for g in generators]
+    )
 
 
 # ---------------------------------------------------------------------- one run
@@ -127,15 +202,22 @@ def run(
     device: Any,
     args: argparse.Namespace,
     rank: int,
+    world: int,
+    *,
+    run_steps: int | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps; ``strategy`` is ``"single"``, ``"ddp"`` or ``"fsdp"``.
-    Returns this rank's record."""
+    """Train with schedules that span ``steps`` steps, for ``run_steps`` of them (default
+    ``steps``; fewer when ``--max-minutes`` stops the run); ``strategy`` is ``"single"``,
+    ``"ddp"``, ``"fsdp"`` or ``"reference"`` (this rank alone, at the global batch: all
+    ranks' batches). Returns this rank's record."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     import twell.torch as twell_torch
 
     sparse = variant == "twell"
+    distributed = strategy in STRATEGIES
+    run_steps = steps if run_steps is None else run_steps
     model = train_small.build_model(config, device, sparse=sparse)  # same weights on all ranks
     inner = model
     if strategy == "ddp":
@@ -154,16 +236,21 @@ def run(
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     # Fused AdamW on plain CUDA tensors; FSDP2's sharded DTensors take the foreach path.
-    optimizer = optimizer_for(model, config, fused=device.type == "cuda" and strategy != "fsdp")
+    fused = device.type == "cuda" and strategy != "fsdp"
+    optimizer = optimizer_for(model, config, fused=fused)
     train_data, _ = data
-    generator = torch.Generator().manual_seed(config.seed + 1000 * (rank + 1))
+    ranks = range(world) if strategy == "reference" else [rank]
+    generators = [batch_generator(config, r) for r in ranks]
+    batch_rows = config.batch * len(generators)
+    limit_s = 60 * args.max_minutes * len(generators) if args.max_minutes > 0 else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, log = [], []
     config_steps = dataclasses.replace(config, steps=steps)  # schedules span this run
-    for step in range(steps):
-        batch = train_small.random_batch(train_data, config.batch, config.seq, generator)
-        batch = batch.to(device, non_blocking=True)
+    started = time.perf_counter()
+    steps_done = 0
+    for step in range(run_steps):
+        batch = draw_batch(train_data, config, generators).to(device, non_blocking=True)
         lr = train_small.lr_at(config_steps, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -182,21 +269,41 @@ def run(
         optimizer.zero_grad(set_to_none=True)
         train_small.synchronize(device)
         times.append(time.perf_counter() - t0)
-        if step % args.log_every == 0 or step == steps - 1:
+        steps_done = step + 1
+        if step % args.log_every == 0 or step == run_steps - 1:
+            stop = limit_s is not None and time.perf_counter() - started > limit_s
             entry: dict[str, Any] = {"step": step, "loss": float(task.detach()), "lr": lr}
-            if strategy != "single":
-                mean = task.detach().clone()
-                torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
-                entry["mean_loss"] = float(mean)
+            if distributed:
+                # Every rank's batch has the same number of tokens (config.batch rows of
+                # config.seq), so the mean over ranks of their per-rank mean task losses
+                # is the mean over the global batch: the reference's loss on the
+                # concatenated batch (and the L1 term is a mean over tokens too, so the
+                # gradients DDP/FSDP average are the global batch's). The second entry:
+                # does any rank want to stop?
+                flag = torch.tensor(float(stop), device=task.device)
+                both = torch.stack([task.detach().float(), flag])
+                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.SUM)
+                entry["mean_loss"] = float(both[0]) / world
+                stop = bool(both[1] > 0)
             if sparse:
                 entry.update(l1_coeff=coeff, l0=twell_torch.l0_per_layer(inner))
             log.append(entry)
             if not args.quiet and rank == 0:
                 print(f"[{strategy}/{variant}] step {step:4d} loss {entry['loss']:.4f}", flush=True)
+            if stop and step < run_steps - 1:
+                if rank == 0:
+                    print(
+                        f"[{strategy}/{variant}] stopping after {steps_done} steps (--max-minutes)",
+                        flush=True,
+                    )
+                break
     timed = times[args.warmup_steps :] or times
     step_time = statistics.median(timed)
     return {
         "rank": rank,
+        "batch": batch_rows,
+        "steps_done": steps_done,
+        "fused_adamw": fused,
         "train_log": log,
         "step_time_s": {
             "median": step_time,
@@ -205,10 +312,66 @@ def run(
             "max": max(timed),
             "first": times[0],
         },
-        "tokens_per_s": config.batch * config.seq / step_time,
+        "tokens_per_s": batch_rows * config.seq / step_time,
+        "wall_s": time.perf_counter() - started,
         "peak_memory_bytes": (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
+    }
+
+
+# ---------------------------------------------------------------------- comparison
+def compare_losses(
+    distributed_log: list[dict[str, Any]], reference_log: list[dict[str, Any]], rtol: float
+) -> dict[str, Any]:
+    """``loss_vs_reference`` (see the module docstring): the distributed run's all-reduced
+    mean loss against the reference's loss at the steps both logged."""
+    reference = {e["step"]: e["loss"] for e in reference_log}
+    pairs = [
+        (e["step"], reference[e["step"]], e["mean_loss"])
+        for e in distributed_log
+        if e["step"] in reference
+    ]
+    result: dict[str, Any] = {
+        "rtol": rtol,
+        "step_rtol": STEP_RTOL_FACTOR * rtol,
+        "tail_logged": TAIL_LOGGED,
+    }
+    if not pairs:
+        return {**result, "per_step": [], "loss_matches": False}
+    per_step = [
+        {
+            "step": step,
+            "reference": ref,
+            "distributed": dist,
+            "abs_diff": abs(dist - ref),
+            "rel_diff": abs(dist - ref) / abs(ref),
+        }
+        for step, ref, dist in pairs
+    ]
+    tail = pairs[-TAIL_LOGGED:]
+    ref_tail = statistics.fmean(ref for _, ref, _ in tail)
+    dist_tail = statistics.fmean(dist for _, _, dist in tail)
+    tail_rel = abs(dist_tail - ref_tail) / abs(ref_tail)
+    max_rel = max(e["rel_diff"] for e in per_step)
+    final = per_step[-1]
+    # NaN compares False: a diverged run never matches.
+    matches = tail_rel <= rtol and max_rel <= STEP_RTOL_FACTOR * rtol
+    return {
+        **result,
+        "per_step": per_step,
+        "max_abs_diff": max(e["abs_diff"] for e in per_step),
+        "max_rel_diff": max_rel,
+        "final_step": final["step"],
+        "final_reference_loss": final["reference"],
+        "final_distributed_loss": final["distributed"],
+        "final_abs_diff": final["abs_diff"],
+        "final_rel_diff": final["rel_diff"],
+        "tail_steps": [step for step, _, _ in tail],
+        "tail_reference_loss": ref_tail,
+        "tail_distributed_loss": dist_tail,
+        "tail_rel_diff": tail_rel,
+        "loss_matches": bool(matches),
     }
 
 
@@ -233,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     use_cuda = torch.cuda.is_available() and not args.smoke
     if use_cuda:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank)  # rank 0's: where the reference runs
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
@@ -243,6 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         timeout=datetime.timedelta(minutes=30),
         **({"device_id": device} if use_cuda else {}),
     )
+    rtol = LOSS_RTOL[device.type]
     try:
         train_data, val_data, corpus = train_small.stdlib_corpus()
         data = (train_data, val_data)
@@ -253,17 +417,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 "steps": config.steps,
                 "baseline_steps": args.baseline_steps,
                 "world_size": world,
+                "global_batch": world * config.batch,
                 "strategies": args.strategies,
                 "variants": args.variants,
+                "max_minutes": args.max_minutes,
+                "reference": not args.no_reference,
+                "loss_rtol": rtol,
                 "corpus": corpus,
             },
             "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
             "torch": torch.__version__,
             "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
             "runs": [],
+            "reference_runs": [],
         }
         for variant in args.variants:
-            single = run("single", variant, config, args.baseline_steps, data, device, args, rank)
+            single = run(
+                "single", variant, config, args.baseline_steps, data, device, args, rank, world
+            )
             singles = gather(single, world)
             dist.barrier()
             one_gpu = statistics.fmean(r["tokens_per_s"] for r in singles)
@@ -275,48 +446,97 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     "tokens_per_s_per_gpu": one_gpu,
                 }
             )
+            entries = []
             for strategy in args.strategies:
-                record = run(strategy, variant, config, config.steps, data, device, args, rank)
+                record = run(
+                    strategy, variant, config, config.steps, data, device, args, rank, world
+                )
                 ranks = gather(record, world)
                 # The job's pace is its slowest rank's.
                 step_time = max(r["step_time_s"]["median"] for r in ranks)
                 total = world * config.batch * config.seq / step_time
-                report["runs"].append(
-                    {
-                        "strategy": strategy,
-                        "variant": variant,
-                        "ranks": ranks,
-                        "step_time_s": step_time,
-                        "tokens_per_s": total,
-                        "scaling_efficiency": total / (world * one_gpu),
-                        "final_mean_loss": ranks[0]["train_log"][-1].get("mean_loss"),
-                    }
-                )
+                entry = {
+                    "strategy": strategy,
+                    "variant": variant,
+                    "ranks": ranks,
+                    "steps_done": ranks[0]["steps_done"],
+                    "step_time_s": step_time,
+                    "tokens_per_s": total,
+                    "scaling_efficiency": total / (world * one_gpu),
+                    "final_mean_loss": ranks[0]["train_log"][-1].get("mean_loss"),
+                }
+                report["runs"].append(entry)
+                entries.append(entry)
                 if use_cuda:
                     torch.cuda.empty_cache()
                 dist.barrier()
+            if args.no_reference:
+                continue
+            # The reference: rank 0 alone, on its device, as many steps as the longest
+            # distributed run did (the schedules still span config.steps).
+            reference_steps = max(e["steps_done"] for e in entries)
+            box: list[Any] = [None]
+            if rank == 0:
+                box[0] = run(
+                    "reference", variant, config, config.steps, data, device, args, rank,
+                    world, run_steps=reference_steps,
+                )  # fmt: skip
+                if use_cuda:
+                    torch.cuda.empty_cache()
+            dist.barrier()  # the other ranks wait here
+            dist.broadcast_object_list(box, src=0)
+            reference = box[0]
+            report["reference_runs"].append(
+                {"strategy": "reference", "variant": variant, **reference}
+            )
+            for entry in entries:
+                entry["loss_vs_reference"] = compare_losses(
+                    entry["ranks"][0]["train_log"], reference["train_log"], rtol
+                )
         if rank == 0:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1))
             if not args.quiet:
-                for entry in report["runs"]:
-                    if entry["strategy"] == "single":
-                        print(
-                            f"[single/{entry['variant']}] "
-                            f"{entry['tokens_per_s_per_gpu']:.0f} tok/s per GPU"
-                        )
-                    else:
-                        print(
-                            f"[{entry['strategy']}/{entry['variant']}] "
-                            f"step {entry['step_time_s'] * 1e3:.1f} ms, "
-                            f"{entry['tokens_per_s']:.0f} tok/s, scaling efficiency "
-                            f"{entry['scaling_efficiency']:.2f}, loss {entry['final_mean_loss']}"
-                        )
+                print_summary(report)
                 print(f"report: {args.out}")
             return report
         return None
     finally:
         dist.destroy_process_group()
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    for entry in report["runs"]:
+        if entry["strategy"] == "single":
+            print(f"[single/{entry['variant']}] {entry['tokens_per_s_per_gpu']:.0f} tok/s per GPU")
+        else:
+            print(
+                f"[{entry['strategy']}/{entry['variant']}] "
+                f"step {entry['step_time_s'] * 1e3:.1f} ms, "
+                f"{entry['tokens_per_s']:.0f} tok/s, scaling efficiency "
+                f"{entry['scaling_efficiency']:.2f}, loss {entry['final_mean_loss']}"
+            )
+    for ref in report["reference_runs"]:
+        print(
+            f"[reference/{ref['variant']}] batch {ref['batch']} on one device: "
+            f"{ref['steps_done']} steps, step {ref['step_time_s']['median'] * 1e3:.1f} ms, "
+            f"final loss {ref['train_log'][-1]['loss']:.4f}"
+        )
+    for entry in report["runs"]:
+        cmp = entry.get("loss_vs_reference")
+        if cmp is None:
+            continue
+        if not cmp["per_step"]:
+            print(f"[{entry['strategy']}/{entry['variant']}] vs reference: no common steps")
+            continue
+        print(
+            f"[{entry['strategy']}/{entry['variant']}] vs reference at step "
+            f"{cmp['final_step']}: loss {cmp['final_distributed_loss']:.4f} vs "
+            f"{cmp['final_reference_loss']:.4f} (diff {cmp['final_abs_diff']:.2e}); "
+            f"last {len(cmp['tail_steps'])} logged: rel diff {cmp['tail_rel_diff']:.2e}; "
+            f"max rel diff {cmp['max_rel_diff']:.2e} (rtol {cmp['rtol']:g}): "
+            f"loss_matches={cmp['loss_matches']}"
+        )
 
 
 def gather(record: dict[str, Any], world: int) -> list[dict[str, Any]]:

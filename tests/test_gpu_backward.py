@@ -354,4 +354,65 @@ def test_hypothesis_backward(
 
 def test_dataclass_fields_are_what_the_pipeline_passes():
     fields = [f.name for f in dataclasses.fields(backward.Activations)]
-    assert fields == ["packed", "heavy", "ids", "count"]
+    assert fields == ["packed", "heavy", "ids", "count", "row_l1"]
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"path": "pack"}, {"dense_capacity": 0.25}, {"dense_capacity": 1.0}, {"slots": 4},
+     {"max_row_nnz": 4}],
+    ids=["epilogue", "pack", "capacity", "all_capacity", "slots4", "row_limit"],
+)  # fmt: skip
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("kind", "m"), [("uniform", 37), ("heavy", 300), ("paperlike", 129)])
+def test_forward_row_l1_matches_reference(kind: str, m: int, gated: bool, opts: dict):
+    """``Activations.row_l1`` (the training forward's L1 term per row: light rows from the
+    gather, heavy rows from their dense rows) against float64 sums of ``|h|``, NaN/Inf
+    rows included; every element written (the buffers are poisoned)."""
+    k, n = 264, 1024
+    p = problem(kind, m, k, n, seed=3)
+    w = weights(p, gated)
+    x = np.array(p.x)
+    x[min(3, m - 1), 5] = np.nan
+    x[m // 2, 7] = np.inf
+    options = dataclasses.replace(Options(), **opts)
+    block = PreparedBlock(*(to_gpu(a) for a in w), options)
+    _, saved = block.forward(to_gpu(x), save=True)
+    got = to_f64(saved.row_l1)
+    xf = x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        first = xf @ np.asarray(w[0] if gated else w[1], np.float64).T
+        h = np.where(np.isnan(first) | (first > 0), first, 0.0)
+        if gated:
+            h = h * (xf @ np.asarray(w[1], np.float64).T)
+        ref = np.abs(h).sum(axis=1)
+    assert got.shape == (m,)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), (np.isnan(got), np.isnan(ref))
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(got), finite)
+    err = np.abs(got[finite] - ref[finite]) / np.maximum(ref[finite], 1e-6)
+    assert err.max() <= 1e-2, (err.max(), int(err.argmax()))
+    _, again = block.forward(to_gpu(x), save=True)
+    assert cp.array_equal(again.row_l1.view(cp.uint32), saved.row_l1.view(cp.uint32))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_bf16_gradients_are_the_fp32_ones_rounded(gated: bool):
+    """``grad_dtype=bf16``: the same fp32 accumulation, rounded once (bit for bit)."""
+    p = problem("heavy", 300, 264, 1024, seed=5)
+    w = weights(p, gated)
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options())
+    xg, dyg = to_gpu(p.x), to_gpu(upstream(300, 264, 6))
+    _, saved = block.forward(xg, save=True)
+    f32 = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+    b16 = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2, grad_dtype=BF16)
+    assert cp.array_equal(f32[0].view(cp.uint16), b16[0].view(cp.uint16))
+    for a, b in zip(f32[1:], b16[1:], strict=True):
+        if a is None:
+            assert b is None
+            continue
+        assert b.dtype == BF16 and b.shape == a.shape
+        rounded = as_host(a).astype(BF16)
+        assert np.array_equal(as_host(b).view(np.uint16), rounded.view(np.uint16))
+    with pytest.raises(TypeError, match="grad_dtype"):
+        backward.ffn_backward(block, xg, dyg, saved, grad_dtype=np.float16)

@@ -34,10 +34,9 @@ Where they run:
   torch's current stream with torch's allocator, without host synchronisation (so
   forward and backward can be captured in a CUDA graph), with one exception: a
   defined ``dl1`` is read on the host (``float(dl1)``) unless the backward kernels take
-  the coefficient on the device (:func:`_l1_coefficient`). The value of ``l1`` needs
-  ``|g * u|`` at the active units, which the forward kernels do not hand out yet: it is
-  recomputed with cuBLAS in bf16 (:func:`_l1_value_cuda`, two GEMMs per call for the
-  gated block, in row chunks; nothing of size ``[M, N]`` is kept).
+  the coefficient on the device (:func:`_l1_coefficient`). The value of ``l1`` is the
+  sum of the forward kernels' per-row sums of ``|h|`` (``Activations.row_l1``: the light
+  rows' ``h`` in fp32 from the gather, the heavy rows' from their bf16 dense rows).
 - **CPU tensors**: the float64 NumPy reference (``twell.reference.ffn``,
   ``twell.reference.ffn_backward``), results cast back to the inputs' dtypes; this is
   what CI checks against torch autograd of the dense block.
@@ -60,9 +59,6 @@ __all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward",
 
 #: The L1 reductions (docs/ops.md): mean over M·N entries, or sum over units / M.
 REDUCTIONS = ("mean", "per_token")
-
-#: Elements of one chunk of the GPU's recomputed hidden activation (the L1 value).
-_L1_CHUNK_ELEMENTS = 1 << 24
 
 
 # ---------------------------------------------------------------------- checks
@@ -395,38 +391,10 @@ def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capac
             to_caller(a)
             for a in (y, saved.packed.view(np.int32), saved.heavy, saved.ids[:m], saved.count)
         ]
-        # The block's bf16 copies of the weights, as torch tensors (no second conversion).
-        w_gate_bf16, w_up_bf16 = (
-            None if t is None else t if t.dtype == torch.bfloat16 else to_caller(c)
-            for t, c in ((arrays["w_gate"], block.w_gate), (arrays["w_up"], block.w_up))
-        )
+        row_l1 = to_caller(saved.row_l1)
     y, packed, heavy, ids, count = (_unview(t) for t in outputs)
-    l1 = _l1_value_cuda(arrays["x"], w_gate_bf16, w_up_bf16, reduction)
+    l1 = row_l1.sum() * _l1_scale(reduction, m, n)
     return y, l1, packed, heavy, ids, count
-
-
-def _l1_value_cuda(
-    x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor, reduction: str
-) -> torch.Tensor:
-    """``l1_loss(h, reduction)`` on the GPU, float32 scalar, no host synchronisation.
-
-    The gated block's ``h = g * u`` needs ``u = x @ w_up.T`` at the active units, which
-    the forward kernels form but do not keep; until they hand out per-row sums of ``|h|``
-    this recomputes ``h`` in bf16 with cuBLAS, in row chunks of at most 2^24 elements that
-    are dropped at once (nothing of size ``[M, N]`` is kept): one GEMM per chunk for the
-    non-gated block, two for the gated one.
-    """
-    m, n = x.shape[0], w_up.shape[0]
-    bf16 = torch.bfloat16
-    xb, wu = x.to(bf16), w_up.to(bf16)
-    wg = None if w_gate is None else w_gate.to(bf16)
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
-    rows = max(1, _L1_CHUNK_ELEMENTS // max(1, n))
-    for start in range(0, m, rows):
-        xc = xb[start : start + rows]
-        h = torch.relu(xc @ wu.T) if wg is None else torch.relu(xc @ wg.T).mul_(xc @ wu.T)
-        total += h.abs_().sum(dtype=torch.float32)
-    return total * _l1_scale(reduction, m, n)
 
 
 def _l1_coefficient(dl1: torch.Tensor | None, backward_module: Any) -> Any:
@@ -488,7 +456,11 @@ def _backward_cuda(
     with on_gpu("torch", arrays) as (v, to_caller):
         block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
         saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"])
-        grads = ffn_backward(block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=reduction)
+        # bf16 weights get bf16 gradients straight from the kernels (half the memory of
+        # fp32 ones and no second copy); others get fp32, cast below.
+        bf16 = all(w is None or w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down))
+        grads = ffn_backward(block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=reduction,
+                             grad_dtype=v["w_up"].dtype if bf16 else np.float32)  # fmt: skip
         dx, dwg, dwu, dwd = (None if g is None else _unview(to_caller(g)) for g in grads)
     return (
         dx.to(x.dtype).contiguous(),

@@ -40,7 +40,7 @@
 //                                     in order);
 //               twell_bw_heavy_weights dW += (chunk's da, du, h)ᵀ (x, x, dy): fp32
 //                                     read-add-write of the tile, after the light part.
-//  5 transpose  twell_bw_transpose_f32: dWd_t [N, K] -> dWd [K, N].
+//  5 transpose  twell_bw_transpose_f32: dWd_t [N, K] -> dWd [K, N] (fp32, or rounded to bf16).
 // Row counts of step 4 live on the device (count[0]); grids are sized for the worst case
 // and blocks loop over the work that exists. Nothing synchronises with the host.
 //
@@ -1131,7 +1131,8 @@ twell_bw_heavy_weights(const uint16_t* __restrict__ dadu, int ld,
 // 5. fp32 transpose: out [C, R] = in [R, C]ᵀ (32 x 32 tiles, blocks of 32 x 8).
 // =======================================================================================
 extern "C" __global__ void __launch_bounds__(256)
-twell_bw_transpose_f32(const float* __restrict__ in, float* __restrict__ out, int R, int C) {
+twell_bw_transpose_f32(const float* __restrict__ in, void* __restrict__ out, int R, int C,
+                       int out_bf16) {
   __shared__ float tile[32][33];
   const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
   for (int i = threadIdx.y; i < 32; i += 8) {
@@ -1141,6 +1142,12 @@ twell_bw_transpose_f32(const float* __restrict__ in, float* __restrict__ out, in
   __syncthreads();
   for (int i = threadIdx.y; i < 32; i += 8) {
     const int c = c0 + i, r = r0 + threadIdx.x;
-    if (r < R && c < C) out[(long long)c * R + r] = tile[threadIdx.x][i];
+    if (r < R && c < C) {
+      const float v = tile[threadIdx.x][i];
+      if (out_bf16)
+        reinterpret_cast<__nv_bfloat16*>(out)[(long long)c * R + r] = __float2bfloat16_rn(v);
+      else
+        reinterpret_cast<float*>(out)[(long long)c * R + r] = v;
+    }
   }
 }

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from twell._arrays import bfloat16
 from twell._validation import check_number, check_reduction
 from twell.kernels.buffers import alloc, empty_bf16, u16
 from twell.kernels.compile import Source, declare, device_info
@@ -92,12 +93,15 @@ class Activations:
         heavy: uint8 ``[M]``, 1 for the rows that took the dense path.
         ids: int32, the heavy rows' ids in ascending order (``ids[:count[0]]``).
         count: int32 ``[1]``, the number of heavy rows.
+        row_l1: float32 ``[M]``, each row's sum of ``|h|`` (the L1 term before its
+            reduction; the backward does not read it), or None.
     """
 
     packed: Any
     heavy: Any
     ids: Any
     count: Any
+    row_l1: Any | None = None
 
 
 @dataclass
@@ -215,6 +219,7 @@ def ffn_backward(
     *,
     l1_coeff: float = 0.0,
     reduction: str = "mean",
+    grad_dtype: Any = np.float32,
 ) -> tuple[Any, Any | None, Any, Any]:
     """Gradients of ``<dy, y> + l1_coeff · l1_loss(h, reduction)`` for the block's forward
     ``y, saved = block.forward(x, save=True)``.
@@ -228,13 +233,23 @@ def ffn_backward(
             float CuPy array that the kernels read on the device (:data:`DEVICE_L1_COEFF`);
             reduction: ``"mean"`` (divides by M·N) or ``"per_token"`` (divides by M), as
             :func:`twell.reference.l1_loss`.
+        grad_dtype: the weight gradients' dtype, float32 or bf16 (accumulated in fp32
+            either way, rounded once at the end; bf16 halves their memory, as torch
+            keeps bf16 weights' gradients).
 
     Returns:
         ``(dx, dw_gate, dw_up, dw_down)``: ``dx`` ``[M, K]`` in ``x``'s dtype; the weight
-        gradients in float32 with the ``torch.nn.Linear`` layouts ``[N, K]``, ``[N, K]``,
-        ``[K, N]``; ``dw_gate`` is None for the non-gated block.
+        gradients in ``grad_dtype`` with the ``torch.nn.Linear`` layouts ``[N, K]``,
+        ``[N, K]``, ``[K, N]``; ``dw_gate`` is None for the non-gated block.
+
+    Memory: besides the outputs and the fp32 accumulators of the weight gradients, the
+    scratch of each step is released before the next one (the pair values and unit lists
+    before the heavy rows), so the peak is the larger of steps 3 and 4, not their sum.
     """
     check_reduction(reduction, REDUCTIONS)
+    grad_dtype = np.dtype(grad_dtype)
+    if grad_dtype not in (np.dtype(np.float32), np.dtype(bfloat16)):
+        raise TypeError(f"grad_dtype: expected float32 or bfloat16, got {grad_dtype}")
     coeff = _l1_coefficient(l1_coeff)
     xb, dyb = as_bf16(x), as_bf16(dy)
     n, k, gated = block.n, block.k, block.gated
@@ -246,14 +261,14 @@ def ffn_backward(
     tile, slots = block.options.tile, block.options.slots
     tiles = n // tile
     nv = 3 if gated else 2
+    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
     # Weight gradients, [N, K] each: (dw_gate, dw_up, dw_down_t) or (dw_up, dw_down_t).
     dws = [alloc((n, k), np.float32) for _ in range(nv)]
-    dw_down = alloc((k, n), np.float32)
     dx = empty_bf16((m, k))
     if m == 0:
-        for array in (*dws, dw_down):
+        for array in dws:
             array.fill(0)
-        return _result(dx, x, dws, dw_down, gated)
+        return _result(dx, x, dws, grad_dtype, params, gated)
     if saved.packed is None or tuple(saved.packed.shape) != (m, tiles * slots):
         raise ValueError(
             f"saved.packed: expected a uint32 array of shape {(m, tiles * slots)}, got "
@@ -262,7 +277,6 @@ def ffn_backward(
     if tuple(saved.heavy.shape) != (m,):
         raise ValueError(f"saved.heavy: expected shape {(m,)}, got {tuple(saved.heavy.shape)}")
 
-    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
     sms = _multiprocessors()
     i32 = np.int32
     scale = 1.0 / (m * n) if reduction == "mean" else 1.0 / m
@@ -304,15 +318,16 @@ def ffn_backward(
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
 
-    # 4. Heavy rows, chunk by chunk (the count stays on the device).
+    # 4. Heavy rows, chunk by chunk (the count stays on the device). The light pairs'
+    # scratch goes back to the allocator first (stream-ordered: safe to reuse).
     ids, count = compact_rows(heavy)
+    del vals, lists, ws, tile_off, heavy
     _heavy_rows(params, sms, m, n, k, nv, x16, dy16, ids, count, block, w_gate, w_up,
                 w_down_t, l1, dx, out)  # fmt: skip
+    del out
 
-    # 5. dw_down = dw_down_t transposed.
-    _launch("twell_bw_transpose_f32", (math.ceil(k / 32), math.ceil(n / 32)), (32, 8),
-            (dws[-1], dw_down, i32(n), i32(k)), params)  # fmt: skip
-    return _result(dx, x, dws, dw_down, gated)
+    # 5. dw_down = dw_down_t transposed (rounded to grad_dtype on the way).
+    return _result(dx, x, dws, grad_dtype, params, gated)
 
 
 def _heavy_rows(
@@ -391,7 +406,19 @@ def _l1_coefficient(l1_coeff: Any) -> Any:
     return check_number("l1_coeff", l1_coeff)
 
 
-def _result(dx: Any, x: Any, dws: list[Any], dw_down: Any, gated: bool) -> tuple:
+def _result(
+    dx: Any, x: Any, dws: list[Any], grad_dtype: np.dtype, params: dict[str, int], gated: bool
+) -> tuple:
+    """Step 5 and the outputs: ``dw_down`` from the ``[N, K]`` accumulator ``dws[-1]``,
+    the other accumulators rounded to ``grad_dtype`` one at a time (each fp32 array is
+    dropped as soon as its rounded copy exists)."""
+    n, k = dws[-1].shape
+    dw_down = alloc((k, n), grad_dtype)
+    _launch("twell_bw_transpose_f32", (math.ceil(k / 32), math.ceil(n / 32)), (32, 8),
+            (dws.pop(), dw_down, np.int32(n), np.int32(k), np.int32(grad_dtype == bfloat16)),
+            params)  # fmt: skip
+    if grad_dtype == bfloat16:
+        dws = [as_bf16(dws.pop(0)) for _ in range(len(dws))]
     dx_out = from_bf16(dx, x.dtype)
     if gated:
         return dx_out, dws[0], dws[1], dw_down

@@ -336,3 +336,35 @@ extern "C" __global__ void twell_scatter_rows(const uint16_t* __restrict__ src, 
         reinterpret_cast<const uint4*>(src + (long long)i * width)[c];
   }
 }
+
+// The training forward's L1 value of its heavy rows (light rows: light_rows.cu):
+// out[ids[i]] = sum of |h| over the bf16 row h = src[by_id ? ids[i] : i], for
+// i < min(count, max_rows); relu applied first when `relu` (the non-gated block's heavy
+// rows keep their pre-activation); NaN kept, so a NaN row sums to NaN as dense math does.
+// N % 8 == 0, rows 16-byte aligned. One warp per row in a fixed order (lane-strided, then a
+// shuffle tree): deterministic.
+extern "C" __global__ void twell_row_abs_sum(const uint16_t* __restrict__ src, int N,
+                                             const int* __restrict__ ids,
+                                             const int* __restrict__ count, int max_rows,
+                                             int by_id, int relu, float* __restrict__ out) {
+  const int n = min(count[0], max_rows);
+  const int lane = threadIdx.x & 31;
+  for (int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; i < n;
+       i += (gridDim.x * blockDim.x) >> 5) {
+    const int row = ids[i];
+    const uint4* h = reinterpret_cast<const uint4*>(src + (long long)(by_id ? row : i) * N);
+    float s = 0.f;
+    for (int c = lane; c < N / 8; c += 32) {
+      const uint4 v = h[c];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const uint32_t b = (w[q / 2] >> (16 * (q % 2))) & 0xffffu;
+        s += (relu && !twell_relu_keeps(b)) ? 0.f : fabsf(__uint_as_float(b << 16));
+      }
+    }
+#pragma unroll
+    for (int d = 16; d >= 1; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+    if (lane == 0) out[row] = s;
+  }
+}

@@ -131,3 +131,18 @@ def scatter_rows(src: Any, ids: Any, count: Any, out: Any) -> None:
         (grid_1d(capacity * width // 8),), (256,),
         (u16(src), np.int32(width), ids, count, np.int32(capacity), u16(out)),
     )  # fmt: skip
+
+
+def row_abs_sum(
+    src: Any, ids: Any, count: Any, max_rows: int, out: Any, *, by_id: bool, relu: bool
+) -> None:
+    """``out[ids[i]] = sum(|h|)`` over the bf16 row ``h = src[ids[i] if by_id else i]``
+    (relu first when ``relu``; NaN kept) for ``i < min(count, max_rows)``; float32 ``out``."""
+    if max_rows == 0:
+        return
+    n = src.shape[1]
+    SOURCE.kernel("twell_row_abs_sum")(
+        (max(1, min(math.ceil(max_rows / 8), device_info().multiprocessors * 16)),), (256,),
+        (u16(src), np.int32(n), ids, count, np.int32(max_rows), np.int32(by_id),
+         np.int32(relu), out),
+    )  # fmt: skip

@@ -6,7 +6,8 @@
 //
 // Kernels (they share the gather phase):
 // - twell_light_rows_from_twell reads the active units from a TwELL buffer (gated_down,
-//   down, and the "epilogue" and "pack" routes of the block).
+//   down, and the "epilogue" and "pack" routes of the block); given row_l1, it also
+//   writes each light row's sum of |h| over its entries (the training forward's L1 term).
 // - twell_light_rows_from_pre reads them straight from the dense bf16 gate
 //   pre-activation (the "fused" route): relu, and the routing rule of common.cuh (a tile
 //   over SLOTS-1 nonzeros, a non-finite value, or more than max_row_nnz active units),
@@ -56,7 +57,7 @@ struct Shared {
 __device__ __forceinline__ void gather_unit(const uint32_t* list, int e, int lane, int N,
                                             const uint4* xs, const uint16_t* __restrict__ w_up,
                                             const uint16_t* __restrict__ w_down_t,
-                                            float (&acc)[NCH][8]) {
+                                            float (&acc)[NCH][8], float& l1) {
   const uint32_t entry = list[e];
   int n = entry & 0xffffu;
   float value = twell_hi_bf16(entry);
@@ -88,6 +89,7 @@ __device__ __forceinline__ void gather_unit(const uint32_t* list, int e, int lan
 #else
   const float h = value;
 #endif
+  l1 += fabsf(h);  // the row's L1 term (training forward); dead code elsewhere
 #pragma unroll
   for (int c = 0; c < NCH; ++c) twell_axpy8(h, b[c], acc[c]);
 }
@@ -95,8 +97,8 @@ __device__ __forceinline__ void gather_unit(const uint32_t* list, int e, int lan
 __device__ __forceinline__ void gather_list(const uint32_t* list, int count, int lane, int N,
                                             const uint4* xs, const uint16_t* __restrict__ w_up,
                                             const uint16_t* __restrict__ w_down_t,
-                                            float (&acc)[NCH][8]) {
-  for (int e = 0; e < count; ++e) gather_unit(list, e, lane, N, xs, w_up, w_down_t, acc);
+                                            float (&acc)[NCH][8], float& l1) {
+  for (int e = 0; e < count; ++e) gather_unit(list, e, lane, N, xs, w_up, w_down_t, acc, l1);
 }
 
 __device__ __forceinline__ void store_row(uint16_t* __restrict__ y, long long row, int lane,
@@ -197,7 +199,8 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
   const uint4* xs = load_x(sm, x, row, warp, lane);
   __syncwarp();
   ZERO_ACC(acc)
-  gather_list(list, total, lane, N, xs, w_up, w_down_t, acc);
+  float l1 = 0.f;
+  gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1);
   store_row(y, row, lane, acc);
 }
 
@@ -250,8 +253,9 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
   if (sm.heavy) return;
   const int total = sm.total;
   ZERO_ACC(acc)
+  float l1 = 0.f;
   for (int e = warp; e < total; e += TWELL_WIDE_WARPS)
-    gather_unit(sm.list, e, lane, N, xs, w_up, w_down_t, acc);
+    gather_unit(sm.list, e, lane, N, xs, w_up, w_down_t, acc, l1);
   // Fixed-order reduction: partial = acc_0; partial += acc_1; ...; y = partial + acc_last.
   for (int w = 0; w < TWELL_WIDE_WARPS - 1; ++w) {
     if (warp == w) {
@@ -281,7 +285,8 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
                  const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                 int M, int N, int max_row_nnz) {
+                 int M, int N, int max_row_nnz,
+                 float* __restrict__ row_l1) {           // [M] out (light rows) or null
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * TWELL_ROW_WARPS + warp;
@@ -301,6 +306,7 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
   uint32_t* list = sm.list[warp];
   const uint4* xs = load_x(sm, x, row, warp, lane);
   ZERO_ACC(acc)
+  float l1 = 0.f;  // sum of |h| over the row's entries, in list order
 
   // Phase 1: the count words of 32 tiles at a time (one per lane), then the entries.
   int total = 0;
@@ -312,7 +318,7 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
       const int count = __shfl_sync(0xffffffffu, mine, b);
       if (total + count > LIST_CAP) {  // list full: gather what it holds first
         __syncwarp();
-        gather_list(list, total, lane, N, xs, w_up, w_down_t, acc);
+        gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1);
         __syncwarp();
         total = 0;
       }
@@ -326,6 +332,7 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
     }
   }
   __syncwarp();
-  gather_list(list, total, lane, N, xs, w_up, w_down_t, acc);
+  gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1);
   store_row(y, row, lane, acc);
+  if (row_l1 != nullptr && lane == 0) row_l1[row] = l1;
 }

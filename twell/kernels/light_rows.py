@@ -57,6 +57,7 @@ _NULL = np.uint64(0)
 def _launch(
     function: str, grid: int, block: int, x: Any | None, source: Any, heavy: Any,
     w_up: Any | None, w_down_t: Any, y: Any, tile: int, slots: int, max_row_nnz: int,
+    extra: tuple = (),
 ) -> None:  # fmt: skip
     m, k = y.shape
     gated = w_up is not None
@@ -65,7 +66,7 @@ def _launch(
         (
             u16(x) if gated else _NULL, source, heavy, u16(w_up) if gated else _NULL,
             u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
-            np.int32(max_row_nnz),
+            np.int32(max_row_nnz), *extra,
         ),
     )  # fmt: skip
 
@@ -99,13 +100,16 @@ def from_pre(
 
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
-    tile: int, slots: int, max_row_nnz: int | None = None,
+    tile: int, slots: int, max_row_nnz: int | None = None, row_l1: Any | None = None,
 ) -> None:  # fmt: skip
     """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped). With
-    ``max_row_nnz``, rows holding more entries get ``heavy[m] = 1`` instead."""
+    ``max_row_nnz``, rows holding more entries get ``heavy[m] = 1`` instead. With
+    ``row_l1`` (float32 ``[M]``), each light row's sum of ``|h|`` over its entries is
+    written there (in the row's entry order; heavy rows' elements are left alone)."""
     m = y.shape[0]
     if m == 0:
         return
     limit = 2**31 - 1 if max_row_nnz is None else max_row_nnz
     _launch("twell_light_rows_from_twell", math.ceil(m / ROW_WARPS), 32 * ROW_WARPS, x, packed,
-            heavy, w_up, w_down_t, y, tile, slots, limit)  # fmt: skip
+            heavy, w_up, w_down_t, y, tile, slots, limit,
+            (_NULL if row_l1 is None else row_l1,))  # fmt: skip

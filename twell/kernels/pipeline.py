@@ -137,9 +137,12 @@ class PreparedBlock:
         path = self.options.path
         if save and path == "fused":
             path = "epilogue"
-        light = ROUTES[path](self, xb, y) if m else LightRows(alloc((0,), np.uint8))
+        # The training forward's L1 term, per row: light rows by the route, heavy rows by
+        # the heavy-row stage (every row written).
+        row_l1 = alloc((m,), np.float32) if save else None
+        light = ROUTES[path](self, xb, y, row_l1) if m else LightRows(alloc((0,), np.uint8))
         ids, count = heavy_rows.compact_rows(light.heavy)
-        scratch = heavy_rows_stage(self, xb, light, ids, count, y) if m else []
+        scratch = heavy_rows_stage(self, xb, light, ids, count, y, row_l1) if m else []
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots)
         if in_capture:
@@ -147,7 +150,7 @@ class PreparedBlock:
         out = from_bf16(y, x.dtype)
         if not save:
             return out
-        return out, Activations(light.packed, light.heavy, ids, count)
+        return out, Activations(light.packed, light.heavy, ids, count, row_l1)
 
 
 def capturing() -> bool:
@@ -239,10 +242,14 @@ class DensitySwitch:
 
 
 # ---------------------------------------------------------------------- routes
-Route = Callable[[PreparedBlock, Any, Any], LightRows]
+#: ``route(block, x, y, row_l1)``; ``row_l1`` (float32 ``[M]`` or None) receives the light
+#: rows' sums of ``|h|`` (a route that packs TwELL takes it: the save path uses those).
+Route = Callable[[PreparedBlock, Any, Any, Any | None], LightRows]
 
 
-def _route_fused(block: PreparedBlock, x: Any, y: Any) -> LightRows:
+def _route_fused(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> LightRows:
+    if row_l1 is not None:
+        raise ValueError("the fused route writes no TwELL and no row_l1 (use epilogue or pack)")
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
     light_rows.from_pre(
@@ -253,24 +260,26 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any) -> LightRows:
     return LightRows(heavy, pre=pre)
 
 
-def _from_twell(block: PreparedBlock, x: Any, y: Any, light: LightRows) -> LightRows:
+def _from_twell(
+    block: PreparedBlock, x: Any, y: Any, light: LightRows, row_l1: Any | None
+) -> LightRows:
     light_rows.from_twell(
         x if block.gated else None, light.packed, light.heavy,
         block.w_up if block.gated else None, block.w_down_t, y, tile=block.options.tile,
-        slots=block.options.slots, max_row_nnz=block.max_row_nnz,
+        slots=block.options.slots, max_row_nnz=block.max_row_nnz, row_l1=row_l1,
     )  # fmt: skip
     return light
 
 
-def _route_epilogue(block: PreparedBlock, x: Any, y: Any) -> LightRows:
+def _route_epilogue(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> LightRows:
     packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
-    return _from_twell(block, x, y, LightRows(heavy, packed=packed))
+    return _from_twell(block, x, y, LightRows(heavy, packed=packed), row_l1)
 
 
-def _route_pack(block: PreparedBlock, x: Any, y: Any) -> LightRows:
+def _route_pack(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> LightRows:
     pre = gemm_nt(x, block.w_first)
     packed, heavy = pack(pre, block.options.tile, block.options.slots)
-    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed))
+    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed), row_l1)
 
 
 #: The light-row stage of each ``path``.
@@ -283,9 +292,16 @@ ROUTES: dict[str, Route] = {
 
 # ---------------------------------------------------------------------- heavy rows
 def heavy_rows_stage(
-    block: PreparedBlock, x: Any, light: LightRows, ids: Any, count: Any, y: Any
+    block: PreparedBlock,
+    x: Any,
+    light: LightRows,
+    ids: Any,
+    count: Any,
+    y: Any,
+    row_l1: Any | None = None,
 ) -> list[Any]:
-    """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y``.
+    """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y`` (and of
+    ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given).
 
     Their pre-activations are the same rows of ``light.pre``, or, when the route wrote
     none, are recomputed here into the rows of a fresh ``[M, N]`` buffer (only the heavy
@@ -296,7 +312,7 @@ def heavy_rows_stage(
     scratch: list[Any] = [light.heavy, ids, count]
     capacity = block.options.capacity_rows(m)
     if capacity:
-        ids, count = _capacity_gemms(block, x, pre, ids, count, capacity, y, scratch)
+        ids, count = _capacity_gemms(block, x, pre, ids, count, capacity, y, scratch, row_l1)
         if capacity == m:
             return scratch
     max_rows = m - capacity
@@ -314,11 +330,15 @@ def heavy_rows_stage(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
                               out_by_id=True)
         )  # fmt: skip
+        if row_l1 is not None:
+            heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=False)
     else:
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
                               out_by_id=True, relu_a=True)
         )  # fmt: skip
+        if row_l1 is not None:
+            heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=True)
     return scratch
 
 
@@ -331,6 +351,7 @@ def _capacity_gemms(
     capacity: int,
     y: Any,
     scratch: list[Any],
+    row_l1: Any | None,
 ) -> tuple[Any, Any]:
     """The first ``capacity`` heavy rows through cuBLAS GEMMs of ``capacity`` rows: gather
     x and the pre-activation rows (zeros past the device count; ``pre=None``: recomputed
@@ -346,6 +367,8 @@ def _capacity_gemms(
         heavy_rows.gather_rows(pre, ids, count, g_c, rest)
     u_c = gemm_nt(x_c, block.w_up) if block.gated else None
     heavy_rows.relu_mul(g_c, u_c, g_c)
+    if row_l1 is not None:
+        heavy_rows.row_abs_sum(g_c, ids, count, capacity, row_l1, by_id=False, relu=False)
     y_c = gemm_nt(g_c, block.w_down)
     heavy_rows.scatter_rows(y_c, ids, count, y)
     scratch += [x_c, g_c, u_c, y_c, rest]
