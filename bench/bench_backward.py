@@ -223,9 +223,28 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
         "forward_plus_backward": timings(torch_step, 2, args.reps),
         "forward": timings(torch_forward, 2, args.reps),
     }
+
+    # ---- twell as torch users meet it: the autograd ops on the same torch tensors
+    from twell.autograd import ffn_train
+
+    def ops_step(i: int) -> Any:
+        for t in (*w_t, xs_t[i]):
+            if t is not None:
+                t.grad = None
+        y, _, _ = ffn_train(xs_t[i], w_t[0], w_t[1], w_t[2], options)
+        y.backward(dys_t[i])
+        return xs_t[i].grad
+
+    rec["twell_ops"] = {"forward_plus_backward": timings(ops_step, 2, args.reps)}
+    rec["twell_ops"]["memory"] = _peak_delta(ops_step)
+    rec["twell_ops"]["memory_vs_torch"] = round(
+        rec["twell_ops"]["memory"] / max(1, _peak_delta(torch_step)), 3
+    )
     tw = rec["twell"]["forward_save_plus_backward"]
     th = rec["torch"]["forward_plus_backward"]
     rec["speedup"] = {kk: round(th[kk] / tw[kk], 3) for kk in tw}
+    to = rec["twell_ops"]["forward_plus_backward"]
+    rec["speedup_ops"] = {kk: round(th[kk] / to[kk], 3) for kk in to}
     ref0 = reference.ffn_backward(xs_s, w_gate, w_up, w_down, dys_s)  # no L1: torch has none
     rec["torch_rel_err_dx_rows"] = _torch_dx_error(torch_step, ref0[0], sample)
 
@@ -240,6 +259,21 @@ def _torch_dx_error(torch_step: Any, ref_dx: np.ndarray, sample: np.ndarray) -> 
 
     dx = torch_step(0)[torch.as_tensor(sample, device="cuda")].float().cpu().numpy()
     return float(f"{rel_err(dx.astype(np.float64), ref_dx):.3e}")
+
+
+def _peak_delta(step: Any) -> int:
+    """Peak bytes torch's allocator held above its level before one ``step(0)`` (whose
+    result is kept until the peak is read, as a training step keeps its gradients)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    keep = step(0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del keep
+    return int(peak)
 
 
 def _memory(torch_step: Any, twell_step: Any, buffers: Any) -> dict[str, Any]:
@@ -344,7 +378,9 @@ def _summary(rec: dict[str, Any]) -> str:
         f"{th['per_call_ms']:.3f}/{th['back_to_back_ms']:.3f} ms  speedup {rec['speedup']}  "
         f"bwd {rec['twell']['backward']['per_call_ms']:.3f} ms  err {rec['rel_err']}  "
         f"det {rec['deterministic']}  heavy {rec['stats']['heavy_rows']}  "
-        f"L0 {rec['stats']['light_l0']}  mem {rec['memory']}"
+        f"L0 {rec['stats']['light_l0']}  mem {rec['memory']}  ops: "
+        f"{rec['twell_ops']['forward_plus_backward']} speedup {rec['speedup_ops']} "
+        f"mem {rec['twell_ops']['memory']} ({rec['twell_ops']['memory_vs_torch']}x torch)"
     )
 
 

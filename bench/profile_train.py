@@ -29,13 +29,17 @@ import twell.torch as twell_torch  # noqa: E402
 
 
 def step_fn(model: Any, optimizer: Any, data: torch.Tensor, gen: Any, config: Any,
-            coeff: float, sparse: bool) -> dict[str, float]:  # fmt: skip
+            coeff: float, sparse: bool, runner: Any = None) -> dict[str, float]:  # fmt: skip
     batch = train_small.random_batch(data, config.batch, config.seq, gen).cuda(non_blocking=True)
-    with train_small.autocast(torch.device("cuda")):
-        logits = model(batch[:, :-1])
+    if runner is not None:
+        logits, *penalty = runner(batch[:, :-1])
+    else:
+        with train_small.autocast(torch.device("cuda")):
+            logits = model(batch[:, :-1])
+        penalty = [twell_torch.l1_penalty(model)] if sparse else []
     loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-    if sparse and coeff > 0:
-        loss = loss + coeff * twell_torch.l1_penalty(model)
+    if penalty:
+        loss = loss + coeff * penalty[0]
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
@@ -64,6 +68,18 @@ def run(variant: str, config: Any, data: torch.Tensor, args: argparse.Namespace)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     rec["step_ms"] = round(statistics.median(times) * 1e3, 2)
+    if args.graphs:
+        sample = train_small.random_batch(data, config.batch, config.seq, gen)[:, :-1].cuda()
+        runner = train_small.graphed(model, sample)
+        times = []
+        for _ in range(args.timed_steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step_fn(model, optimizer, data, gen, config, args.l1, sparse, runner)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        rec["graphed_step_ms"] = round(statistics.median(times) * 1e3, 2)
+        print(f"== {variant}: graphed step {rec['graphed_step_ms']} ms")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.profile_steps):
@@ -108,6 +124,7 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--variants", nargs="+", default=["dense", "twell"])
+    p.add_argument("--graphs", action="store_true", help="also time graph-replayed steps")
     p.add_argument("--out", default="profile_train.json")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True

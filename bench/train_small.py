@@ -272,6 +272,30 @@ def autocast(device: torch.device) -> Any:
     return torch.autocast("cpu", enabled=False)
 
 
+class WithPenalty(nn.Module):
+    """``model``'s logits and the sum of its ``SparseMLP`` layers' L1 terms (None for a
+    dense model) from one call, under bf16 autocast without its weight cache: the form
+    ``torch.cuda.make_graphed_callables`` takes, so that the penalty's gradient flows
+    through the captured backward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            logits = self.model(ids)
+        penalty = twell_torch.l1_penalty(self.model)
+        return (logits,) if not torch.is_tensor(penalty) else (logits, penalty)
+
+
+def graphed(model: nn.Module, sample: torch.Tensor) -> Any:
+    """``WithPenalty(model)`` captured in CUDA graphs (forward and backward), replayed on
+    every call in training mode: no host cost per kernel (the optimizer step stays eager
+    and updates the parameters in place, which the graphs read)."""
+    return torch.cuda.make_graphed_callables(WithPenalty(model), (sample,))
+
+
 def sparse_mlps(model: nn.Module) -> list[twell_torch.SparseMLP]:
     return [m for m in model.modules() if isinstance(m, twell_torch.SparseMLP)]
 
@@ -331,6 +355,10 @@ def train(
         model.compile(fullgraph=False)
     optimizer = make_optimizer(model, config)
     train_data, val_data = data
+    runner = None
+    if args.graphs and device.type == "cuda":
+        sample = random_batch(train_data, config.batch, config.seq, torch.Generator())
+        runner = graphed(model, sample[:, :-1].to(device))
     generator = torch.Generator().manual_seed(config.seed)
     held_out = eval_batches(val_data, config.batch, config.seq, args.eval_batches)
     if device.type == "cuda":
@@ -350,12 +378,16 @@ def train(
         coeff = l1_coeff_at(config, step) if sparse else 0.0
         synchronize(device)
         t0 = time.perf_counter()
-        with autocast(device):
-            logits = model(batch[:, :-1])
+        if runner is not None:  # graph replays; the penalty always enters (coeff may be 0)
+            logits, *rest = runner(batch[:, :-1])
+            penalty = rest[0] if rest else None
+        else:
+            with autocast(device):
+                logits = model(batch[:, :-1])
+            penalty = twell_torch.l1_penalty(model) if sparse else None
         task = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss = task
-        penalty = twell_torch.l1_penalty(model) if sparse else None
-        if coeff > 0 and penalty is not None:
+        if penalty is not None and (coeff > 0 or runner is not None):
             loss = task + coeff * penalty
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -499,6 +531,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(
+        "--graphs", action="store_true",
+        help="CUDA only: run forward and backward as CUDA-graph replays "
+        "(torch.cuda.make_graphed_callables; the optimizer stays eager)",
+    )  # fmt: skip
+    p.add_argument(
         "--save", type=Path, default=None, help="save the sparse model (recipe + state dict)"
     )
     p.add_argument("--quiet", action="store_true")
@@ -541,6 +578,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "variants": args.variants,
         "corpus": corpus,
         "compile": args.compile,
+        "graphs": args.graphs,
     }
     report: dict[str, Any] = {
         "recipe": recipe,

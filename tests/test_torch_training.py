@@ -363,6 +363,8 @@ def test_train_distributed_smoke_with_ddp_and_fsdp2_over_gloo(tmp_path: Path) ->
         assert [r["rank"] for r in ranks] == [0, 1]
         assert runs[strategy]["scaling_efficiency"] > 0
         assert np.isfinite(runs[strategy]["final_mean_loss"])
+        # The one-device run on the ranks' batches put together follows the same losses.
+        assert runs[strategy]["loss_vs_reference"]["loss_matches"] is True
     # Same initial weights and batches: DDP and FSDP2 follow the same trajectory.
     assert runs["ddp"]["final_mean_loss"] == pytest.approx(
         runs["fsdp"]["final_mean_loss"], rel=1e-4
