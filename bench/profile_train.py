@@ -32,18 +32,18 @@ def step_fn(model: Any, optimizer: Any, data: torch.Tensor, gen: Any, config: An
             coeff: float, sparse: bool, runner: Any = None) -> dict[str, float]:  # fmt: skip
     batch = train_small.random_batch(data, config.batch, config.seq, gen).cuda(non_blocking=True)
     if runner is not None:
-        logits, *penalty = runner(batch[:, :-1])
+        runner(batch, coeff)
     else:
         with train_small.autocast(torch.device("cuda")):
             logits = model(batch[:, :-1])
-        penalty = [twell_torch.l1_penalty(model)] if sparse else []
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-    if penalty:
-        loss = loss + coeff * penalty[0]
-    loss.backward()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        if sparse and coeff > 0:
+            loss = loss + coeff * twell_torch.l1_penalty(model)
+        loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if runner is None:
+        optimizer.zero_grad(set_to_none=True)
     return {}
 
 
@@ -69,8 +69,8 @@ def run(variant: str, config: Any, data: torch.Tensor, args: argparse.Namespace)
         times.append(time.perf_counter() - t)
     rec["step_ms"] = round(statistics.median(times) * 1e3, 2)
     if args.graphs:
-        sample = train_small.random_batch(data, config.batch, config.seq, gen)[:, :-1].cuda()
-        runner = train_small.graphed(model, sample)
+        sample = train_small.random_batch(data, config.batch, config.seq, gen).cuda()
+        runner = train_small.GraphedStep(model, sparse, sample)
         times = []
         for _ in range(args.timed_steps):
             torch.cuda.synchronize()

@@ -272,28 +272,45 @@ def autocast(device: torch.device) -> Any:
     return torch.autocast("cpu", enabled=False)
 
 
-class WithPenalty(nn.Module):
-    """``model``'s logits and the sum of its ``SparseMLP`` layers' L1 terms (None for a
-    dense model) from one call, under bf16 autocast without its weight cache: the form
-    ``torch.cuda.make_graphed_callables`` takes, so that the penalty's gradient flows
-    through the captured backward."""
+class GraphedStep:
+    """Forward, loss and backward of one training step captured in one CUDA graph (torch's
+    whole-network capture) and replayed per step: no host cost per kernel. The batch and
+    the L1 coefficient are copied into static tensors before each replay; the gradients
+    the replay writes are the parameters' ``.grad`` tensors made at capture (so the loop
+    must not set them to None afterwards); the optimizer step stays eager and updates the
+    parameters in place, which the graph reads. bf16 autocast runs without its weight
+    cache (cached casts would not outlive the capture)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
+    def __init__(self, model: nn.Module, sparse: bool, sample: torch.Tensor) -> None:
+        self.model, self.sparse = model, sparse
+        self.batch = sample.clone()
+        self.coeff = torch.zeros((), device=sample.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: kernels compiled, cuBLAS and caches set up
+                model.zero_grad(set_to_none=True)
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        model.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self._body()
 
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-            logits = self.model(ids)
-        penalty = twell_torch.l1_penalty(self.model)
-        return (logits,) if not torch.is_tensor(penalty) else (logits, penalty)
+            logits = self.model(self.batch[:, :-1])
+        task = F.cross_entropy(logits.float().flatten(0, 1), self.batch[:, 1:].flatten())
+        penalty = twell_torch.l1_penalty(self.model) if self.sparse else None
+        (task if penalty is None else task + self.coeff * penalty).backward()
+        return task, penalty
 
-
-def graphed(model: nn.Module, sample: torch.Tensor) -> Any:
-    """``WithPenalty(model)`` captured in CUDA graphs (forward and backward), replayed on
-    every call in training mode: no host cost per kernel (the optimizer step stays eager
-    and updates the parameters in place, which the graphs read)."""
-    return torch.cuda.make_graphed_callables(WithPenalty(model), (sample,))
+    def __call__(self, batch: torch.Tensor, coeff: float) -> tuple[torch.Tensor, Any]:
+        """Replays the step on ``batch`` (the sample's shape): ``(task loss, penalty)``."""
+        self.batch.copy_(batch)
+        self.coeff.fill_(coeff)
+        self.graph.replay()
+        return self.outputs
 
 
 def sparse_mlps(model: nn.Module) -> list[twell_torch.SparseMLP]:
@@ -358,7 +375,7 @@ def train(
     runner = None
     if args.graphs and device.type == "cuda":
         sample = random_batch(train_data, config.batch, config.seq, torch.Generator())
-        runner = graphed(model, sample[:, :-1].to(device))
+        runner = GraphedStep(model, sparse, sample.to(device))
     generator = torch.Generator().manual_seed(config.seed)
     held_out = eval_batches(val_data, config.batch, config.seq, args.eval_batches)
     if device.type == "cuda":
@@ -378,21 +395,21 @@ def train(
         coeff = l1_coeff_at(config, step) if sparse else 0.0
         synchronize(device)
         t0 = time.perf_counter()
-        if runner is not None:  # graph replays; the penalty always enters (coeff may be 0)
-            logits, *rest = runner(batch[:, :-1])
-            penalty = rest[0] if rest else None
+        if runner is not None:  # one graph replay: forward, loss, backward
+            task, penalty = runner(batch, coeff)
         else:
             with autocast(device):
                 logits = model(batch[:, :-1])
+            task = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            loss = task
             penalty = twell_torch.l1_penalty(model) if sparse else None
-        task = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        loss = task
-        if penalty is not None and (coeff > 0 or runner is not None):
-            loss = task + coeff * penalty
-        loss.backward()
+            if coeff > 0 and penalty is not None:
+                loss = task + coeff * penalty
+            loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if runner is None:  # a replay overwrites the captured .grad tensors
+            optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         times.append(time.perf_counter() - t0)
         steps_done = step + 1
@@ -532,8 +549,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(
         "--graphs", action="store_true",
-        help="CUDA only: run forward and backward as CUDA-graph replays "
-        "(torch.cuda.make_graphed_callables; the optimizer stays eager)",
+        help="CUDA only: forward, loss and backward as one CUDA-graph replay per step "
+        "(the optimizer step stays eager)",
     )  # fmt: skip
     p.add_argument(
         "--save", type=Path, default=None, help="save the sparse model (recipe + state dict)"
