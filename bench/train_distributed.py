@@ -126,7 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline-steps",
         type=int,
         default=None,
-        help="steps of the one-GPU runs (default: 100, smoke: 5)",
+        help="steps of the one-GPU runs (default: --steps; twell's step time falls as the "
+        "model grows sparse, so the baseline must cover the same steps as the runs it is "
+        "compared with; smoke: 5)",
     )
     p.add_argument("--log-every", type=int, default=None, help="default 10 (smoke: 2)")
     p.add_argument(
@@ -380,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     config = config_from(args)
     if args.baseline_steps is None:
-        args.baseline_steps = 5 if args.smoke else 100
+        args.baseline_steps = 5 if args.smoke else config.steps
     if args.log_every is None:
         args.log_every = 2 if args.smoke else 10
     if args.warmup_steps is None:
