@@ -8,27 +8,19 @@ tensors, with a batch small enough that the GPU is never the bottleneck, and whe
 import argparse
 import cProfile
 import pstats
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_host import per_call_us  # noqa: E402
+
 from twell import workloads
 from twell.autograd import ffn_train
 from twell.options import Options
-
-
-def per_call_us(fn, calls: int) -> float:  # noqa: ANN001
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> None:
