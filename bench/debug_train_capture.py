@@ -1,5 +1,9 @@
 """Which training setups capture in one CUDA graph (forward + loss + backward) with twell's
-SparseMLP: prints PASS/FAIL per variant (debugging aid).
+SparseMLP: prints PASS/FAIL per variant (debugging aid). The "eager" variants run eager
+steps first (on torch's legacy default stream, or on a side stream): a capture fails if
+anything keeps those steps' autograd graph alive, since torch then reuses the parameters'
+gradient accumulators made on the legacy stream (SparseMLP's ``l1`` attribute did that
+until it detached itself once the backward has passed the layer).
 
     PYTHONPATH=. python bench/debug_train_capture.py
 """
@@ -53,7 +57,7 @@ VARIANTS = [(a, p, g, False) for a in (False, True) for p in (False, True) for g
 VARIANTS.append((False, True, True, True))  # bf16 parameters, no autocast
 
 
-def after_eager(on_side_stream: bool) -> None:
+def after_eager(on_side_stream: bool, cleared: bool = False) -> None:
     """train_small's default model: eager L1 training steps (default stream or a side
     stream), then the whole-step capture."""
     config = train_small.Config(l1_warmup=0.0)
@@ -61,32 +65,41 @@ def after_eager(on_side_stream: bool) -> None:
     optimizer = train_small.make_optimizer(model, config)
     data = torch.randint(0, 256, (config.batch, config.seq + 1), device="cuda")
     stream = torch.cuda.Stream() if on_side_stream else torch.cuda.current_stream()
+
+    def step() -> torch.Tensor:  # its locals (and their autograd graph) die on return
+        with torch.autocast("cuda", torch.bfloat16):
+            logits = model(data[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), data[:, 1:].flatten())
+        (loss + 1e-3 * twell_torch.l1_penalty(model)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
     with torch.cuda.stream(stream):
         for _ in range(5):
-            with torch.autocast("cuda", torch.bfloat16):
-                logits = model(data[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), data[:, 1:].flatten())
-            (loss + 1e-3 * twell_torch.l1_penalty(model)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            step()
     torch.cuda.synchronize()
+    if cleared:  # what SparseMLP keeps is released too (before it detached its l1 itself)
+        for mlp in train_small.sparse_mlps(model):
+            mlp.l1 = mlp.l0 = None
     try:
         train_small.GraphedStep(model, True, data)
-        print(f"PASS full model after eager steps (side stream: {on_side_stream})", flush=True)
+        print(f"PASS full model after eager steps (side stream: {on_side_stream}, "
+              f"graphs released: {cleared})", flush=True)  # fmt: skip
     except Exception as e:  # noqa: BLE001
-        print(f"FAIL full model after eager steps (side stream: {on_side_stream}): "
-              f"{str(e).splitlines()[0]}", flush=True)  # fmt: skip
+        print(f"FAIL full model after eager steps (side stream: {on_side_stream}, graphs "
+              f"released: {cleared}): {str(e).splitlines()[0]}", flush=True)  # fmt: skip
 
 
 def main() -> None:
     if len(sys.argv) == 1:  # each variant in its own process (a failed capture may linger)
         import subprocess
 
-        for i in [*range(len(VARIANTS)), "eager", "eager-side"]:
+        for i in [*range(len(VARIANTS)), "eager", "eager-side", "eager-cleared"]:
             subprocess.run([sys.executable, __file__, str(i)], check=False, timeout=120)
         return
     if sys.argv[1].startswith("eager"):
-        after_eager(sys.argv[1] == "eager-side")
+        after_eager(sys.argv[1] == "eager-side", sys.argv[1] == "eager-cleared")
         return
     autocast, penalty, grad, bf16 = VARIANTS[int(sys.argv[1])]
     config = train_small.Config(layers=2, hidden=256, ffn=1024, heads=4, seq=128, batch=4)

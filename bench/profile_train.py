@@ -131,13 +131,9 @@ def main() -> None:
     config = dataclasses.replace(train_small.Config(), l1_warmup=0.0)
     train_data, _, _ = train_small.stdlib_corpus()
     out = {"device": torch.cuda.get_device_name(), "runs": []}
-    # Everything on a side stream: twell's ops that ran eagerly on the legacy default
-    # stream make a later whole-step capture fail (cudaErrorStreamCaptureImplicit; seen on
-    # an H100, cause not found yet, bench/debug_train_capture.py reproduces it).
-    with torch.cuda.stream(torch.cuda.Stream()):
-        for variant in args.variants:
-            out["runs"].append(run(variant, config, train_data, args))
-            torch.cuda.empty_cache()
+    for variant in args.variants:
+        out["runs"].append(run(variant, config, train_data, args))
+        torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 

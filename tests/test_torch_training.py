@@ -237,6 +237,29 @@ def test_inference_path_unchanged_and_clears_the_statistics() -> None:
     assert sparse.l1 is None and sparse.l0 is None
 
 
+def test_l1_is_detached_once_the_backward_has_passed_the_layer() -> None:
+    """After the backward, ``mlp.l1`` holds the value without the step's autograd graph
+    (which would otherwise live on until the next forward, with the parameters'
+    gradient accumulators and their CUDA streams)."""
+    import gc
+    import weakref
+
+    problem = workloads.uniform(40, 64, 256, seed=4)
+    sparse = SparseMLP.from_module(_mlp(problem))
+    x = torch.from_numpy(problem.x.astype(np.float64)).requires_grad_()
+    y = sparse(x)
+    term = sparse.l1
+    assert term.requires_grad
+    value = float(term.detach())
+    (y.sum() + 0.5 * term).backward()
+    assert not sparse.l1.requires_grad and float(sparse.l1) == value
+    assert sparse.l1 is not term
+    graph_term = weakref.ref(term)
+    del term, y
+    gc.collect()
+    assert graph_term() is None  # nothing in the module keeps the graph's output alive
+
+
 def test_empty_batch_trains_to_zero_gradients() -> None:
     sparse = SparseMLP.from_module(LlamaMLP(32, 256))
     x = torch.randn(3, 0, 32, requires_grad=True)

@@ -32,6 +32,13 @@ active units per token, no gradient)::
     loss = task_loss(y) + coeff * twell.torch.l1_penalty(model)   # sum of the layers' l1
     loss.backward()
 
+Once the backward pass has gone through the layer (the gradient of its output is
+computed), ``mlp.l1`` is replaced by its detached value: the attribute would otherwise
+keep the whole step's autograd graph alive until the next forward, and with it the
+parameters' gradient accumulators, which torch reuses from step to step together with
+the CUDA stream they were made on; a later CUDA-graph capture then fails
+(``cudaErrorStreamCaptureImplicit``) when those were made on the legacy default stream.
+
 Mixed precision: under ``torch.autocast`` the block's input is cast to the autocast
 dtype; fp32 (master) weights go to the op as they are, the kernels round them to bf16
 and their gradients come back in fp32.
@@ -39,6 +46,7 @@ and their gradients come back in fp32.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -204,6 +212,8 @@ class SparseMLP(nn.Module):
         else:
             y, l1, l0 = self._dense(x)
         self.l1, self.l0 = l1, l0
+        if y.requires_grad and not torch.compiler.is_compiling():
+            y.register_hook(_detach_l1_hook(self, l1))
         return y
 
     def _dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -215,6 +225,20 @@ class SparseMLP(nn.Module):
         l1 = total / (m * h.shape[-1]) if self.reduction == "mean" else total / m
         l0 = (pre.detach() > 0).sum(dtype=torch.float32) / m
         return self.down_proj(h), l1, l0
+
+
+def _detach_l1_hook(mlp: SparseMLP, l1: torch.Tensor) -> Any:
+    """A gradient hook for the layer's output that swaps ``mlp.l1`` (while it still is
+    ``l1``) for its detached value. Weak references only: the hook lives in the autograd
+    graph, which must not keep the module or ``l1`` alive."""
+    mlp_ref, l1_ref = weakref.ref(mlp), weakref.ref(l1)
+
+    def hook(grad: torch.Tensor) -> None:
+        module, term = mlp_ref(), l1_ref()
+        if module is not None and term is not None and module.l1 is term:
+            module.l1 = term.detach()
+
+    return hook
 
 
 def l1_penalty(model: nn.Module) -> torch.Tensor | float:
