@@ -296,6 +296,9 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = self._body()
+        # The layers' L0 tensors of the captured forward: each replay rewrites them (the
+        # modules' own attributes change whenever the model runs eagerly, e.g. to evaluate).
+        self.l0 = [m.l0 for m in sparse_mlps(model)]
 
     def _body(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
@@ -423,7 +426,11 @@ def train(
             }
             if sparse:
                 entry.update(
-                    l1_coeff=coeff, l1=float(penalty.detach()), l0=twell_torch.l0_per_layer(model)
+                    l1_coeff=coeff,
+                    l1=float(penalty.detach()),
+                    l0=[float(t) for t in runner.l0]
+                    if runner is not None
+                    else twell_torch.l0_per_layer(model),
                 )
             log.append(entry)
             if not args.quiet:
