@@ -405,7 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         torch.set_num_threads(1)
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(minutes=30),
+        # Ranks other than 0 wait in a barrier while rank 0 runs the reference run (up to
+        # world size x --max-minutes): the timeout must outlast it.
+        timeout=datetime.timedelta(
+            minutes=max(30.0, 2 * args.max_minutes * int(os.environ.get("WORLD_SIZE", "1")) + 10)
+        ),
         **({"device_id": device} if use_cuda else {}),
     )
     rtol = LOSS_RTOL[device.type]

@@ -359,9 +359,10 @@ def test_dataclass_fields_are_what_the_pipeline_passes():
 
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"path": "pack"}, {"dense_capacity": 0.25}, {"dense_capacity": 1.0}, {"slots": 4},
-     {"max_row_nnz": 4}],
-    ids=["epilogue", "pack", "capacity", "all_capacity", "slots4", "row_limit"],
+    [{}, {"path": "pack"}, {"dense_capacity": 0.25}, {"dense_capacity": 0.02},
+     {"dense_capacity": 1.0}, {"slots": 4}, {"max_row_nnz": 4}],
+    ids=["epilogue", "pack", "capacity", "capacity_split", "all_capacity", "slots4",
+         "row_limit"],
 )  # fmt: skip
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize(("kind", "m"), [("uniform", 37), ("heavy", 300), ("paperlike", 129)])
@@ -394,6 +395,10 @@ def test_forward_row_l1_matches_reference(kind: str, m: int, gated: bool, opts: 
     assert err.max() <= 1e-2, (err.max(), int(err.argmax()))
     _, again = block.forward(to_gpu(x), save=True)
     assert cp.array_equal(again.row_l1.view(cp.uint32), saved.row_l1.view(cp.uint32))
+    # A finite poison (0x7F bytes): a row left unwritten would not hide behind a NaN row.
+    with poisoned_buffers(0x7F):
+        _, finite_poison = block.forward(to_gpu(x), save=True)
+    assert cp.array_equal(finite_poison.row_l1.view(cp.uint32), saved.row_l1.view(cp.uint32))
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])

@@ -260,6 +260,23 @@ def test_l1_is_detached_once_the_backward_has_passed_the_layer() -> None:
     assert graph_term() is None  # nothing in the module keeps the graph's output alive
 
 
+def test_l1_stays_differentiable_until_its_own_layer_is_reached() -> None:
+    """A second forward before the backward keeps the new term attached (the first
+    step's hook only replaces its own term); a backward of the L1 term alone detaches it."""
+    problem = workloads.uniform(24, 64, 256, seed=5)
+    sparse = SparseMLP.from_module(_mlp(problem))
+    x = torch.from_numpy(problem.x.astype(np.float64)).requires_grad_()
+    y1 = sparse(x)
+    first = sparse.l1
+    y2 = sparse(x * 2)
+    second = sparse.l1
+    y1.sum().backward()  # reaches the first forward's output only
+    assert sparse.l1 is second and second.requires_grad
+    second.backward()  # the L1 term alone (y2 gets no gradient)
+    assert not sparse.l1.requires_grad and float(sparse.l1) == float(second.detach())
+    assert first.requires_grad and y2.requires_grad
+
+
 def test_empty_batch_trains_to_zero_gradients() -> None:
     sparse = SparseMLP.from_module(LlamaMLP(32, 256))
     x = torch.randn(3, 0, 32, requires_grad=True)
@@ -528,10 +545,19 @@ def _graph_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, coeff: floa
     loss.backward()
 
 
-def _check_graph_capture(coeff: float) -> None:
+def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
     torch.manual_seed(0)
     model = Decoder(256, 1024, layers=2).cuda()
     sparsify(model, reduction="per_token")
+
+    def eager_step() -> None:  # its tensors die on return; SparseMLP.l1 must not hold on
+        model.zero_grad(set_to_none=True)
+        _graph_step(model, torch.randn(512, 256, device="cuda"),
+                    torch.randn(512, 256, device="cuda"), coeff)  # fmt: skip
+
+    for _ in range(eager_steps):  # on the current stream: torch's legacy default stream
+        eager_step()
+    torch.cuda.synchronize()
     reference_model = Decoder(256, 1024, layers=2).cuda()
     sparsify(reference_model, reduction="per_token")
     static_x = torch.randn(512, 256, device="cuda")
@@ -569,6 +595,16 @@ def _check_graph_capture(coeff: float) -> None:
 @needs_gpu
 def test_gpu_cuda_graph_capture_of_forward_and_backward() -> None:
     _check_graph_capture(0.0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_cuda_graph_capture_after_eager_steps_on_the_default_stream() -> None:
+    """Eager training steps first (the parameters' gradient accumulators are made on the
+    legacy default stream): a later capture works once nothing keeps those steps'
+    autograd graphs alive (SparseMLP.l1 used to)."""
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    _check_graph_capture(1e-3, eager_steps=2)
 
 
 @pytest.mark.gpu

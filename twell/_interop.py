@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,12 +64,13 @@ class TorchBuffers:
     """An allocator for :func:`twell.kernels.buffers.alloc` that takes memory from torch.
 
     Remembers the tensor behind each buffer it made, so an output can be returned as
-    the torch tensor that owns it.
+    the torch tensor that owns it: weakly, so a buffer the launcher drops goes back to
+    torch's allocator at once (the CuPy array keeps its owner alive, not this table).
     """
 
     def __init__(self, device: Any) -> None:
         self.device = device
-        self._owners: dict[int, Any] = {}
+        self._owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
     def __call__(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import cupy

@@ -32,12 +32,15 @@ active units per token, no gradient)::
     loss = task_loss(y) + coeff * twell.torch.l1_penalty(model)   # sum of the layers' l1
     loss.backward()
 
-Once the backward pass has gone through the layer (the gradient of its output is
-computed), ``mlp.l1`` is replaced by its detached value: the attribute would otherwise
-keep the whole step's autograd graph alive until the next forward, and with it the
-parameters' gradient accumulators, which torch reuses from step to step together with
-the CUDA stream they were made on; a later CUDA-graph capture then fails
+Once the backward pass has reached the layer (the gradient of its output or of its L1
+term is computed), ``mlp.l1`` is replaced by its detached value: the attribute would
+otherwise keep the whole step's autograd graph alive until the next forward, and with it
+the parameters' gradient accumulators, which torch reuses from step to step together
+with the CUDA stream they were made on; a later CUDA-graph capture then fails
 (``cudaErrorStreamCaptureImplicit``) when those were made on the legacy default stream.
+So a term meant for a second, separate backward pass must be taken (``l1_penalty``)
+before the first. Under ``torch.compile`` no hook is registered (the term stays
+attached until the next forward).
 
 Mixed precision: under ``torch.autocast`` the block's input is cast to the autocast
 dtype; fp32 (master) weights go to the op as they are, the kernels round them to bf16
@@ -88,7 +91,10 @@ class SparseMLP(nn.Module):
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden
-            activation (differentiable float32 scalar); None after one that does not.
+            activation (differentiable float32 scalar) until the backward pass reaches
+            the layer's output or this term, then its detached value (outside
+            ``torch.compile``, see the module docstring); None after a forward without
+            gradients.
         l0: likewise, the mean number of active units per token (float32 scalar tensor,
             no gradient); None after a forward without gradients.
 
@@ -213,7 +219,10 @@ class SparseMLP(nn.Module):
             y, l1, l0 = self._dense(x)
         self.l1, self.l0 = l1, l0
         if y.requires_grad and not torch.compiler.is_compiling():
-            y.register_hook(_detach_l1_hook(self, l1))
+            hook = _detach_l1_hook(self, l1)
+            y.register_hook(hook)  # the task loss's backward reaches the layer
+            if l1.requires_grad:
+                l1.register_hook(hook)  # or a backward of the L1 term alone does
         return y
 
     def _dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

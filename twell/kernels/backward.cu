@@ -1128,7 +1128,8 @@ twell_bw_heavy_weights(const uint16_t* __restrict__ dadu, int ld,
 }
 
 // =======================================================================================
-// 5. fp32 transpose: out [C, R] = in [R, C]ᵀ (32 x 32 tiles, blocks of 32 x 8).
+// 5. transpose of the fp32 accumulator: out [C, R] = in [R, C]ᵀ, written as fp32 or rounded
+// to bf16 (out_bf16) (32 x 32 tiles, blocks of 32 x 8).
 // =======================================================================================
 extern "C" __global__ void __launch_bounds__(256)
 twell_bw_transpose_f32(const float* __restrict__ in, void* __restrict__ out, int R, int C,

@@ -22,8 +22,8 @@ header has the details):
    gradients added to the light part (light first, then heavy: fixed order).
 5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``.
 
-Weight gradients are returned in **fp32** (as torch keeps master gradients of bf16
-weights); ``dx`` in ``x``'s dtype (bf16 math inside).
+Weight gradients accumulate in fp32 and are returned in ``grad_dtype`` (fp32 by default;
+bf16 rounds each once at the end); ``dx`` in ``x``'s dtype (bf16 math inside).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ pass has two stages (docs/design.md draws them):
 
 1. **Light rows** — a *route* from :data:`ROUTES` (the ``path`` option): it computes the
    gate, decides which rows are heavy (the routing rule), and writes the light rows of
-   ``y``. Every route has the signature ``route(block, x, y) -> LightRows``:
+   ``y``. Every route has the signature ``route(block, x, y, row_l1) -> LightRows``
+   (``row_l1``: where the training forward wants the light rows' sums of ``|h|``, or None):
 
    - ``"fused"``: cuBLAS gate GEMM into a dense bf16 pre-activation, then one kernel
      scans it and gathers (light_rows.from_pre);
@@ -146,7 +147,7 @@ class PreparedBlock:
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots)
         if in_capture:
-            self._graph_scratch.append([xb, y, light.pre, light.packed, *scratch])
+            self._graph_scratch.append([xb, y, light.pre, light.packed, row_l1, *scratch])
         out = from_bf16(y, x.dtype)
         if not save:
             return out
