@@ -49,8 +49,15 @@ def main() -> None:
                 records.append({"label": args.label, "workload": workload, "M": m, "path": path,
                                 "gated": gated, "bits": digest(y), "t_ms": t})  # fmt: skip
         h = twell.gate(x, sets[0][0])
-        records.append({"label": args.label, "workload": workload, "M": m, "path": "gate",
-                        "bits": digest(h.packed) + digest(h.dense) + digest(h.dense_rows)})
+        records.append(
+            {
+                "label": args.label,
+                "workload": workload,
+                "M": m,
+                "path": "gate",
+                "bits": digest(h.packed) + digest(h.dense) + digest(h.dense_rows),
+            }
+        )
         print(json.dumps(records[-1]), flush=True)
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)

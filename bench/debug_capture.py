@@ -53,8 +53,13 @@ def main() -> None:
                 check("alloc y (torch allocator)")
                 capturing()
                 check("capturing()")
-                print("torch stream", torch.cuda.current_stream().cuda_stream,
-                      "cupy stream", cupy.cuda.get_current_stream().ptr, flush=True)
+                print(
+                    "torch stream",
+                    torch.cuda.current_stream().cuda_stream,
+                    "cupy stream",
+                    cupy.cuda.get_current_stream().ptr,
+                    flush=True,
+                )
                 pre = empty_bf16((64, 1024))
                 check("alloc pre")
                 xt = torch.from_dlpack(xb)
@@ -68,8 +73,17 @@ def main() -> None:
                 pre = gemm_nt(xb, prepared.w_first)
                 check("gemm_nt")
                 heavy = alloc((64,), np.uint8)
-                light_rows.from_pre(xb, pre, heavy, prepared.w_up, prepared.w_down_t, y,
-                                    tile=256, slots=32, max_row_nnz=prepared.max_row_nnz)
+                light_rows.from_pre(
+                    xb,
+                    pre,
+                    heavy,
+                    prepared.w_up,
+                    prepared.w_down_t,
+                    y,
+                    tile=256,
+                    slots=32,
+                    max_row_nnz=prepared.max_row_nnz,
+                )
                 check("light_rows.from_pre")
                 ids, count = heavy_rows.compact_rows(heavy)
                 check("compact_rows")

@@ -86,4 +86,3 @@ def test_row_limit_agrees_with_dense_row_mask(cxx_rule: list[np.ndarray]) -> Non
 def test_non_finite_rows_go_dense() -> None:
     counts = np.zeros((3, 2), np.int32)
     assert dense_row_mask(counts, np.array([False, True, False]), 32).tolist() == [0, 1, 0]
-

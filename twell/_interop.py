@@ -55,9 +55,7 @@ def cupy_view(tensor: Any) -> Any:
     dtype = _torch_dtypes()[tensor.dtype]
     nbytes = tensor.numel() * dtype.itemsize
     memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, tensor, tensor.device.index)
-    return cupy.ndarray(
-        tuple(tensor.shape), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0)
-    )
+    return cupy.ndarray(tuple(tensor.shape), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 class TorchBuffers:

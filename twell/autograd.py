@@ -36,7 +36,11 @@ Where they run:
   defined ``dl1`` is read on the host (``float(dl1)``) unless the backward kernels take
   the coefficient on the device (:func:`_l1_coefficient`). The value of ``l1`` is the
   sum of the forward kernels' per-row sums of ``|h|`` (``Activations.row_l1``: the light
-  rows' ``h`` in fp32 from the gather, the heavy rows' from their bf16 dense rows).
+  rows' ``h`` in fp32 from the gather, the heavy rows' from their bf16 dense rows). So a
+  non-finite weight shows in ``l1`` only where it meets an active unit or a heavy row
+  (as in ``y``); dense math would spread a NaN in ``w_up`` to ``l1`` through
+  ``0 * NaN``. The gradients do follow dense math there: the backward checks the
+  weights on the device and then runs every row densely.
 - **CPU tensors**: the float64 NumPy reference (``twell.reference.ffn``,
   ``twell.reference.ffn_backward``), results cast back to the inputs' dtypes; this is
   what CI checks against torch autograd of the dense block.

@@ -182,9 +182,7 @@ def bench_config(
         xs.append(x)
         blocks.append(
             {
-                p: PreparedBlock(
-                    wg, wu, wd, Options(tile, slots, p, max_row_nnz, dense_capacity)
-                )
+                p: PreparedBlock(wg, wu, wd, Options(tile, slots, p, max_row_nnz, dense_capacity))
                 for p in paths
             }
         )

@@ -153,8 +153,12 @@ def plot(records: list[dict], path: str) -> None:
         rs = sorted((r for r in batch if r["timing"] == timing), key=lambda r: r["M"])
         if rs:
             left.plot([r["M"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
-    left.set(xscale="log", xlabel="tokens M", ylabel="speedup over dense (×)",
-             title=f"uniform p=0.005, K={batch[0]['K']}, N={batch[0]['N']}" if batch else "")
+    left.set(
+        xscale="log",
+        xlabel="tokens M",
+        ylabel="speedup over dense (×)",
+        title=f"uniform p=0.005, K={batch[0]['K']}, N={batch[0]['N']}" if batch else "",
+    )
     dense = [r for r in records if "p" in r]
     for timing in ("per_call", "back_to_back"):
         rs = sorted((r for r in dense if r["timing"] == timing), key=lambda r: r["p"])
