@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_host import per_call_us  # noqa: E402
+from profile_host import host_us, per_call_us  # noqa: E402
 
 from twell import workloads
 from twell.autograd import ffn_train
@@ -50,8 +50,12 @@ def main() -> None:
 
         print(
             f"[{label}] twell fwd+bwd host {per_call_us(step, args.calls):.0f} us per step; "
-            f"dense torch {per_call_us(dense, args.calls):.0f} us"
+            f"dense torch {per_call_us(dense, args.calls):.0f} us; with the GPU held busy: "
+            f"twell {host_us(step):.0f} us, dense {host_us(dense):.0f} us"
         )
+        if dtype is not None:
+            breakdown(xb, ws, dy, options, args.calls)
+            autograd_parts(step, xb, ws, dy, options, args.calls)
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.calls):
@@ -61,6 +65,44 @@ def main() -> None:
         stats = pstats.Stats(profile)
         stats.sort_stats("tottime").print_stats(28)
         stats.sort_stats("cumtime").print_stats(40)
+
+
+def breakdown(xb, ws, dy, options, calls) -> None:  # noqa: ANN001
+    """Host time of each op alone, through torch's custom-op dispatch and called directly
+    (what the dispatch adds), without autograd."""
+    from twell import autograd
+
+    settings = (options.tile, options.slots, -1, options.dense_capacity, "per_token")
+    x, wg, wu, wd = xb.detach(), *(w.detach() for w in ws)
+    out = autograd.ffn_train_forward(x, wg, wu, wd, *settings)
+    saved = out[2:]
+    one = torch.ones((), device=x.device)
+    parts = {
+        "forward op": lambda: autograd.ffn_train_forward(x, wg, wu, wd, *settings),
+        "forward impl": lambda: autograd._forward_cuda(x, wg, wu, wd, *settings),
+        "backward op": lambda: autograd.ffn_train_backward(dy, one, x, wg, wu, wd, *saved,
+                                                           *settings),
+        "backward impl": lambda: autograd._backward_cuda(dy, one, x, wg, wu, wd, *saved,
+                                                         *settings),
+    }  # fmt: skip
+    for name, fn in parts.items():
+        print(f"    {name}: {per_call_us(fn, calls):.0f} us per call, {host_us(fn):.0f} us of host")
+
+
+def autograd_parts(step, xb, ws, dy, options, calls) -> None:  # noqa: ANN001
+    """The step through autograd: its forward alone, its backward alone (retained graph)."""
+
+    def forward() -> None:
+        ffn_train(xb, *ws, options, "per_token")
+
+    y, l1, _ = ffn_train(xb, *ws, options, "per_token")
+    grads = (dy, torch.ones_like(l1))
+
+    def backward() -> None:
+        torch.autograd.backward((y, l1), grads, retain_graph=True)
+
+    for name, fn in (("autograd forward", forward), ("autograd backward", backward)):
+        print(f"    {name}: {per_call_us(fn, calls):.0f} us per call, {host_us(fn):.0f} us of host")
 
 
 if __name__ == "__main__":

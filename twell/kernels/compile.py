@@ -46,6 +46,8 @@ COMMON_HEADER = "common.cuh"
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
 _kernels: dict[tuple[int, str, tuple[tuple[str, int], ...], str], Any] = {}
+#: Source.kernel's cache: (device, source, function, *parameter items) -> kernel.
+_launches: dict[tuple, Any] = {}
 
 #: Every declared source, by file name (filled by the launcher modules' imports).
 SOURCES: dict[str, Source] = {}
@@ -85,8 +87,17 @@ class Source:
 
     def kernel(self, function: str, **params: int) -> Any:
         """One compiled ``cupy.RawKernel`` (an ``extern "C"`` name of this source) for
-        the current device, with the given parameter values; cached."""
-        return _kernel(self, function, self.defines(params))
+        the current device, with the given parameter values; cached.
+
+        A launch asks for its kernel every time, so the hit costs one CUDA device query
+        and one dict lookup keyed on the call as written (a launcher passes its
+        parameters in a fixed order); the first call of a key checks and compiles.
+        """
+        key = (_device_id(), self.name, function, *params.items())
+        found = _launches.get(key)
+        if found is None:
+            found = _launches[key] = _kernel(self, function, self.defines(params))
+        return found
 
 
 def declare(source: Source) -> Source:
@@ -166,6 +177,15 @@ def unavailable_reason() -> str | None:
     if (major, minor) != (9, 0):
         return f"twell's kernels need a Hopper GPU (compute capability 9.0), not {major}.{minor}"
     return None
+
+
+def _device_id() -> int:
+    """CuPy's current device (no check: :func:`device_info` checks on a cache miss)."""
+    cupy = _require_cupy()
+    try:
+        return cupy.cuda.runtime.getDevice()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return device_info().id  # raises the descriptive error
 
 
 def device_info() -> DeviceInfo:
