@@ -3,6 +3,7 @@ against dense torch autograd of the same block (bf16, same inputs).
 
     PYTHONPATH=. python bench/bench_backward.py                  # M=16384 K=2048 N=5632
     PYTHONPATH=. python bench/bench_backward.py --nongated --workloads uniform
+    PYTHONPATH=. python bench/bench_backward.py --dense-capacity 0.01   # heavy rows via cuBLAS
 
 For each workload (``uniform``, ``heavy``, ``paperlike`` at the benchmark shape):
 
@@ -12,7 +13,8 @@ For each workload (``uniform``, ``heavy``, ``paperlike`` at the benchmark shape)
 - timing (CUDA events, median): ``per_call`` (events around each call) and
   ``back_to_back`` (20 calls between two events), for twell's forward(save=True) +
   backward, forward alone, backward alone, and torch's forward + backward; the
-  backward's time per kernel (events around each launch);
+  backward's time per kernel (events around each launch; ``capacity_rows`` around the
+  whole cuBLAS part of the heavy rows, its two kernels included);
 - extra peak memory of one step: torch's ``max_memory_allocated`` delta for torch, and
   for twell both CuPy's pool (``total_bytes`` grown from an empty pool: the device memory
   the step took; ``used_bytes`` after it: the outputs) and the same step with twell's
@@ -90,25 +92,30 @@ def torch_tensor(a: np.ndarray, *, grad: bool = False) -> Any:
 
 
 def stage_times(backward_mod: Any, fn: Any) -> dict[str, float]:
-    """Time per kernel name of one call of ``fn`` (events around each launch)."""
+    """Time per kernel name of one call of ``fn`` (events around each launch), and of the
+    heavy rows' cuBLAS part (``capacity_rows``: GEMMs and kernels, those also listed)."""
     import torch
 
     original = backward_mod._launch
+    original_capacity = backward_mod._capacity_rows
     marks: list[tuple[str, Any, Any]] = []
 
-    def timed(function: str, *args: Any) -> None:
+    def timed(function: str, *args: Any) -> Any:
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        original(function, *args)
+        out = (original_capacity if function == "capacity_rows" else original)(*args)
         stop.record()
         marks.append((function, start, stop))
+        return out
 
-    backward_mod._launch = timed
+    backward_mod._launch = lambda function, *args: timed(function, function, *args)
+    backward_mod._capacity_rows = lambda *args: timed("capacity_rows", *args)
     try:
         fn()
         torch.cuda.synchronize()
     finally:
         backward_mod._launch = original
+        backward_mod._capacity_rows = original_capacity
     out: dict[str, float] = {}
     for name, start, stop in marks:
         out[name] = out.get(name, 0.0) + start.elapsed_time(stop)
@@ -126,7 +133,8 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
     from twell.options import Options
 
     m, k, n = args.M, args.K, args.N
-    rec: dict[str, Any] = {"workload": workload, "gated": gated, "M": m, "K": k, "N": n}
+    rec: dict[str, Any] = {"workload": workload, "gated": gated, "M": m, "K": k, "N": n,
+                           "dense_capacity": args.dense_capacity}  # fmt: skip
     t0 = time.time()
     p = workloads.make(workload, m, k, n, seed=0)
     w_gate, w_up, w_down = (p.w_gate, p.w_up, p.w_down) if gated else (None, p.w_gate, p.w_down)
@@ -135,7 +143,7 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
     dys_np = [rng.standard_normal((m, k)).astype(BF16) for _ in xs_np]
     rec["setup_s"] = round(time.time() - t0, 2)
 
-    options = Options()
+    options = Options(dense_capacity=args.dense_capacity)
     block = PreparedBlock(to_device(w_gate), to_device(w_up), to_device(w_down), options)
     xs = [to_device(a) for a in xs_np]
     dys = [to_device(a) for a in dys_np]
@@ -155,6 +163,7 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
         "light_l0": round(pairs / max(1, int((~heavy).sum())), 2),
         "light_pairs": pairs,
         "row_cap": backward.row_capacity(block.max_row_nnz, n, options.tile, options.slots, m),
+        "capacity_rows": options.capacity_rows(m),
         "gather_bytes_light_rows": pairs * rows_per_pair * k * 2,
         "gather_bytes_weight_grads": pairs * 2 * k * 2,
         "dense_backward_flop": (12 if gated else 8) * m * k * n,
@@ -326,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=256, help="rows of the correctness check")
     parser.add_argument("--l1", type=float, default=1e-2, help="L1 coefficient of the check")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--dense-capacity", type=float, default=0.0,
+                        help="Options.dense_capacity: the first ceil(f*M) heavy rows of the "
+                        "forward and the backward through cuBLAS GEMMs")  # fmt: skip
     parser.add_argument("--budget", type=float, default=220.0, help="seconds; later cases skip")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -368,6 +380,8 @@ def _free() -> None:
 
 def _summary(rec: dict[str, Any]) -> str:
     head = f"{rec['workload']:<10} {'gated' if rec['gated'] else 'nongated':<8}"
+    if rec.get("dense_capacity"):
+        head += f" cap {rec['dense_capacity']}"
     if "error" in rec:
         return f"{head} ERROR {rec['error'].strip().splitlines()[-1]}"
     if "skipped" in rec:

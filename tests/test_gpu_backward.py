@@ -421,3 +421,176 @@ def test_bf16_gradients_are_the_fp32_ones_rounded(gated: bool):
         assert np.array_equal(as_host(b).view(np.uint16), rounded.view(np.uint16))
     with pytest.raises(TypeError, match="grad_dtype"):
         backward.ffn_backward(block, xg, dyg, saved, grad_dtype=np.float16)
+
+
+# ------------------------------------------------------------------ dense_capacity
+def _capacity_problem(kind: str, m: int, k: int, n: int, seed: int) -> tuple:
+    """(problem, x, dy): ``nonfinite`` is the heavy workload with NaN and Inf in rows of x
+    and dy (those rows join the backward's heavy rows)."""
+    p = problem("paperlike" if kind == "paperlike" else "heavy", m, k, n, seed=seed)
+    x, dy = p.x, upstream(m, k, seed + 1)
+    if kind == "nonfinite":
+        x, dy = _with_nonfinite(x, dy, "both")
+    return p, x, dy
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Counts the calls of ``backward.<name>`` (which still runs)."""
+    calls: list[int] = []
+    original = getattr(backward, name)
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backward, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("l1", ["off", "mean", "per_token_device"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("capacity", [0.01, 0.05, 1.0])
+@pytest.mark.parametrize("kind", ["heavy", "paperlike", "nonfinite"])
+def test_backward_dense_capacity_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, kind: str, capacity: float, gated: bool, l1: str
+):
+    """dense_capacity: the first ceil(f*M) heavy rows of the backward through cuBLAS GEMMs
+    of that many rows, the rest (if any) through the chunk kernels: gradients against the
+    float64 reference, NaN/Inf rows included, with the L1 term (a visible part of dh) in
+    both reductions, its coefficient also on the device; bits identical on rerun.
+
+    M=300: heavy has 44 heavy rows and paperlike 12 (more than ceil(0.01 M) = 3; 0.05 M =
+    15 rows leaves padding rows for paperlike); 1.0 sends every one through cuBLAS and
+    launches no chunk."""
+    m, k, n = 300, 264, 1024
+    p, x, dy = _capacity_problem(kind, m, k, n, seed=3)
+    w = weights(p, gated)
+    coeff, reduction = {"off": (0.0, "mean"), "mean": (0.05 * m * n, "mean"),
+                        "per_token_device": (0.05 * m, "per_token")}[l1]  # fmt: skip
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options(dense_capacity=capacity))
+    xg, dyg = to_gpu(x), to_gpu(dy)
+    _, saved = block.forward(xg, save=True)
+    assert int(saved.count[0]) > 3, "the workload must have more heavy rows than 0.01 M"
+    l1_arg = cp.full((1,), coeff, dtype=cp.float32) if l1.endswith("device") else coeff
+    capacity_calls = _spy(monkeypatch, "_capacity_rows")
+    chunk_calls = _spy(monkeypatch, "_heavy_rows")
+    got = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=l1_arg, reduction=reduction)
+    assert len(capacity_calls) == 1
+    assert len(chunk_calls) == (0 if capacity == 1.0 else 1)
+    again = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=l1_arg, reduction=reduction)
+    for a, b in zip(got, again, strict=True):
+        if a is not None:
+            assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "not deterministic"
+    check(got, reference.ffn_backward(x, *w, dy, coeff, reduction=reduction))
+
+
+@pytest.mark.parametrize("geometry", ["row_limit", "slots2"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_more_heavy_rows_than_the_capacity(
+    monkeypatch: pytest.MonkeyPatch, gated: bool, geometry: str
+):
+    """Nearly every row heavy (max_row_nnz=4, or slots=2), dense_capacity 0.01: 6 rows
+    through cuBLAS, the rest through several small chunks that start after them."""
+    monkeypatch.setattr(backward, "HEAVY_CHUNK_MIN", 64)
+    m, k, n = 600, 264, 512
+    p = problem("heavy", m, k, n, seed=21)
+    x, dy = p.x, upstream(m, k, 22)
+    extra = {"max_row_nnz": 4} if geometry == "row_limit" else {"slots": 2}
+    options = Options(dense_capacity=0.01, **extra)
+    assert options.capacity_rows(m) == 6
+    got, ref = run(weights(p, gated), x, dy, options, 1e-2)
+    # As test_backward_segments_and_heavy_chunks: dx of (nearly) all-heavy rows is held to
+    # 1.25x dense bf16 autograd's own error where that exceeds TOL.
+    dense_err = _dense_bf16_dx_error(weights(p, gated), x, dy, ref[0], 1e-2)
+    assert_grad_close("dx", got[0], ref[0], max(TOL, 1.25 * dense_err))
+    for name, g, r in zip(("dw_gate", "dw_up", "dw_down"), got[1:], ref[1:], strict=True):
+        assert_grad_close(name, g, r)
+
+
+@pytest.mark.parametrize("checked", ["host", "device"])
+@pytest.mark.parametrize("capacity", [0.01, 1.0])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_dense_capacity_with_a_nonfinite_weight(gated: bool, capacity: float,
+                                                         checked: str):  # fmt: skip
+    """A NaN weight makes every row heavy: the capacity GEMMs spread it as dense math does
+    (padding rows add nothing)."""
+    p = problem("uniform", 150, 72, 512, seed=5)
+    w_gate, w_up, w_down = weights(p, gated)
+    w_up = w_up.astype(np.float32)
+    w_up[7, 2] = np.nan
+    w = (w_gate, w_up.astype(BF16), w_down)
+    got, ref = run(w, p.x, upstream(150, 72, 6), Options(dense_capacity=capacity),
+                   unchecked_weights=checked == "device")  # fmt: skip
+    check(got, ref)
+
+
+@pytest.mark.parametrize("capacity", [0.05, 1.0])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_dense_capacity_through_torch(
+    monkeypatch: pytest.MonkeyPatch, gated: bool, capacity: float
+):
+    """An op called with torch tensors runs the capacity GEMMs through torch (mm / addmm
+    with out_dtype=float32) on torch's current stream; a torch without out_dtype falls
+    back to the chunk kernels for every heavy row."""
+    torch = pytest.importorskip("torch")
+    from twell.kernels import buffers, cublas
+
+    m, k, n = 300, 264, 1024
+    p, x, dy = _capacity_problem("nonfinite", m, k, n, seed=7)
+    w = weights(p, gated)
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options(dense_capacity=capacity))
+    xg, dyg = to_gpu(x), to_gpu(dy)
+    _, saved = block.forward(xg, save=True)
+    capacity_calls = _spy(monkeypatch, "_capacity_rows")
+    with buffers.allocating_with(None, torch_caller=True):
+        got = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+        again = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+    assert len(capacity_calls) == (2 if cublas._torch_has_out_dtype(torch) else 0)
+    for a, b in zip(got, again, strict=True):
+        if a is not None:
+            assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "not deterministic"
+    check(got, reference.ffn_backward(x, *w, dy, 1e-2))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_dense_capacity_can_be_captured(gated: bool):
+    """forward(save=True) + backward captured in a CUDA graph on a CuPy stream: the
+    capacity GEMMs then go through torch (CuPy refuses cuBLAS during capture); replays
+    give the same bits, and the reference's gradients."""
+    torch = pytest.importorskip("torch")
+    from twell.kernels import buffers, cublas
+
+    if not cublas._torch_has_out_dtype(torch):
+        pytest.skip("this torch's mm has no out_dtype: the capacity rows take the chunks")
+    m, k, n = 300, 264, 1024
+    p, x, dy = _capacity_problem("heavy", m, k, n, seed=9)
+    w = weights(p, gated)
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options(dense_capacity=0.05))
+    xg, dyg = to_gpu(x), to_gpu(dy)
+    stream = cp.cuda.Stream(non_blocking=True)
+    # Warm-up through torch on this stream: kernels compiled, the stream's CuPy pool
+    # filled, torch's cuBLAS handle and workspace for the stream set up before capture.
+    with (
+        stream,
+        torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)),
+        buffers.allocating_with(None, torch_caller=True),
+    ):
+        for _ in range(2):
+            _, saved = block.forward(xg, save=True)
+            backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+    with stream:
+        stream.synchronize()
+        stream.begin_capture()
+        _, saved = block.forward(xg, save=True)
+        got = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        # To the host: a device copy could take the pool blocks the graph's scratch had.
+        first = [None if g is None else as_host(g).copy() for g in got]
+        graph.launch(stream)
+        stream.synchronize()
+    for a, b in zip(got, first, strict=True):
+        if a is not None:
+            assert np.array_equal(as_host(a).view(np.uint8), b.view(np.uint8)), "replays differ"
+    check(got, reference.ffn_backward(x, *w, dy, 1e-2))

@@ -81,7 +81,8 @@ class Options:
         max_row_nnz: tokens with more active units take the dense path (None: 3% of N,
             see :func:`default_max_row_nnz`); any value gives the same result.
         dense_capacity: a fraction f of M: the first ``ceil(f * M)`` heavy rows go
-            through fixed-size cuBLAS GEMMs, the rest through twell's heavy-row kernel.
+            through fixed-size cuBLAS GEMMs, the rest through twell's heavy-row kernels,
+            in the forward and in the training backward alike.
         density_switch: run the whole batch in dense math when earlier calls saw more
             active units per row than the sparse path pays for (docs/design.md).
     """

@@ -40,6 +40,12 @@
 //                                     in order);
 //               twell_bw_heavy_weights dW += (chunk's da, du, h)ᵀ (x, x, dy): fp32
 //                                     read-add-write of the tile, after the light part.
+//               With dense_capacity, the first C heavy rows go through cuBLAS instead
+//               (backward.py: _capacity_rows), before the chunks (which take the rest):
+//               gathered x, dy rows (zeros past the count); a, u, dy·wd by GEMMs in bf16;
+//               twell_bw_capacity_units  da, du, h in place (twell_bw_heavy_units' math);
+//               dx = da wg + du wu by two fp32 GEMMs, twell_bw_capacity_dx rounds once
+//               and scatters; dW += (da, du, h)ᵀ (x, x, dy) by fp32 GEMMs (beta = 1).
 //  5 transpose  twell_bw_transpose_f32: dWd_t [N, K] -> dWd [K, N] (fp32, or rounded to bf16).
 // Row counts of step 4 live on the device (count[0]); grids are sized for the worst case
 // and blocks loop over the work that exists. Nothing synchronises with the host.
@@ -66,7 +72,8 @@
 // ------------------------------------------------------------------ determinism
 // Every float sum has one owner and a fixed order: step 1 in entry order, step 3 in token
 // order (+ segments in order), step 4 per mma fragment in k order (+ splits in order),
-// light before heavy. The only atomics are integer ORs into shared bit masks.
+// light before heavy (capacity rows, then chunks); cuBLAS is deterministic for a given
+// library path and shape. The only atomics are integer ORs into shared bit masks.
 //
 // Limits: K = TWELL_KDIM, a multiple of 8, <= 4096; N % TILE == 0, N <= 65536; M * R <
 // 2^31 (the launcher lowers R if needed); 16-byte aligned rows.
@@ -1124,6 +1131,105 @@ twell_bw_heavy_weights(const uint16_t* __restrict__ dadu, int ld,
           *o = v;
         }
       }
+  }
+}
+
+// =======================================================================================
+// 4'. Capacity rows (dense_capacity): the first C heavy rows, gathered into fixed-size
+//     buffers whose a, u, dy·wd come from cuBLAS (bf16); these kernels sit between the
+//     GEMMs. Rows i >= min(count, C) are padding.
+// =======================================================================================
+
+// da, du, h from a, u, dy·wd elementwise, in place (a -> da, u -> du, d -> h; bf16 [C, N]),
+// with the formulas and roundings of twell_bw_heavy_units; padding rows get zeros (so
+// they add nothing to the weight GEMMs, whatever the L1 coefficient holds). u is unused
+// (null) for the non-gated block. N % 8 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_capacity_units(uint16_t* __restrict__ a, uint16_t* __restrict__ u,
+                        uint16_t* __restrict__ d, const int* __restrict__ count, int C, int N,
+                        const float* __restrict__ l1_dev, float l1_host) {
+  const float l1s = l1_dev != nullptr ? l1_dev[0] * l1_host : l1_host;
+  const int rows = min(count[0], C);
+  const int per_row = N / 8;
+  const long long total = (long long)C * per_row;
+  for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < total;
+       q += (long long)gridDim.x * blockDim.x) {
+    uint4* pa = reinterpret_cast<uint4*>(a) + q;
+    uint4* pd = reinterpret_cast<uint4*>(d) + q;
+#if TWELL_GATED
+    uint4* pu = reinterpret_cast<uint4*>(u) + q;
+#endif
+    if (q / per_row >= rows) {
+      *pa = make_uint4(0, 0, 0, 0);
+      *pd = make_uint4(0, 0, 0, 0);
+#if TWELL_GATED
+      *pu = make_uint4(0, 0, 0, 0);
+#endif
+      continue;
+    }
+    const uint4 av = *pa, dv = *pd;
+    const uint32_t a_w[4] = {av.x, av.y, av.z, av.w};
+    const uint32_t d_w[4] = {dv.x, dv.y, dv.z, dv.w};
+    uint32_t da_out[4], h_out[4];
+#if TWELL_GATED
+    const uint4 uv = *pu;
+    const uint32_t u_w[4] = {uv.x, uv.y, uv.z, uv.w};
+    uint32_t du_out[4];
+#endif
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float da[2], hv[2];
+#if TWELL_GATED
+      float du[2];
+#endif
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x_a = twell_bf16_to_float((a_w[w] >> (16 * e)) & 0xffffu);
+        const float dhb = twell_bf16_to_float((d_w[w] >> (16 * e)) & 0xffffu);
+        const float gv = x_a > 0.f ? x_a : (x_a != x_a ? x_a : 0.f);  // relu, NaN kept
+        const float mask = x_a > 0.f ? 1.f : 0.f;
+#if TWELL_GATED
+        const float x_u = twell_bf16_to_float((u_w[w] >> (16 * e)) & 0xffffu);
+        const float h = gv * x_u;
+        const float dh = dhb + l1s * sign_of(h);
+        da[e] = dh * x_u * mask;
+        du[e] = dh * gv;
+#else
+        const float h = gv;
+        const float dh = dhb + l1s * sign_of(h);
+        da[e] = dh * mask;
+#endif
+        hv[e] = h;
+      }
+      da_out[w] = twell_pack_bf16x2(da[0], da[1]);
+      h_out[w] = twell_pack_bf16x2(hv[0], hv[1]);
+#if TWELL_GATED
+      du_out[w] = twell_pack_bf16x2(du[0], du[1]);
+#endif
+    }
+    *pa = make_uint4(da_out[0], da_out[1], da_out[2], da_out[3]);
+    *pd = make_uint4(h_out[0], h_out[1], h_out[2], h_out[3]);
+#if TWELL_GATED
+    *pu = make_uint4(du_out[0], du_out[1], du_out[2], du_out[3]);
+#endif
+  }
+}
+
+// dx[ids[i]] = bf16(dxc[i]) for i < min(count, C): the capacity rows' fp32 dx (both
+// products summed by cuBLAS) rounded once and scattered. K % 8 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_capacity_dx(const float* __restrict__ dxc, const int* __restrict__ ids,
+                     const int* __restrict__ count, int C, uint16_t* __restrict__ dx) {
+  const int K = TWELL_KDIM;
+  const int rows = min(count[0], C);
+  const int per_row = K / 4;
+  const long long total = (long long)rows * per_row;
+  for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < total;
+       q += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(q / per_row), c = (int)(q % per_row);
+    const float4 v = reinterpret_cast<const float4*>(dxc)[q];
+    reinterpret_cast<uint2*>(dx + (long long)ids[i] * K)[c] =
+        make_uint2(twell_pack_bf16x2(v.x, v.y), twell_pack_bf16x2(v.z, v.w));
   }
 }
 

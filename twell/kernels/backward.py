@@ -17,9 +17,11 @@ header has the details):
    the device by a counting sort.
 3. **Weight gradients of the light pairs**, a block per unit (long lists in segments),
    summed in ascending token order in fp32.
-4. **Heavy rows** in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles for
-   ``a, u, dy·w_down`` → ``da, du, h`` (bf16), the rows of ``dx``, and the rows' weight
-   gradients added to the light part (light first, then heavy: fixed order).
+4. **Heavy rows**: with ``dense_capacity``, the first ``options.capacity_rows(M)`` of them
+   through cuBLAS GEMMs of exactly that many rows (:func:`_capacity_rows`, as the forward's
+   capacity GEMMs); the rest in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles
+   for ``a, u, dy·w_down`` → ``da, du, h`` (bf16), the rows of ``dx``, and the rows' weight
+   gradients added to the light part (light, then capacity rows, then chunks: fixed order).
 5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``.
 
 Weight gradients accumulate in fp32 and are returned in ``grad_dtype`` (fp32 by default;
@@ -36,10 +38,11 @@ import numpy as np
 
 from twell._arrays import bfloat16
 from twell._validation import check_number, check_reduction
-from twell.kernels.buffers import alloc, empty_bf16, u16
+from twell.kernels.buffers import alloc, empty_bf16, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 from twell.kernels.convert import as_bf16, from_bf16
-from twell.kernels.heavy_rows import compact_rows
+from twell.kernels.cublas import gemm_f32, gemm_f32_available, gemm_nt
+from twell.kernels.heavy_rows import compact_rows, gather_rows
 from twell.options import LIST_CAPACITY
 
 #: Tokens per block of the unit-list kernels (one bit each in the shared masks).
@@ -244,7 +247,10 @@ def ffn_backward(
 
     Memory: besides the outputs and the fp32 accumulators of the weight gradients, the
     scratch of each step is released before the next one (the pair values and unit lists
-    before the heavy rows), so the peak is the larger of steps 3 and 4, not their sum.
+    before the heavy rows, the capacity rows' buffers before the chunks), so the peak is
+    the largest step's, not their sum. The capacity rows take ``C = capacity_rows(M)``
+    rows of ``x`` and ``dy`` (bf16), ``2`` or ``3`` of ``[C, N]`` (bf16) and one ``[C, K]``
+    fp32 for their ``dx``.
     """
     check_reduction(reduction, REDUCTIONS)
     grad_dtype = np.dtype(grad_dtype)
@@ -318,16 +324,60 @@ def ffn_backward(
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
 
-    # 4. Heavy rows, chunk by chunk (the count stays on the device). The light pairs'
-    # scratch goes back to the allocator first (stream-ordered: safe to reuse).
+    # 4. Heavy rows (the count stays on the device): the first `cap` through cuBLAS, the
+    # rest chunk by chunk. The light pairs' scratch goes back to the allocator first
+    # (stream-ordered: safe to reuse). Through torch (an op called with torch tensors, or
+    # a capture) the fp32 GEMMs need torch.mm's out_dtype: without it, every heavy row
+    # takes the chunks.
     ids, count = compact_rows(heavy)
     del vals, lists, ws, tile_off, heavy
-    _heavy_rows(params, sms, m, n, k, nv, x16, dy16, ids, count, block, w_gate, w_up,
-                w_down_t, l1, dx, out)  # fmt: skip
+    cap = block.options.capacity_rows(m) if gemm_f32_available() else 0
+    if cap:
+        ids, count = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
+    if cap < m:
+        _heavy_rows(params, sms, m - cap, n, k, nv, x16, dy16, ids, count, block, w_gate,
+                    w_up, w_down_t, l1, dx, out)  # fmt: skip
     del out
 
     # 5. dw_down = dw_down_t transposed (rounded to grad_dtype on the way).
     return _result(dx, x, dws, grad_dtype, params, gated)
+
+
+def _capacity_rows(
+    params: dict[str, int], block: Any, cap: int, x: Any, dy: Any, ids: Any, count: Any,
+    l1: tuple[Any, Any], dx: Any, dws: list[Any],
+) -> tuple[Any, Any]:  # fmt: skip
+    """Step 4, first part: dense math for the heavy rows ``ids[:min(count, cap)]`` through
+    cuBLAS GEMMs of exactly ``cap`` rows (rows past the device count are zeros and add
+    nothing). Writes their rows of ``dx`` and adds their weight gradients to ``dws``
+    (after the light pairs'). Returns the ids and device count of the rows left over."""
+    n, k = block.n, block.k
+    i32 = np.int32
+    rest = alloc((1,), np.int32)
+    x_c, dy_c = empty_bf16((cap, k)), empty_bf16((cap, k))
+    gather_rows(x, ids, count, x_c, rest)
+    gather_rows(dy, ids, count, dy_c, rest)
+    a_c = gemm_nt(x_c, block.w_first)
+    u_c = gemm_nt(x_c, block.w_up) if block.gated else None
+    d_c = gemm_nt(dy_c, block.w_down_t)  # dy · w_down
+    # In place: a_c -> da, u_c -> du, d_c -> h (bf16, twell_bw_heavy_units' math).
+    _launch("twell_bw_capacity_units", (grid_1d(cap * n // 8),), (256,),
+            (u16(a_c), _NULL if u_c is None else u16(u_c), u16(d_c), count, i32(cap), i32(n),
+             *l1), params)  # fmt: skip
+    # dx = da w_gate + du w_up (da w_up non-gated): both products in one fp32 buffer,
+    # rounded once by the scatter.
+    dx_c = alloc((cap, k), np.float32)
+    gemm_f32(a_c, block.w_first, dx_c)
+    if u_c is not None:
+        gemm_f32(u_c, block.w_up, dx_c, accumulate=True)
+    _launch("twell_bw_capacity_dx", (grid_1d(cap * k // 4),), (256,),
+            (dx_c, ids, count, i32(cap), u16(dx)), params)  # fmt: skip
+    del dx_c
+    # dW += (da, du, h)ᵀ (x, x, dy), or (da, h)ᵀ (x, dy): fp32 accumulators, beta = 1.
+    pairs = ((a_c, x_c), (u_c, x_c), (d_c, dy_c)) if u_c is not None else ((a_c, x_c), (d_c, dy_c))
+    for grad, (lhs, rhs) in zip(dws, pairs, strict=True):
+        gemm_f32(lhs, rhs, grad, transpose_a=True, accumulate=True)
+    return ids[cap:], rest
 
 
 def _heavy_rows(
@@ -335,8 +385,8 @@ def _heavy_rows(
     ids: Any, count: Any, block: Any, w_gate: Any, w_up: Any, w_down_t: Any,
     l1: tuple[Any, Any], dx: Any, out: tuple[Any, ...],
 ) -> None:  # fmt: skip
-    """Step 4: dense math for the rows ``ids[:count]``, ``heavy_chunk_rows(m)`` at a time;
-    chunks past the device count return at once."""
+    """Step 4: dense math for the rows ``ids[:count]`` (``count`` at most ``m``),
+    ``heavy_chunk_rows(m)`` at a time; chunks past the device count return at once."""
     i32 = np.int32
     cap_rows = heavy_chunk_rows(m)
     ld = 2 * n if block.gated else n  # [da | du] or [da]
