@@ -144,6 +144,20 @@ def test_non_finite_weight_of_an_idle_unit_poisons_like_dense_math(which: str) -
         np.testing.assert_array_equal(np.isnan(as_f64(y)), np.isnan(oracle))
 
 
+def test_density_switch_stays_sparse_with_dense_sequence_starts() -> None:
+    # paperlike: every 512th token (a BOS-like sink) fires hundreds of units, the mean is
+    # about 5 of 1024 (threshold 10.24). A sample aligned with the sequence starts read 26.
+    p = workloads.paperlike(4096, 512, 1024, seed=0, seq_len=512)
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd)
+    block(x)
+    torch.cuda.synchronize()
+    block(x)
+    density = block._prepared.density
+    assert density.estimate is not None and density.estimate < density.threshold
+    assert not density.dense
+
+
 def test_density_switch_goes_dense_and_stays_correct() -> None:
     p = workloads.uniform(512, 512, 1024, p=0.3, seed=5)  # far above 1% of N active
     x, wg, wu, wd = tensors(p)

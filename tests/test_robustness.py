@@ -585,3 +585,18 @@ def test_l1_loss_of_an_overflowed_twell_names_h():
     with pytest.raises(ValueError, match=r"^h: TwELL: 1 row\(s\) overflowed"):
         reference.l1_loss(ell)
     assert reference.l0(ell) == 32.0  # the count words are the true counts
+
+
+@pytest.mark.parametrize("m", [1, 63, 64, 100, 4096, 16384, 16384 + 37, 131072])
+def test_density_sample_does_not_align_with_sequence_starts(m: int) -> None:
+    # The density switch samples rows of a batch; packed sequences put their densest
+    # token (BOS) at multiples of a power of two, which a stride of M / 64 from row 0 hit
+    # every time. The sample must fall once on every residue modulo 64 (odd stride).
+    from twell.kernels.pipeline import sample_rows
+
+    rows = np.arange(m)[sample_rows(m, 64)][:64]
+    assert 0 < rows.size <= 64 and rows.max() < m
+    if m >= 64 * 64:
+        assert rows.size >= 63
+        assert len(set((rows % 64).tolist())) == rows.size
+        assert np.count_nonzero(rows % 2048 == 0) <= 1

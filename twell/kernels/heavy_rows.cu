@@ -2,7 +2,7 @@
 // into ascending ids), computing them on tensor cores, and moving them to and from the
 // fixed-size cuBLAS GEMMs of the dense_capacity option.
 //
-// twell_heavy_rows_matmul (+ twell_heavy_rows_reduce) computes
+// twell_heavy_rows_matmul computes
 //
 //   C[i, c] = sum_r A[arow(i), r] * B[c, r]        for i < count[0], c < OUTC, r < RED
 //
@@ -28,16 +28,21 @@
 // No compile-time parameters.
 
 // ---------------------------------------------------------------------------------------
-// twell_heavy_rows_matmul — a tiled GEMM over the listed rows: a block computes 64 rows x
+// twell_heavy_rows_matmul — a tiled GEMM over the listed rows: a cluster computes 64 rows x
 // 64 output columns, staging 32-wide k-slices of A (gathered rows) and B in shared memory
 // through a 3-stage cp.async ring, so each B element read from L2 serves 64 rows (the
 // untiled first version, 16 rows, is in bench/ladder/heavy_rows_simple.cu).
 // 4 warps in a 2 x 2 layout, each 32 rows x 32 columns (2 x 4 mma tiles). The k order
-// inside a slice is the same permutation for A and B (16 contiguous bytes per lane), and
-// every output element is reduced by one thread in a fixed order: deterministic.
-// Few rows (decode, rare heavy rows) would leave most of the GPU idle with long k-loops:
-// then the reduction is split across blocks (split_factor, decided on the device from the
-// count) into an fp32 workspace, and twell_heavy_rows_reduce adds the splits in order.
+// inside a slice is the same permutation for A and B (16 contiguous bytes per lane).
+// The reduction is split across the HR_SPLIT CTAs of a thread-block cluster (its
+// __cluster_dims__: CuPy's plain launch starts clusters): CTA r takes the r-th quarter of
+// the k-blocks of the cluster's tile, writes its fp32 fragments to its shared memory, and
+// after a cluster barrier each CTA sums one quarter of the tile's elements over the
+// CTAs' fragments in rank order (DSMEM reads) and applies the epilogue. So few rows
+// (decode, rare heavy rows) keep four times as many SMs busy with k-loops a quarter as
+// long, with no global workspace and no second launch; every element is still summed in
+// one fixed order (its k-blocks in order within a CTA, then the CTAs in rank order):
+// deterministic, independent of M and of the grid.
 
 #define DT_ROWS 64
 #define DT_COLS 64
@@ -54,17 +59,38 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// How many ways the reduction is split (the same formula in both kernels, from the device
-// count): enough work items for target_items, at least 4 k-blocks per split, and the
-// partial sums must fit the workspace (ws_units blocks of 64 rows).
-__device__ __forceinline__ int split_factor(int count, int col_blocks, int kblocks,
-                                            int target_items, int ws_units) {
-  const int rb = (count + DT_ROWS - 1) / DT_ROWS;
-  if (rb == 0) return 1;
-  int ks = target_items / (rb * col_blocks);
-  ks = min(ks, kblocks / 4);
-  ks = min(ks, ws_units / rb);
-  return max(ks, 1);
+#define HR_SPLIT 4
+
+// ---- cluster and DSMEM (inline PTX, sm_90)
+__device__ __forceinline__ uint32_t hr_cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t hr_cluster_index() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t hr_cluster_count() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// All threads of all CTAs of the cluster, release/acquire at cluster scope: shared memory
+// written before it is visible to DSMEM reads after it. A CTA barrier too.
+__device__ __forceinline__ void hr_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The float of CTA `rank`'s shared memory at the address `local` has in ours.
+__device__ __forceinline__ float hr_ld_remote(const float* local, uint32_t rank) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(local);
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int OUTC,
@@ -86,15 +112,15 @@ __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int
   *reinterpret_cast<__nv_bfloat162*>(out + orow * OUTC + col) = __floats2bfloat162_rn(v0, v1);
 }
 
-extern "C" __global__ void __launch_bounds__(128, 1)
+extern "C" __global__ void __cluster_dims__(HR_SPLIT, 1, 1) __launch_bounds__(128, 1)
 twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint16_t* __restrict__ B, int OUTC, int RED,
                        const int* __restrict__ ids, const int* __restrict__ count_ptr,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
-                       uint16_t* __restrict__ out, int o_by_id,
-                       float* __restrict__ ws, int target_items, int ws_units) {
+                       uint16_t* __restrict__ out, int o_by_id) {
   __shared__ uint4 As[DT_STAGES][DT_ROWS][4];
   __shared__ uint4 Bs[DT_STAGES][DT_COLS][4];
+  __shared__ float part[32][128];  // this CTA's fp32 fragments: [value][thread]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp >> 1, wn = warp & 1;
@@ -102,15 +128,15 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
   const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
   const int kblocks = (RED + 31) / 32;
-  const int ks = split_factor(count, col_blocks, kblocks, target_items, ws_units);
-  const int kper = (kblocks + ks - 1) / ks;
-  const long long items = (long long)row_blocks * col_blocks * ks;
+  const uint32_t rank = hr_cluster_rank();
+  const int kper = (kblocks + HR_SPLIT - 1) / HR_SPLIT;
+  const int kb0 = min(kblocks, (int)rank * kper), kb1 = min(kblocks, kb0 + kper);
+  const int nkb = kb1 - kb0;
+  const long long items = (long long)row_blocks * col_blocks;
 
-  for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-    const int kss = (int)(item % ks);
-    const long long rest = item / ks;
-    const int rb = (int)(rest / col_blocks), cb = (int)(rest % col_blocks);
-    const int kb0 = kss * kper, kb1 = min(kblocks, kb0 + kper), nkb = max(0, kb1 - kb0);
+  // Every CTA of a cluster takes the same items (the same trip count: the barriers match).
+  for (long long item = hr_cluster_index(); item < items; item += hr_cluster_count()) {
+    const int rb = (int)(item / col_blocks), cb = (int)(item % col_blocks);
     // This thread's two A rows and two B rows to stage (chunk c = tid + 128 q).
     const uint16_t* arow[2];
     const uint16_t* brow[2];
@@ -128,7 +154,7 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
       bok[q] = col < OUTC;
       brow[q] = B + (long long)(bok[q] ? col : 0) * RED + kc[q] * 8;
     }
-    auto stage_in = [&](int j) {  // j-th k-block of this split
+    auto stage_in = [&](int j) {  // j-th k-block of this CTA's share
       const int s = j % DT_STAGES, r = (kb0 + j) * 32;
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -180,54 +206,36 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
     }
     cp_async_wait<0>();
 
+    // The fragments to shared memory; after the barrier, every CTA's are readable.
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = cb * DT_COLS + wn * 32 + nt * 8 + 2 * t;
-        if (col >= OUTC) continue;
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
-          if (i >= count) continue;
-          const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-          if (ks == 1) {
-            epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
-          } else {  // fp32 partial sums; twell_heavy_rows_reduce adds them in split order
-            float* w = ws + ((long long)kss * row_blocks * DT_ROWS + i) * OUTC + col;
-            w[0] = v0;
-            w[1] = v1;
-          }
+        for (int e = 0; e < 4; ++e) part[(mt * 4 + nt) * 4 + e][tid] = acc[mt][nt][e];
+    hr_cluster_sync();
+    // This CTA finishes the values v = 8 rank .. 8 rank + 7 of every thread's fragment
+    // (mt = rank / 2, nt = 2 (rank % 2) + 0..1): the same (row, column) in every CTA.
+    const int mt = (int)rank >> 1;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int nt = 2 * ((int)rank & 1) + j;
+      const int col = cb * DT_COLS + wn * 32 + nt * 8 + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
+        const int v = (mt * 4 + nt) * 4 + 2 * half;
+        float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+        for (int q = 0; q < HR_SPLIT; ++q) {  // rank order: fixed
+          v0 += hr_ld_remote(&part[v][tid], (uint32_t)q);
+          v1 += hr_ld_remote(&part[v + 1][tid], (uint32_t)q);
         }
+        if (col < OUTC && i < count)
+          epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
       }
-  }
-}
-
-// Sums the split partial sums of twell_heavy_rows_matmul in split order (deterministic)
-// and applies the epilogue. Does nothing when the tiled kernel did not split.
-extern "C" __global__ void twell_heavy_rows_reduce(
-    const float* __restrict__ ws, const int* __restrict__ count_ptr, int OUTC, int RED,
-    int target_items, int ws_units, const int* __restrict__ ids,
-    const uint16_t* __restrict__ gate, int g_by_id, int relu_g, uint16_t* __restrict__ out,
-    int o_by_id) {
-  const int count = count_ptr[0];
-  const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
-  const int kblocks = (RED + 31) / 32;
-  const int ks = split_factor(count, col_blocks, kblocks, target_items, ws_units);
-  if (ks == 1) return;
-  const long long rows_cap = (long long)((count + DT_ROWS - 1) / DT_ROWS) * DT_ROWS;
-  const int pairs = OUTC / 2;
-  const long long total = (long long)count * pairs;
-  for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < total;
-       p += (long long)gridDim.x * blockDim.x) {
-    const int i = (int)(p / pairs), col = 2 * (int)(p % pairs);
-    float v0 = 0.f, v1 = 0.f;
-    for (int k = 0; k < ks; ++k) {
-      const float* w = ws + ((long long)k * rows_cap + i) * OUTC + col;
-      v0 += w[0];
-      v1 += w[1];
     }
-    epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
+    hr_cluster_sync();  // every CTA is done reading `part` before it is written again
   }
 }
 

@@ -17,6 +17,9 @@ from twell.kernels.buffers import alloc, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 
 SOURCE = declare(Source("heavy_rows.cu"))
+#: CTAs of a cluster of ``twell_heavy_rows_matmul`` (the split of its reduction; the
+#: kernel's ``HR_SPLIT``).
+SPLIT = 4
 _NULL = np.uint64(0)
 
 
@@ -63,8 +66,9 @@ def matmul(
     ``a`` is ``[*, RED]``, ``b`` ``[OUTC, RED]``, ``out`` and ``gate`` ``[*, OUTC]``, all
     bf16. A row map is ``ids[i]`` where ``*_by_id`` is set, else ``i``. ``relu_a`` /
     ``relu_gate`` apply relu (NaN kept) on load. ``count`` holds at most ``max_rows``
-    (which sizes the grid). Returns the fp32 workspace it used (None if none), for
-    callers that must keep it alive (CUDA-graph capture).
+    (which sizes the grid). One launch: the reduction is split over the CTAs of a
+    thread-block cluster (:data:`SPLIT`), no workspace. Returns None (no buffer to keep
+    alive; the callers' CUDA-graph scratch lists take what it returns).
     """
     outc, red = b.shape
     if max_rows == 0 or outc == 0:
@@ -73,27 +77,16 @@ def matmul(
         _NULL if gate is None else u16(gate), np.int32(gate_by_id), np.int32(relu_gate),
         u16(out), np.int32(out_by_id),
     )  # fmt: skip
-    sms = device_info().multiprocessors
-    # Split the reduction when few rows leave the GPU idle: the kernels pick the split
-    # from the device count; the workspace is sized for the largest split they may pick.
-    target = sms * 4
-    col_blocks = math.ceil(outc / 64)
-    kblocks = math.ceil(red / 32)
-    ws_units = min(target // col_blocks + 1, math.ceil(max_rows / 64) * max(1, kblocks // 4))
-    ws = alloc((max(1, ws_units * 64 * outc),), np.float32)
-    max_items = math.ceil(max_rows / 64) * col_blocks * max(1, kblocks // 4)
+    # One cluster per 64 x 64 output tile, as many as four per SM at most (the grid-stride
+    # loop takes the rest); the kernels read the row count on the device.
+    items = math.ceil(max_rows / 64) * math.ceil(outc / 64)
+    clusters = max(1, min(items, device_info().multiprocessors * 4 // SPLIT))
     SOURCE.kernel("twell_heavy_rows_matmul")(
-        (max(1, min(max_items, target)),), (128,),
+        (clusters * SPLIT,), (128,),
         (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
-         ids, count, *gate_args, ws, np.int32(target), np.int32(ws_units)),
+         ids, count, *gate_args),
     )  # fmt: skip
-    if ws_units >= 2 and target // col_blocks >= 2 and kblocks >= 8:  # a split may happen
-        SOURCE.kernel("twell_heavy_rows_reduce")(
-            (max(1, min(math.ceil(ws_units * 64 * outc / 2 / 256), sms * 8)),), (256,),
-            (ws, count, np.int32(outc), np.int32(red), np.int32(target), np.int32(ws_units),
-             ids, *gate_args),
-        )  # fmt: skip
-    return ws
+    return None
 
 
 def gather_relu_rows(pre: Any, rows: Any, dense: Any) -> None:
