@@ -280,6 +280,55 @@ def test_heavy_rows_matmul(red: int, outc: int, nrows: int):
     assert_close(got[rows], ref[rows])
     untouched = np.setdiff1d(np.arange(m), rows)
     assert np.all(got[untouched] == 0)
+    # The same rows given as flags (compacted inside the kernel): the same bits.
+    flags = np.zeros(m, np.uint8)
+    flags[rows] = 1
+    again = to_gpu(np.zeros((m, outc), BF16))
+    heavy_rows.matmul(
+        to_gpu(a), to_gpu(b), again, None, None, m, a_by_id=True, out_by_id=True,
+        relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True,
+        flags=cp.asarray(flags),
+    )  # fmt: skip
+    assert cp.array_equal(out.view(cp.uint16), again.view(cp.uint16))
+
+
+@pytest.mark.parametrize("m", [1, 64, 1000, 1024])
+def test_heavy_rows_from_flags_match_the_compacted_list(m: int):
+    """Flags compacted inside the kernel (every count from none to all rows, M up to the
+    kernel's bound) give the bits of the compact_rows list, down to untouched rows."""
+    rng = np.random.default_rng(m)
+    red, outc = 520, 136
+    a = rng.standard_normal((m, red)).astype(BF16)
+    b = rng.standard_normal((outc, red)).astype(BF16)
+    for share in (0.0, 0.1, 1.0):
+        flags = (rng.random(m) < share).astype(np.uint8)
+        ids, count = heavy_rows.compact_rows(cp.asarray(flags))
+        outs = []
+        for mode in ("ids", "flags"):
+            out = to_gpu(np.full((m, outc), np.nan, BF16))  # poison: untouched rows stay NaN
+            rows = (ids, count, None) if mode == "ids" else (None, None, cp.asarray(flags))
+            heavy_rows.matmul(to_gpu(a), to_gpu(b), out, rows[0], rows[1], m, a_by_id=True,
+                              out_by_id=True, flags=rows[2])  # fmt: skip
+            outs.append(out)
+        assert cp.array_equal(outs[0].view(cp.uint16), outs[1].view(cp.uint16))
+        got = to_f64(outs[1])
+        picked = np.nonzero(flags)[0]
+        assert np.all(np.isnan(np.delete(got, picked, axis=0)))
+        if picked.size:
+            ref = a.astype(np.float64)[picked] @ b.astype(np.float64).T
+            assert_close(got[picked], ref)
+    with pytest.raises(ValueError, match="flags"):
+        heavy_rows.matmul(
+            to_gpu(a),
+            to_gpu(b),
+            out,
+            None,
+            None,
+            m,
+            a_by_id=True,
+            out_by_id=True,
+            flags=cp.zeros(heavy_rows.FLAG_ROWS + 1, cp.uint8),
+        )
 
 
 @pytest.mark.parametrize("path", ["fused", "epilogue"])

@@ -60,6 +60,8 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 #define HR_SPLIT 4
+// Most rows whose flags the matmul compacts itself (a block-wide scan in shared memory).
+#define HR_FLAG_ROWS 1024
 
 // ---- cluster and DSMEM (inline PTX, sm_90)
 __device__ __forceinline__ uint32_t hr_cluster_rank() {
@@ -115,16 +117,52 @@ __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int
 extern "C" __global__ void __cluster_dims__(HR_SPLIT, 1, 1) __launch_bounds__(128, 1)
 twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint16_t* __restrict__ B, int OUTC, int RED,
-                       const int* __restrict__ ids, const int* __restrict__ count_ptr,
+                       const int* __restrict__ ids_in, const int* __restrict__ count_ptr,
+                       const uint8_t* __restrict__ flags, int flag_rows,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
                        uint16_t* __restrict__ out, int o_by_id) {
   __shared__ uint4 As[DT_STAGES][DT_ROWS][4];
   __shared__ uint4 Bs[DT_STAGES][DT_COLS][4];
   __shared__ float part[32][128];  // this CTA's fp32 fragments: [value][thread]
+  __shared__ int s_ids[HR_FLAG_ROWS];
+  __shared__ int s_warp[4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int wm = warp >> 1, wn = warp & 1;
-  const int count = count_ptr[0];
+  // The rows: ids[:count] from the caller, or (flags != null, flag_rows <= HR_FLAG_ROWS)
+  // compacted here from the row flags, ascending (the same list compact_rows makes): no
+  // separate launch for small batches.
+  const int* ids = ids_in;
+  int count;
+  if (flags != nullptr) {
+    constexpr int PER = HR_FLAG_ROWS / 128;
+    int mine = 0;
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int r = tid * PER + q;
+      mine += (r < flag_rows && flags[r]) ? 1 : 0;
+    }
+    int incl = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    int at = incl - mine;
+    for (int w = 0; w < warp; ++w) at += s_warp[w];
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int r = tid * PER + q;
+      if (r < flag_rows && flags[r]) s_ids[at++] = r;
+    }
+    count = s_warp[0] + s_warp[1] + s_warp[2] + s_warp[3];
+    __syncthreads();
+    ids = s_ids;
+  } else {
+    count = count_ptr[0];
+  }
   const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
   const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
   const int kblocks = (RED + 31) / 32;

@@ -20,6 +20,9 @@ SOURCE = declare(Source("heavy_rows.cu"))
 #: CTAs of a cluster of ``twell_heavy_rows_matmul`` (the split of its reduction; the
 #: kernel's ``HR_SPLIT``).
 SPLIT = 4
+#: Most rows :func:`matmul` takes as flags (compacting them itself: the kernel's
+#: ``HR_FLAG_ROWS``).
+FLAG_ROWS = 1024
 _NULL = np.uint64(0)
 
 
@@ -60,15 +63,19 @@ def matmul(
     gate: Any | None = None,
     gate_by_id: bool = False,
     relu_gate: bool = False,
+    flags: Any | None = None,
 ) -> Any:
     """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
 
     ``a`` is ``[*, RED]``, ``b`` ``[OUTC, RED]``, ``out`` and ``gate`` ``[*, OUTC]``, all
     bf16. A row map is ``ids[i]`` where ``*_by_id`` is set, else ``i``. ``relu_a`` /
     ``relu_gate`` apply relu (NaN kept) on load. ``count`` holds at most ``max_rows``
-    (which sizes the grid). One launch: the reduction is split over the CTAs of a
-    thread-block cluster (:data:`SPLIT`), no workspace. Returns None (no buffer to keep
-    alive; the callers' CUDA-graph scratch lists take what it returns).
+    (which sizes the grid). With ``flags`` (uint8 ``[m]``, ``m <= FLAG_ROWS``) instead
+    of ``ids`` and ``count`` (None), the rows are those flagged, ascending, compacted by
+    the kernel itself (what :func:`compact_rows` would give, without its launch). One
+    launch: the reduction is split over the CTAs of a thread-block cluster
+    (:data:`SPLIT`), no workspace. Returns None (no buffer to keep alive; the callers'
+    CUDA-graph scratch lists take what it returns).
     """
     outc, red = b.shape
     if max_rows == 0 or outc == 0:
@@ -81,10 +88,16 @@ def matmul(
     # loop takes the rest); the kernels read the row count on the device.
     items = math.ceil(max_rows / 64) * math.ceil(outc / 64)
     clusters = max(1, min(items, device_info().multiprocessors * 4 // SPLIT))
+    if flags is not None and flags.shape[0] > FLAG_ROWS:
+        raise ValueError(f"flags: at most {FLAG_ROWS} rows, got {flags.shape[0]}")
+    rows = (
+        (ids, count, _NULL, np.int32(0)) if flags is None
+        else (_NULL, _NULL, flags, np.int32(flags.shape[0]))
+    )  # fmt: skip
     SOURCE.kernel("twell_heavy_rows_matmul")(
         (clusters * SPLIT,), (128,),
         (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
-         ids, count, *gate_args),
+         *rows, *gate_args),
     )  # fmt: skip
     return None
 

@@ -16,8 +16,10 @@ pass has two stages (docs/design.md draws them):
    - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL.
 
 2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
-   device and their dense math runs on tensor cores (heavy_rows.cu), the first
-   ``ceil(dense_capacity * M)`` of them optionally through fixed-size cuBLAS GEMMs.
+   device (by a kernel of their own, or, for inference batches of at most
+   ``heavy_rows.FLAG_ROWS`` tokens, inside the tensor-core kernels that do their dense
+   math: one launch less) and their dense math runs on tensor cores (heavy_rows.cu), the
+   first ``ceil(dense_capacity * M)`` of them optionally through fixed-size cuBLAS GEMMs.
 
 Two cases take plain dense math for the whole batch instead (:func:`dense_block`: three
 cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
@@ -142,7 +144,11 @@ class PreparedBlock:
         # the heavy-row stage (every row written).
         row_l1 = alloc((m,), np.float32) if save else None
         light = ROUTES[path](self, xb, y, row_l1) if m else LightRows(alloc((0,), np.uint8))
-        ids, count = heavy_rows.compact_rows(light.heavy)
+        if not save and m <= heavy_rows.FLAG_ROWS and not self.options.capacity_rows(m):
+            # Small batches: the heavy-row kernels compact the row flags themselves.
+            ids = count = None
+        else:
+            ids, count = heavy_rows.compact_rows(light.heavy)
         scratch = heavy_rows_stage(self, xb, light, ids, count, y, row_l1) if m else []
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots)
@@ -316,7 +322,9 @@ def heavy_rows_stage(
     row_l1: Any | None = None,
 ) -> list[Any]:
     """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y`` (and of
-    ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given).
+    ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given). ``ids`` and ``count``
+    None (at most ``heavy_rows.FLAG_ROWS`` rows, no ``dense_capacity``, no ``row_l1``):
+    the heavy-row kernels read ``light.heavy`` and compact it themselves.
 
     Their pre-activations are the same rows of ``light.pre``, or, when the route wrote
     none, are recomputed here into the rows of a fresh ``[M, N]`` buffer (only the heavy
@@ -331,26 +339,28 @@ def heavy_rows_stage(
         if capacity == m:
             return scratch
     max_rows = m - capacity
+    flags = light.heavy if ids is None else None
     if pre is None:
         pre = empty_bf16((m, block.n))
         scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
-                                           a_by_id=True, out_by_id=True)]  # fmt: skip
+                                           a_by_id=True, out_by_id=True, flags=flags)]  # fmt: skip
     if block.gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
         scratch.append(
             heavy_rows.matmul(x, block.w_up, pre, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True, gate=pre, gate_by_id=True, relu_gate=True)
+                              out_by_id=True, gate=pre, gate_by_id=True, relu_gate=True,
+                              flags=flags)
         )  # fmt: skip
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True)
+                              out_by_id=True, flags=flags)
         )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=False)
     else:
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True, relu_a=True)
+                              out_by_id=True, relu_a=True, flags=flags)
         )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=True)
