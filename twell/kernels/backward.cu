@@ -138,6 +138,28 @@ __device__ __forceinline__ float sign_of(float h) {
   return h > 0.f ? 1.f : (h < 0.f ? -1.f : (h == 0.f ? 0.f : h));
 }
 
+// One (row, unit) of a heavy row, dense math's backward: from a = the gate product (the
+// up product, non-gated), u = the up product (gated only) and dhb = dy·w_down_t[n],
+// h = relu(a)·u (relu(a)), dh = dhb + l1s·sign(h), da = dh·u·[a > 0] (dh·[a > 0]),
+// du = dh·relu(a) (0). relu keeps NaN, as dense math does.
+__device__ __forceinline__ void heavy_unit_grads(float a, float u, float dhb, float l1s,
+                                                 float& da, float& du, float& h) {
+  const float gv = a > 0.f ? a : (a != a ? a : 0.f);
+  const float mask = a > 0.f ? 1.f : 0.f;
+#if TWELL_GATED
+  h = gv * u;
+  const float dh = dhb + l1s * sign_of(h);
+  da = dh * u * mask;
+  du = dh * gv;
+#else
+  (void)u;
+  h = gv;
+  const float dh = dhb + l1s * sign_of(h);
+  da = dh * mask;
+  du = 0.f;
+#endif
+}
+
 // Largest n in [0, N) with start[n] <= e (start non-decreasing, start[0] = 0 <= e).
 __device__ __forceinline__ int find_unit(const int* __restrict__ start, int N, int e) {
   int lo = 0, hi = N;
@@ -949,23 +971,13 @@ twell_bw_heavy_units(const uint16_t* __restrict__ x, const uint16_t* __restrict_
           float da[2], du[2], hv[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float a = acc_a[mt][nt][2 * half + e];
-            const float dhb = acc_d[mt][nt][2 * half + e];
-            const float gv = a > 0.f ? a : (a != a ? a : 0.f);  // relu, NaN kept
-            const float mask = a > 0.f ? 1.f : 0.f;
 #if TWELL_GATED
             const float u = acc_u[mt][nt][2 * half + e];
-            const float h = gv * u;
-            const float dh = dhb + l1s * sign_of(h);
-            da[e] = dh * u * mask;
-            du[e] = dh * gv;
 #else
-            const float h = gv;
-            const float dh = dhb + l1s * sign_of(h);
-            da[e] = dh * mask;
-            du[e] = 0.f;
+            const float u = 0.f;
 #endif
-            hv[e] = h;
+            heavy_unit_grads(acc_a[mt][nt][2 * half + e], u, acc_d[mt][nt][2 * half + e], l1s,
+                             da[e], du[e], hv[e]);
           }
           uint16_t* row = dadu + (long long)i * ld;
           *reinterpret_cast<uint32_t*>(row + n) = twell_pack_bf16x2(da[0], da[1]);
@@ -1178,28 +1190,17 @@ twell_bw_capacity_units(uint16_t* __restrict__ a, uint16_t* __restrict__ u,
 #endif
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      float da[2], hv[2];
-#if TWELL_GATED
-      float du[2];
-#endif
+      float da[2], du[2], hv[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float x_a = twell_bf16_to_float((a_w[w] >> (16 * e)) & 0xffffu);
-        const float dhb = twell_bf16_to_float((d_w[w] >> (16 * e)) & 0xffffu);
-        const float gv = x_a > 0.f ? x_a : (x_a != x_a ? x_a : 0.f);  // relu, NaN kept
-        const float mask = x_a > 0.f ? 1.f : 0.f;
 #if TWELL_GATED
         const float x_u = twell_bf16_to_float((u_w[w] >> (16 * e)) & 0xffffu);
-        const float h = gv * x_u;
-        const float dh = dhb + l1s * sign_of(h);
-        da[e] = dh * x_u * mask;
-        du[e] = dh * gv;
 #else
-        const float h = gv;
-        const float dh = dhb + l1s * sign_of(h);
-        da[e] = dh * mask;
+        const float x_u = 0.f;
 #endif
-        hv[e] = h;
+        heavy_unit_grads(twell_bf16_to_float((a_w[w] >> (16 * e)) & 0xffffu), x_u,
+                         twell_bf16_to_float((d_w[w] >> (16 * e)) & 0xffffu), l1s, da[e],
+                         du[e], hv[e]);
       }
       da_out[w] = twell_pack_bf16x2(da[0], da[1]);
       h_out[w] = twell_pack_bf16x2(hv[0], hv[1]);

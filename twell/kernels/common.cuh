@@ -13,7 +13,8 @@
 //   The rule is written with plain integer operations (TWELL_HOST_DEVICE), so a host
 //   compiler can build it too: tests/test_routing_rule.py compiles this header with the
 //   machine's C++ compiler and checks it against twell.formats, bit pattern by bit
-//   pattern.
+//   pattern;
+// - thread-block cluster helpers (rank, barrier, DSMEM loads) for the cluster kernels.
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define TWELL_DEVICE __device__ __forceinline__
@@ -189,6 +190,39 @@ TWELL_DEVICE TwellTileScan twell_scan_tile(const uint16_t (&v)[E], int lane) {
   r.total = __shfl_sync(0xffffffffu, r.incl, 31);
   r.bad = __any_sync(0xffffffffu, bad);
   return r;
+}
+
+// ---------------------------------------------------------------- thread-block clusters
+// (inline PTX, sm_90) The CTA's rank in its cluster, the cluster's index in the grid, and
+// the number of clusters.
+TWELL_DEVICE uint32_t twell_cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+TWELL_DEVICE uint32_t twell_cluster_index() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+TWELL_DEVICE uint32_t twell_cluster_count() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// All threads of all CTAs of the cluster; release/acquire at cluster scope (shared
+// memory written before it is visible to DSMEM reads after it). A CTA barrier too.
+TWELL_DEVICE void twell_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The 32-bit word of CTA `rank`'s shared memory at the shared-window address `local` has
+// in ours (DSMEM).
+TWELL_DEVICE uint32_t twell_ld_remote_u32(uint32_t local, uint32_t rank) {
+  uint32_t remote, v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+  return v;
 }
 
 #endif

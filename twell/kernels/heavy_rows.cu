@@ -63,36 +63,8 @@ __device__ __forceinline__ void cp_async_wait() {
 // Most rows whose flags the matmul compacts itself (a block-wide scan in shared memory).
 #define HR_FLAG_ROWS 1024
 
-// ---- cluster and DSMEM (inline PTX, sm_90)
-__device__ __forceinline__ uint32_t hr_cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t hr_cluster_index() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t hr_cluster_count() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
-}
-// All threads of all CTAs of the cluster, release/acquire at cluster scope: shared memory
-// written before it is visible to DSMEM reads after it. A CTA barrier too.
-__device__ __forceinline__ void hr_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The float of CTA `rank`'s shared memory at the address `local` has in ours.
-__device__ __forceinline__ float hr_ld_remote(const float* local, uint32_t rank) {
-  const uint32_t s = (uint32_t)__cvta_generic_to_shared(local);
-  uint32_t remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
 }
 
 __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int OUTC,
@@ -166,14 +138,14 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
   const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
   const int kblocks = (RED + 31) / 32;
-  const uint32_t rank = hr_cluster_rank();
+  const uint32_t rank = twell_cluster_rank();
   const int kper = (kblocks + HR_SPLIT - 1) / HR_SPLIT;
   const int kb0 = min(kblocks, (int)rank * kper), kb1 = min(kblocks, kb0 + kper);
   const int nkb = kb1 - kb0;
   const long long items = (long long)row_blocks * col_blocks;
 
   // Every CTA of a cluster takes the same items (the same trip count: the barriers match).
-  for (long long item = hr_cluster_index(); item < items; item += hr_cluster_count()) {
+  for (long long item = twell_cluster_index(); item < items; item += twell_cluster_count()) {
     const int rb = (int)(item / col_blocks), cb = (int)(item % col_blocks);
     // This thread's two A rows and two B rows to stage (chunk c = tid + 128 q).
     const uint16_t* arow[2];
@@ -251,7 +223,7 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) part[(mt * 4 + nt) * 4 + e][tid] = acc[mt][nt][e];
-    hr_cluster_sync();
+    twell_cluster_sync();
     // This CTA finishes the values v = 8 rank .. 8 rank + 7 of every thread's fragment
     // (mt = rank / 2, nt = 2 (rank % 2) + 0..1): the same (row, column) in every CTA.
     const int mt = (int)rank >> 1;
@@ -266,14 +238,14 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
         float v0 = 0.f, v1 = 0.f;
 #pragma unroll
         for (int q = 0; q < HR_SPLIT; ++q) {  // rank order: fixed
-          v0 += hr_ld_remote(&part[v][tid], (uint32_t)q);
-          v1 += hr_ld_remote(&part[v + 1][tid], (uint32_t)q);
+          v0 += __uint_as_float(twell_ld_remote_u32(smem_u32(&part[v][tid]), (uint32_t)q));
+          v1 += __uint_as_float(twell_ld_remote_u32(smem_u32(&part[v + 1][tid]), (uint32_t)q));
         }
         if (col < OUTC && i < count)
           epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
       }
     }
-    hr_cluster_sync();  // every CTA is done reading `part` before it is written again
+    twell_cluster_sync();  // every CTA is done reading `part` before it is written again
   }
 }
 

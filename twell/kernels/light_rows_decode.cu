@@ -140,35 +140,7 @@ __device__ __forceinline__ uint32_t tile_value(const uint32_t (&raw)[RAWW], int 
   return (raw[e >> 1] >> (16 * (e & 1))) & 0xffffu;
 }
 
-// ---- cluster, DSMEM, mbarrier, bulk copies (inline PTX, sm_90)
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_index() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_count() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
-}
-// All threads of all CTAs of the cluster; release/acquire at cluster scope (shared
-// memory written before it is visible to DSMEM reads after it). A CTA barrier too.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The 32-bit word of CTA `rank`'s shared memory at the address `local` has in ours.
-__device__ __forceinline__ uint32_t ld_remote_u32(uint32_t local, uint32_t rank) {
-  uint32_t remote, v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-  return v;
-}
+// ---- mbarrier, bulk copies (inline PTX, sm_90; the cluster helpers are in common.cuh)
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -318,7 +290,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
   (void)xs; (void)part; (void)hval; (void)x; (void)w_up;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t rank = cluster_rank();
+  const uint32_t rank = twell_cluster_rank();
   const int c0 = (int)rank * SLICE;                // first column of this CTA
   const int ncols = imax(0, imin(K - c0, SLICE));  // may be 0 for small K
   const int nchk = ncols / 8;
@@ -326,7 +298,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
   const int tiles = N / TILE;
   const int mrn = imax(0, imin(max_row_nnz, LIST_CAP));
   const int cap = imax(1, imin(BMAX, PAIR_CAP / imax(mrn, 1)));  // a batch's pairs fit
-  const long long ncl = cluster_count(), cid = cluster_index();
+  const long long ncl = twell_cluster_count(), cid = twell_cluster_index();
   const long long t_begin = cid * M / ncl, t_end = (cid + 1) * M / ncl;
 
   if (tid == 0) {
@@ -362,13 +334,13 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
         }
       }
     }
-    cluster_sync();  // the batch's row lists are complete in their owners
+    twell_cluster_sync();  // the batch's row lists are complete in their owners
 
     // ---- 2. the batch's pair list, copied from the owners
     if (tid < nb) {
       const uint32_t owner = (uint32_t)(tid % CL), slot = (uint32_t)(tid / CL);
-      s_bnnz[tid] = (int)ld_remote_u32(smem_addr(s_rnnz + slot), owner);
-      s_bheavy[tid] = (int)ld_remote_u32(smem_addr(s_rheavy + slot), owner);
+      s_bnnz[tid] = (int)twell_ld_remote_u32(smem_addr(s_rnnz + slot), owner);
+      s_bheavy[tid] = (int)twell_ld_remote_u32(smem_addr(s_rheavy + slot), owner);
     }
     __syncthreads();
     if (tid == 0) {
@@ -385,7 +357,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
       int b = 0;
       while (s_tokoff[b + 1] <= i) ++b;
       const int e = i - s_tokoff[b];
-      plist[i] = ld_remote_u32(smem_addr(rowlist + (b / CL) * LIST_CAP + e), (uint32_t)(b % CL));
+      plist[i] = twell_ld_remote_u32(smem_addr(rowlist + (b / CL) * LIST_CAP + e), (uint32_t)(b % CL));
       ptok[i] = (uint8_t)b;
     }
     __syncthreads();
@@ -454,12 +426,12 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
           sum += __shfl_xor_sync(0xffffffffu, sum, 4);
           if (p < cnt && sl == 0) mypart[p] = sum;
         }
-        cluster_sync();  // every CTA's partials of this chunk are visible
+        twell_cluster_sync();  // every CTA's partials of this chunk are visible
         for (int p = tid; p < cnt; p += THREADS) {
           const uint32_t a = smem_addr(mypart + p);
           float v[CL];
 #pragma unroll
-          for (int r = 0; r < CL; ++r) v[r] = __uint_as_float(ld_remote_u32(a, (uint32_t)r));
+          for (int r = 0; r < CL; ++r) v[r] = __uint_as_float(twell_ld_remote_u32(a, (uint32_t)r));
           float u = v[0];
 #pragma unroll
           for (int r = 1; r < CL; ++r) u += v[r];
@@ -527,6 +499,6 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
     }
     // Row lists, pair counts and partials are read remotely until here; the next batch
     // (or the end of the kernel: DSMEM must outlive its readers) waits for everyone.
-    cluster_sync();
+    twell_cluster_sync();
   }
 }
