@@ -1153,7 +1153,8 @@ twell_bw_heavy_weights(const uint16_t* __restrict__ dadu, int ld,
 // =======================================================================================
 
 // da, du, h from a, u, dy·wd elementwise, in place (a -> da, u -> du, d -> h; bf16 [C, N]),
-// with the formulas and roundings of twell_bw_heavy_units; padding rows get zeros (so
+// with the formulas of twell_bw_heavy_units (heavy_unit_grads) on inputs cuBLAS has
+// already rounded to bf16 (the chunk kernels keep them in fp32); padding rows get zeros (so
 // they add nothing to the weight GEMMs, whatever the L1 coefficient holds). u is unused
 // (null) for the non-gated block. N % 8 == 0.
 extern "C" __global__ void __launch_bounds__(256)

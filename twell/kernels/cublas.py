@@ -67,7 +67,10 @@ def gemm_f32(
     via: str | None = None,
 ) -> Any:
     """``out[P, Q] = op(a) @ b[R, Q]`` (``accumulate``: ``out += op(a) @ b``), bf16 ``a``
-    and ``b``, fp32 ``out`` and accumulation (cuBLAS, one rounding per output element).
+    and ``b``, fp32 ``out`` and accumulation (cuBLAS, one rounding per output element;
+    through a torch whose ``addmm`` refuses an fp32 ``out`` with ``out_dtype``, the
+    accumulation adds a separate fp32 product: two roundings and an ``[P, Q]``
+    temporary).
 
     ``op(a)`` is ``a`` ``[P, R]``, or with ``transpose_a`` the transpose of ``a``
     ``[R, P]`` (no copy: cuBLAS reads it transposed). All three arrays C-contiguous.
@@ -125,6 +128,8 @@ def _torch_route(via: str | None, what: str) -> Any | None:
     if torch_caller():  # already on torch's current stream
         return torch
     capturing = cupy.cuda.get_current_stream().is_capturing()
+    if via == "torch" and torch is None:
+        raise RuntimeError(f"{what}: via='torch' needs torch imported")
     if via == "torch" or (capturing and torch is not None):
         return torch
     if capturing:

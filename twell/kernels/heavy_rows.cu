@@ -25,7 +25,7 @@
 // dot products are exact reorderings of the plain ones.
 // Limits: RED % 8 == 0, OUTC % 8 == 0, 16-byte aligned rows.
 
-// No compile-time parameters.
+// No compile-time parameters; constants TWELL_HR_SPLIT and TWELL_HR_FLAG_ROWS.
 
 // ---------------------------------------------------------------------------------------
 // twell_heavy_rows_matmul — a tiled GEMM over the listed rows: a cluster computes 64 rows x
@@ -59,9 +59,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-#define HR_SPLIT 4
-// Most rows whose flags the matmul compacts itself (a block-wide scan in shared memory).
-#define HR_FLAG_ROWS 1024
+// TWELL_HR_SPLIT: the CTAs of a cluster (the split of the reduction); TWELL_HR_FLAG_ROWS:
+// the most rows whose flags the matmul compacts itself (a block-wide scan in shared
+// memory, a multiple of 128). Both defined by the launcher (heavy_rows.py).
+#define HR_SPLIT TWELL_HR_SPLIT
+#define HR_FLAG_ROWS TWELL_HR_FLAG_ROWS
+static_assert(HR_SPLIT == 4, "each CTA finishes a quarter of the tile's fragment");
+static_assert(HR_FLAG_ROWS % 128 == 0 && HR_FLAG_ROWS <= 1024, "flags: 128 threads, 4 KB");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);

@@ -16,13 +16,11 @@ import numpy as np
 from twell.kernels.buffers import alloc, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 
-SOURCE = declare(Source("heavy_rows.cu"))
-#: CTAs of a cluster of ``twell_heavy_rows_matmul`` (the split of its reduction; the
-#: kernel's ``HR_SPLIT``).
+#: CTAs of a cluster of ``twell_heavy_rows_matmul`` (the split of its reduction).
 SPLIT = 4
-#: Most rows :func:`matmul` takes as flags (compacting them itself: the kernel's
-#: ``HR_FLAG_ROWS``).
+#: Most rows :func:`matmul` takes as flags (compacting them itself).
 FLAG_ROWS = 1024
+SOURCE = declare(Source("heavy_rows.cu", constants={"HR_SPLIT": SPLIT, "HR_FLAG_ROWS": FLAG_ROWS}))
 _NULL = np.uint64(0)
 
 
@@ -84,8 +82,9 @@ def matmul(
         _NULL if gate is None else u16(gate), np.int32(gate_by_id), np.int32(relu_gate),
         u16(out), np.int32(out_by_id),
     )  # fmt: skip
-    # One cluster per 64 x 64 output tile, as many as four per SM at most (the grid-stride
-    # loop takes the rest); the kernels read the row count on the device.
+    # One cluster per 64 x 64 output tile, at most four CTAs per SM in the grid (the
+    # grid-stride loop takes the rest; the kernel's 130 registers let three of them be
+    # resident at once); the kernels read the row count on the device.
     items = math.ceil(max_rows / 64) * math.ceil(outc / 64)
     clusters = max(1, min(items, device_info().multiprocessors * 4 // SPLIT))
     if flags is not None and flags.shape[0] > FLAG_ROWS:

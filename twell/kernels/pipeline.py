@@ -17,9 +17,10 @@ pass has two stages (docs/design.md draws them):
 
 2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
    device (by a kernel of their own, or, for inference batches of at most
-   ``heavy_rows.FLAG_ROWS`` tokens, inside the tensor-core kernels that do their dense
-   math: one launch less) and their dense math runs on tensor cores (heavy_rows.cu), the
-   first ``ceil(dense_capacity * M)`` of them optionally through fixed-size cuBLAS GEMMs.
+   ``heavy_rows.FLAG_ROWS`` tokens without ``dense_capacity``, inside the tensor-core
+   kernels that do their dense math: one launch less) and their dense math runs on
+   tensor cores (heavy_rows.cu), the first ``ceil(dense_capacity * M)`` of them
+   optionally through fixed-size cuBLAS GEMMs.
 
 Two cases take plain dense math for the whole batch instead (:func:`dense_block`: three
 cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
@@ -251,7 +252,8 @@ class DensitySwitch:
 
 def sample_rows(m: int, rows: int) -> slice:
     """About ``rows`` of ``m`` rows, strided, for the density estimate: an odd stride
-    (so the sample falls once on every residue modulo any power of two up to ``rows``),
+    (so a sample of ``rows`` rows falls once on every residue modulo any power of two up
+    to ``rows``; fewer rows where ``m // rows`` is even and small),
     starting half a stride in. A batch of packed sequences whose first tokens fire far
     more units than the rest (a real model's BOS sinks; the ``paperlike`` workload's) is
     then sampled at its true share: a stride of ``m / rows`` from row 0 took every
@@ -340,6 +342,8 @@ def heavy_rows_stage(
             return scratch
     max_rows = m - capacity
     flags = light.heavy if ids is None else None
+    if flags is not None and (capacity or row_l1 is not None or m > heavy_rows.FLAG_ROWS):
+        raise ValueError("heavy_rows_stage: ids=None only without dense_capacity and row_l1")
     if pre is None:
         pre = empty_bf16((m, block.n))
         scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
