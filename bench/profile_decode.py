@@ -8,6 +8,7 @@ replayed in the user's own CUDA graph.
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import torch
@@ -56,7 +57,9 @@ def graph_us(fn, reps: int = 200) -> float:  # noqa: ANN001
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--M", nargs="+", type=int, default=[1, 64, 512])
+    p.add_argument("--out", default=None, help="JSON records (one per M and block)")
     args = p.parse_args()
+    records = []
     for m in args.M:
         prob = workloads.uniform(m, 2048, 5632, seed=0)
         x, wg, wu, wd = (
@@ -69,10 +72,19 @@ def main() -> None:
         for name, fn in (("twell", lambda block=block, x=x: block(x)), ("dense", dense)):
             rows = kernels(fn)
             total, launches = sum(r[1] for r in rows), sum(r[2] for r in rows)
+            graph = graph_us(fn)
             print(f"M={m} {name}: kernels {total:.1f} us per call in {launches} launches; "
-                  f"in a CUDA graph {graph_us(fn):.1f} us")  # fmt: skip
+                  f"in a CUDA graph {graph:.1f} us")  # fmt: skip
             for key, us, count in rows:
                 print(f"    {us:8.2f} us x{count:<3} {key}")
+            records.append({
+                "gpu": torch.cuda.get_device_name(), "M": m, "block": name,
+                "kernels_us": total, "launches": launches, "graph_us": graph,
+                "kernels": [{"name": k, "us": us, "count": c} for k, us, c in rows],
+            })  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
