@@ -331,7 +331,9 @@ def ffn_backward(
     # takes the chunks.
     ids, count = compact_rows(heavy)
     del vals, lists, ws, tile_off, heavy
-    cap = block.options.capacity_rows(m) if gemm_f32_available() else 0
+    cap = block.options.capacity_rows(m)
+    if cap and not gemm_f32_available():
+        cap = 0
     if cap:
         ids, count = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
     if cap < m:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -113,6 +114,7 @@ def gemm_f32_available() -> bool:
     return True
 
 
+@functools.cache
 def _torch_has_out_dtype(torch: Any) -> bool:
     try:
         return "dtype_out" in torch.ops.aten.mm.overloads()
