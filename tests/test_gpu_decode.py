@@ -131,9 +131,10 @@ def dense_rows(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t
 
 # ---------------------------------------------------------------------- running
 def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
-        w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int
+        w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int, warps: int = 8
         ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """``(heavy, y bits)`` from the decode kernel or the wide kernel, on poisoned buffers."""
+    """``(heavy, y bits)`` from the decode kernel or the wide kernel (``warps`` warps per
+    token; 1: the one-warp kernel), on poisoned buffers."""
     m, k = pre.shape[0], w_down_t.shape[1]
     gated = x is not None
     xg, wu = (cp.asarray(x), cp.asarray(w_up)) if gated else (None, None)
@@ -144,8 +145,9 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
         light_rows_decode.from_pre(xg, pg, heavy, wu, wdt, y, tile=tile, slots=slots,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
     else:
-        light_rows._launch("twell_light_rows_from_pre_wide", m, 32 * light_rows.WIDE_WARPS, xg,
-                           u16(pg), heavy, wu, wdt, y, tile, slots, max_row_nnz)  # fmt: skip
+        function = "twell_light_rows_from_pre" if warps == 1 else "twell_light_rows_from_pre_wide"
+        light_rows._launch(function, m, 32 * warps, xg, u16(pg), heavy, wu, wdt, y, tile, slots,
+                           max_row_nnz)  # fmt: skip
     return heavy.get().astype(bool), y.get()
 
 
@@ -260,6 +262,46 @@ def test_any_cluster_count_is_correct(clusters: int) -> None:
     light = ~want_heavy
     assert np.all(y.get()[want_heavy] == POISON)
     assert rel_err(values(y.get()[light]), values(want[light])) <= TOL
+
+
+@pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("k", [264, 2048])
+def test_wide_kernel_at_every_warp_count(warps: int, gated: bool, k: int) -> None:
+    """The light rows of the fused route at W warps per token (what ``from_pre`` picks
+    above the decode bound): heavy flags by the routing rule, float64 math on the light
+    rows, heavy rows untouched, the same bits on a second run, and close to W = 8."""
+    m = 133
+    rng = np.random.default_rng(warps * 100 + k)
+    limit = default_max_row_nnz(N_MAIN)
+    pre = random_pre(rng, m, N_MAIN, 0.01)
+    special_rows(pre, 256, 32, limit)
+    pre[20:40] = random_pre(rng, 20, N_MAIN, 0.025)  # ~115 entries: many a warp, light
+    w_up, w_down_t = weights(N_MAIN, k, seed=k)
+    x = bf16_bits(rng.standard_normal((m, k))) if gated else None
+    kw = {"tile": 256, "slots": 32, "max_row_nnz": limit}
+    heavy, y = run("wide", x, pre, w_up, w_down_t, warps=warps, **kw)
+    np.testing.assert_array_equal(heavy, expected_heavy(pre, 256, 32, limit))
+    light = ~heavy
+    assert light[20:40].any() and heavy.any()
+    assert np.all(y[heavy] == POISON), "heavy rows of y were written"
+    got = values(y[light])
+    assert np.isfinite(got).all(), "a light row holds NaN/Inf (unwritten?)"
+    assert rel_err(got, dense_rows(x, pre, w_up, w_down_t, light)[light]) <= TOL
+    again_heavy, again = run("wide", x, pre, w_up, w_down_t, warps=warps, **kw)
+    np.testing.assert_array_equal(again_heavy, heavy)
+    np.testing.assert_array_equal(again, y)
+    _, eight = run("wide", x, pre, w_up, w_down_t, warps=8, **kw)
+    assert rel_err(got, values(eight[light])) <= 1e-3
+
+
+def test_wide_warps_fill_one_wave() -> None:
+    sms = 132
+    assert [light_rows.wide_warps(m, sms, 16) for m in (65, 528, 529, 1056, 1057, 65536)] == [
+        4, 4, 2, 2, 1, 1,
+    ]  # fmt: skip
+    assert [light_rows.wide_warps(m, sms, 8) for m in (264, 265, 528, 529)] == [4, 2, 2, 1]
+    assert light_rows._wide_warps_per_sm(2048, 256, 32, True) >= 8
 
 
 def test_from_pre_picks_the_decode_kernel_up_to_the_bound(monkeypatch: pytest.MonkeyPatch):

@@ -13,7 +13,8 @@
 //   over SLOTS-1 nonzeros, a non-finite value, or more than max_row_nnz active units),
 //   without writing TwELL. Heavy rows get heavy[m] = 1 and are left to heavy_rows.cu;
 //   light rows get heavy[m] = 0. twell_light_rows_from_pre_wide does the same with a block
-//   of TWELL_WIDE_WARPS warps per token, for few tokens (decode).
+//   of 2..TWELL_WIDE_WARPS warps per token, for batches too small to fill the GPU with
+//   one warp per token.
 // Phase 1 writes the row's entries (column | bf16 << 16, ascending columns) to a
 // per-warp list in shared memory. Phase 2 walks the list one entry at a time: the unit's
 // up and down rows are loaded (16-byte loads) before any arithmetic, the up dot product
@@ -205,9 +206,10 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
 }
 
 
-// Small M (decode): one block of TWELL_WIDE_WARPS warps per token. Warp 0 scans the row; the
-// warps share the entry list (entry e goes to warp e % TWELL_WIDE_WARPS) and their fp32 partial
-// rows are added in warp order through shared memory: deterministic.
+// Few tokens: one block of W = blockDim.x / 32 warps per token (2 <= W <= TWELL_WIDE_WARPS;
+// the launcher picks W from M so that the grid fills the GPU). Warp 0 scans the row; the
+// warps share the entry list (entry e goes to warp e % W) and their fp32 partial rows are
+// added in warp order through shared memory: deterministic for a given W.
 
 struct WideShared {
   uint32_t list[LIST_CAP];
@@ -228,7 +230,7 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
                       uint16_t* __restrict__ y,               // [M, K] out (light rows)
                       int M, int N, int max_row_nnz) {
   __shared__ WideShared sm;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const long long row = blockIdx.x;
   if (row >= M) return;
   if (warp == 0) {
@@ -243,7 +245,7 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
   }
 #if TWELL_GATED
   const uint4* src = reinterpret_cast<const uint4*>(x + row * TWELL_KDIM);
-  for (int i = threadIdx.x; i < NCH * 32; i += TWELL_WIDE_WARPS * 32)
+  for (int i = threadIdx.x; i < NCH * 32; i += blockDim.x)
     sm.x[i] = chunk_valid(i / 32, i % 32) ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
   const uint4* xs = sm.x;
 #else
@@ -254,10 +256,10 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
   const int total = sm.total;
   ZERO_ACC(acc)
   float l1 = 0.f;
-  for (int e = warp; e < total; e += TWELL_WIDE_WARPS)
+  for (int e = warp; e < total; e += warps)
     gather_unit(sm.list, e, lane, N, xs, w_up, w_down_t, acc, l1);
   // Fixed-order reduction: partial = acc_0; partial += acc_1; ...; y = partial + acc_last.
-  for (int w = 0; w < TWELL_WIDE_WARPS - 1; ++w) {
+  for (int w = 0; w < warps - 1; ++w) {
     if (warp == w) {
 #pragma unroll
       for (int c = 0; c < NCH; ++c)
@@ -269,11 +271,13 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
     }
     __syncthreads();
   }
-  if (warp == TWELL_WIDE_WARPS - 1) {
+  if (warp == warps - 1) {
+    if (warps > 1) {
 #pragma unroll
-    for (int c = 0; c < NCH; ++c)
+      for (int c = 0; c < NCH; ++c)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[c][i] = sm.partial[c * 256 + lane * 8 + i] + acc[c][i];
+        for (int i = 0; i < 8; ++i) acc[c][i] = sm.partial[c * 256 + lane * 8 + i] + acc[c][i];
+    }
     store_row(y, row, lane, acc);
   }
 }

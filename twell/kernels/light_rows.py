@@ -12,6 +12,7 @@ Both kernels take ``(x, source, heavy, w_up, w_down_t, y, M, N, max_row_nnz)``, 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,19 +20,15 @@ import numpy as np
 
 from twell.kernels import light_rows_decode
 from twell.kernels.buffers import u16
-from twell.kernels.compile import Source, declare
+from twell.kernels.compile import Source, declare, device_info
 from twell.options import LIST_CAPACITY
 
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
 #: token is done, so long tokens do not hold finished warps' registers).
 ROW_WARPS = 1
-#: Warps sharing one token in the wide kernel (a few tokens each).
+#: Most warps sharing one token in the wide kernel (its launch bound; the launcher picks
+#: 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
-#: Up to this many tokens (and above ``light_rows_decode.DECODE_ROWS_BELOW``),
-#: ``from_pre`` gives each token ``WIDE_WARPS`` warps. Measured on an H100
-#: (bench/dev_wide.py, µs per launch in a graph, one warp vs eight per token): uniform
-#: M=512 53 vs 73, M=1024 64 vs 132; paperlike M=512 113 vs 76, M=1024 115 vs 135.
-WIDE_ROWS_BELOW = 512
 
 SOURCE = declare(
     Source(
@@ -52,6 +49,34 @@ SOURCE = declare(
 )  # fmt: skip
 
 _NULL = np.uint64(0)
+
+
+def wide_warps(m: int, sms: int, warps_per_sm: int) -> int:
+    """Warps per token for ``m`` tokens of the fused route above the decode bound: the
+    most of 4 and 2 whose blocks (one per token) all fit on ``sms`` SMs at once, given
+    ``warps_per_sm`` resident warps of the wide kernel, else 1 (the one-warp kernel).
+
+    Measured on an H100 (bench/dev_wide.py, K = 2048, N = 5632, µs per launch in a graph,
+    W = 1 / 2 / 4 / 8 warps per token): uniform M = 256 51.7 / 44.0 / 36.6 / 39.4,
+    M = 512 53.6 / 48.3 / 46.3 / 72.9, M = 1024 64.2 / 63.1 / 81.1 / 132, M = 1536 79.4 /
+    98.5 / 116 / 193; paperlike M = 512 116 / 82.6 / 62.1 / 76.3, M = 1024 116 / 91.8 /
+    92.7 / 136. A grid of more than one wave of blocks loses to the one-warp kernel (M =
+    1536 with W = 2)."""
+    for warps in (4, 2):
+        if m <= (warps_per_sm // warps) * sms:
+            return warps
+    return 1
+
+
+@functools.cache
+def _wide_warps_per_sm(k: int, tile: int, slots: int, gated: bool) -> int:
+    """Resident warps of the wide kernel on one SM, as its registers allow (ptxas gives
+    it 64 registers at K = 1024, 128 at K = 2048, 242 at K = 4096; allocated per warp in
+    units of 256)."""
+    kernel = SOURCE.kernel("twell_light_rows_from_pre_wide", KDIM=k, TILE=tile, SLOTS=slots,
+                           GATED=int(gated))  # fmt: skip
+    per_warp = -(-kernel.num_regs * 32 // 256) * 256
+    return min(64, 65536 // per_warp)
 
 
 def _launch(
@@ -78,8 +103,8 @@ def from_pre(
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
     ``heavy[m]`` (1: the row is left to the dense path) for every row. Gated if ``w_up``
     is given. Up to ``light_rows_decode.DECODE_ROWS_BELOW`` tokens (decode), the cluster
-    kernel of light_rows_decode.cu runs; up to ``WIDE_ROWS_BELOW``, a block of
-    ``WIDE_WARPS`` warps per token; above, a warp per token."""
+    kernel of light_rows_decode.cu runs; above, a block of :func:`wide_warps` warps per
+    token, or a warp per token."""
     m = y.shape[0]
     if m == 0:
         return
@@ -90,8 +115,10 @@ def from_pre(
         light_rows_decode.from_pre(x, pre, heavy, w_up, w_down_t, y, tile=tile, slots=slots,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
         return
-    if m <= WIDE_ROWS_BELOW:
-        function, grid, block = "twell_light_rows_from_pre_wide", m, WIDE_WARPS
+    per_sm = _wide_warps_per_sm(y.shape[1], tile, slots, w_up is not None)
+    warps = wide_warps(m, device_info().sms, per_sm)
+    if warps > 1:
+        function, grid, block = "twell_light_rows_from_pre_wide", m, warps
     else:
         function, grid, block = "twell_light_rows_from_pre", math.ceil(m / ROW_WARPS), ROW_WARPS
     _launch(function, grid, 32 * block, x, u16(pre), heavy, w_up, w_down_t, y, tile, slots,
