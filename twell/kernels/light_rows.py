@@ -116,7 +116,7 @@ def from_pre(
                                    max_row_nnz=max_row_nnz)  # fmt: skip
         return
     per_sm = _wide_warps_per_sm(y.shape[1], tile, slots, w_up is not None)
-    warps = wide_warps(m, device_info().sms, per_sm)
+    warps = wide_warps(m, device_info().multiprocessors, per_sm)
     if warps > 1:
         function, grid, block = "twell_light_rows_from_pre_wide", m, warps
     else:
