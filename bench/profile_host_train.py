@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_host import host_us, per_call_us  # noqa: E402
 
-from twell import workloads
+from twell import autograd, workloads
 from twell.autograd import ffn_train
 from twell.options import Options
 
@@ -48,6 +48,17 @@ def main() -> None:
                 y = F.linear(F.relu(F.linear(xb, ws[0])) * F.linear(xb, ws[1]), ws[2])
             y.backward(dy)
 
+        def step_graphs(ws=ws, xb=xb, dy=dy, autocast=dtype is None) -> None:  # noqa: ANN001
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                y, l1, _ = ffn_train(xb, *ws, options, "per_token", graphs=True)
+            torch.autograd.backward((y, l1), (dy, torch.ones_like(l1)))
+
+        fw, bw = autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS
+        print(
+            f"[{label}] with op graphs: {per_call_us(step_graphs, args.calls):.0f} us per "
+            f"step; with the GPU held busy {host_us(step_graphs):.0f} us (graphs captured / "
+            f"replayed: forward {fw.captures}/{fw.replays}, backward {bw.captures}/{bw.replays})"
+        )
         print(
             f"[{label}] twell fwd+bwd host {per_call_us(step, args.calls):.0f} us per step; "
             f"dense torch {per_call_us(dense, args.calls):.0f} us; with the GPU held busy: "

@@ -48,7 +48,11 @@ def step_fn(model: Any, optimizer: Any, data: torch.Tensor, gen: Any, config: An
 
 
 def run(variant: str, config: Any, data: torch.Tensor, args: argparse.Namespace) -> dict:
-    sparse = variant == "twell"
+    """One variant: ``dense``, ``twell``, or ``twell_op_graphs`` (SparseMLP's training
+    ops replaying their own CUDA graphs in eager steps)."""
+    sparse = variant.startswith("twell")
+    if variant == "twell_op_graphs":
+        config = dataclasses.replace(config, op_graphs=True)
     model = train_small.build_model(config, torch.device("cuda"), sparse=sparse)
     optimizer = train_small.make_optimizer(model, config)
     gen = torch.Generator().manual_seed(config.seed)

@@ -78,6 +78,7 @@ class Config:
     reduction: str = "per_token"
     tile: int = 256
     slots: int = 32
+    op_graphs: bool = False  # SparseMLP(op_graphs=...): each training op replays a graph
     seed: int = 0
 
     @classmethod
@@ -193,8 +194,9 @@ def build_model(config: Config, device: torch.device, *, sparse: bool) -> nn.Mod
     model = ByteLM(config).to(device)
     if sparse:
         replaced = twell_torch.sparsify(
-            model, tile=config.tile, slots=config.slots, reduction=config.reduction
-        )
+            model, tile=config.tile, slots=config.slots, reduction=config.reduction,
+            op_graphs=config.op_graphs,
+        )  # fmt: skip
         assert replaced == config.layers, replaced
     return model
 
@@ -536,11 +538,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=("dense", "twell"), default=["dense", "twell"])
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     for field in dataclasses.fields(Config):
+        default = getattr(defaults, field.name)
+        kind = type(default)
         p.add_argument(
             f"--{field.name.replace('_', '-')}",
-            type=type(getattr(defaults, field.name)),
+            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
             default=None,
-            help=f"default {getattr(defaults, field.name)}",
+            help=f"default {default}",
         )
     p.add_argument("--log-every", type=int, default=None, help="default 25 (smoke: 5)")
     p.add_argument(

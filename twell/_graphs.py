@@ -86,3 +86,84 @@ class GraphedBlock:
         with torch.cuda.graph(graph):
             static_y = self.run(static_x)
         return graph, static_x, static_y
+
+
+#: Graphs kept per training op (:class:`OpGraphs`).
+OP_CACHE = 32
+#: Keys remembered as seen once (a key is captured when it comes back).
+OP_SEEN = 256
+
+
+def _arg_key(arg: Any) -> Any:
+    """What identifies an argument for a graph: a tensor by where it lives and how it is
+    laid out (the graph reads that memory), anything else by value."""
+    import torch
+
+    if isinstance(arg, torch.Tensor):
+        return (arg.data_ptr(), tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+    return arg
+
+
+class OpGraphs:
+    """One CUDA graph per (argument addresses, layouts, values) of ``fn(*args)``: how an
+    eager training op costs one replay instead of some forty launches and allocations.
+
+    A call whose key was seen before (the second step of a training loop, whose tensors
+    torch's caching allocator hands out at the same addresses) captures ``fn`` on those
+    very arguments; later calls with that key replay it. The graph reads its inputs
+    where they were at capture, which is where the key says the current ones are, and
+    its outputs live in the graph's memory, so every call returns fresh clones of them
+    (a replay never changes a tensor that an earlier call returned). A key seen once
+    runs eagerly. So does every call while the caller is capturing a graph of its own.
+
+    The graphs of one instance share one memory pool, so their scratch memory is shared
+    and only their outputs are kept per graph. Replays are therefore stream-ordered on
+    the caller's current stream: two replays of one instance must not run concurrently
+    on different streams.
+
+    Args:
+        capacity: graphs kept (least recently used dropped first).
+    """
+
+    def __init__(self, capacity: int = OP_CACHE) -> None:
+        self.capacity = capacity
+        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple]] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._pool: Any = None
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, fn: Callable[..., tuple], *args: Any) -> tuple:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return fn(*args)
+        key = tuple(_arg_key(a) for a in args)
+        found = self._graphs.get(key)
+        if found is None:
+            if key not in self._seen:
+                self._seen[key] = None
+                while len(self._seen) > OP_SEEN:
+                    self._seen.popitem(last=False)
+                return fn(*args)
+            del self._seen[key]
+            found = self._graphs[key] = self._capture(fn, args)
+            while len(self._graphs) > self.capacity:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        graph, outputs = found
+        graph.replay()
+        self.replays += 1
+        return tuple(None if t is None else t.clone() for t in outputs)
+
+    def _capture(self, fn: Callable[..., tuple], args: tuple) -> tuple[Any, tuple]:
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn(*args)
+        self.captures += 1
+        return graph, tuple(outputs)

@@ -4,7 +4,7 @@ Two operators in the ``twell`` namespace, made with ``torch.library.custom_op`` 
 implementations for ``torch.compile``, autograd through ``register_autograd``):
 
 ``twell::ffn_train_forward(x, w_gate?, w_up, w_down, tile, slots, max_row_nnz,
-dense_capacity, reduction) -> (y, l1, packed, heavy, ids, count)``
+dense_capacity, reduction, graphs=False) -> (y, l1, packed, heavy, ids, count)``
 
 - ``x [M, K]``, ``w_gate``/``w_up`` ``[N, K]``, ``w_down [K, N]`` (``nn.Linear``
   layouts; ``w_gate=None`` is the non-gated block). ``y [M, K]`` in ``x``'s dtype.
@@ -19,10 +19,14 @@ dense_capacity, reduction) -> (y, l1, packed, heavy, ids, count)``
   ascending, in ``ids[:count]``; the rest unspecified) and ``count`` int32 ``[1]``.
 
 ``twell::ffn_train_backward(dy?, dl1?, x, w_gate?, w_up, w_down, packed, heavy, ids,
-count, tile, slots, max_row_nnz, dense_capacity, reduction) -> (dx, dw_gate, dw_up,
-dw_down)``: the gradients of ``<dy, y> + dl1 · l1``. ``dx`` has ``x``'s dtype, each
-weight gradient its weight's dtype; ``dw_gate`` is an empty tensor for the non-gated
-block. A missing ``dy`` or ``dl1`` (None) counts as zero.
+count, tile, slots, max_row_nnz, dense_capacity, reduction, graphs=False) -> (dx,
+dw_gate, dw_up, dw_down)``: the gradients of ``<dy, y> + dl1 · l1``. ``dx`` has ``x``'s
+dtype, each weight gradient its weight's dtype; ``dw_gate`` is an empty tensor for the
+non-gated block. A missing ``dy`` or ``dl1`` (None) counts as zero.
+
+``graphs=True`` (CUDA): the op replays a CUDA graph of its launches when its tensor
+arguments are where they were at an earlier call (:class:`twell._graphs.OpGraphs`;
+the same numbers, fresh output tensors).
 
 Where they run:
 
@@ -57,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from twell._graphs import OpGraphs
 from twell.options import Options, check_geometry
 
 __all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward", "l0_from_packed"]
@@ -126,19 +131,24 @@ def ffn_train_forward(
     max_row_nnz: int,
     dense_capacity: float,
     reduction: str,
+    graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, l1, packed, heavy, ids, count)`` of the block (see the module docstring)."""
     _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
     if x.device.type == "cuda":
-        return _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz,
-                             dense_capacity, reduction)  # fmt: skip
+        args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
+        if graphs:
+            return _FORWARD_GRAPHS(_forward_cuda, *args)
+        return _forward_cuda(*args)
     if x.device.type != "cpu":
         raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
     return _forward_cpu(x, w_gate, w_up, w_down, tile, slots, reduction)
 
 
 @ffn_train_forward.register_fake
-def _forward_fake(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction):
+def _forward_fake(
+    x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction, graphs=False
+):
     _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
     m = x.shape[0]
     n = w_up.shape[0]
@@ -170,6 +180,7 @@ def ffn_train_backward(
     max_row_nnz: int,
     dense_capacity: float,
     reduction: str,
+    graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dw_gate, dw_up, dw_down)`` of ``<dy, y> + dl1 · l1`` (module docstring)."""
     _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
@@ -180,8 +191,11 @@ def ffn_train_backward(
     if x.shape[0] == 0 or (dy is None and dl1 is None):
         return _zero_grads(x, w_gate, w_up, w_down)
     if x.device.type == "cuda":
-        return _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count,
-                              tile, slots, max_row_nnz, dense_capacity, reduction)  # fmt: skip
+        args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, tile, slots,
+                max_row_nnz, dense_capacity, reduction)  # fmt: skip
+        if graphs:
+            return _BACKWARD_GRAPHS(_backward_cuda, *args)
+        return _backward_cuda(*args)
     return _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction)
 
 
@@ -202,6 +216,7 @@ def _backward_fake(
     max_row_nnz,
     dense_capacity,
     reduction,
+    graphs=False,
 ):
     return (
         torch.empty_like(x),
@@ -222,10 +237,10 @@ def _zero_grads(x, w_gate, w_up, w_down):
 
 # ---------------------------------------------------------------------- autograd
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction = inputs
+    x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction, *rest = inputs
     _, _, packed, heavy, ids, count = output
     ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count)
-    ctx.settings = (tile, slots, max_row_nnz, dense_capacity, reduction)
+    ctx.settings = (tile, slots, max_row_nnz, dense_capacity, reduction, bool(rest and rest[0]))
     ctx.gated = w_gate is not None
     # Unused outputs give None (not zeros): no L1 work, no host read of a zero dl1.
     ctx.set_materialize_grads(False)
@@ -234,7 +249,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _backward(ctx: Any, dy, dl1, *_unused):
     x, w_gate, w_up, w_down, packed, heavy, ids, count = ctx.saved_tensors
     if dy is None and dl1 is None:
-        return (None,) * 9
+        return (None,) * 10
     if not ctx.gated:
         w_gate = None
     dx, dw_gate, dw_up, dw_down = ffn_train_backward(
@@ -247,7 +262,7 @@ def _backward(ctx: Any, dy, dl1, *_unused):
         dw_gate if ctx.gated and needs[1] else None,
         dw_up if needs[2] else None,
         dw_down if needs[3] and dy is not None else None,  # the L1 term needs no w_down
-        None, None, None, None, None,
+        None, None, None, None, None, None,
     )  # fmt: skip
 
 
@@ -270,11 +285,14 @@ def ffn_train(
     w_down: torch.Tensor,
     options: Options,
     reduction: str = "mean",
+    graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The block on ``x [..., K]`` through the training ops: ``(y, l1, l0)``.
 
     ``y [..., K]`` (``x``'s dtype) and ``l1`` (float32 scalar) are differentiable; ``l0``
-    (float32 scalar, mean active units per token) is not.
+    (float32 scalar, mean active units per token) is not. ``graphs``: on CUDA, each op
+    replays a CUDA graph of its launches once its arguments come back at the same
+    addresses (:class:`twell._graphs.OpGraphs`: its memory and stream rules apply).
     """
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -283,7 +301,7 @@ def ffn_train(
     y, l1, packed, _, _, _ = ffn_train_forward(
         x2, w_gate, w_up, w_down, options.tile, options.slots,
         -1 if options.max_row_nnz is None else options.max_row_nnz, options.dense_capacity,
-        reduction,
+        reduction, graphs,
     )  # fmt: skip
     return y.reshape(x.shape), l1, l0_from_packed(packed.detach(), options.slots)
 
@@ -345,6 +363,11 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 
 # ---------------------------------------------------------------------- CUDA: kernels
+#: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each).
+_FORWARD_GRAPHS = OpGraphs()
+_BACKWARD_GRAPHS = OpGraphs()
+
+
 def _training_block(w_gate: Any, w_up: Any, w_down: Any, options: Options) -> Any:
     """A :class:`PreparedBlock` for one training step: the same layouts, built with no
     host synchronisation (capturable): its weights are not checked on the host

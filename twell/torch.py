@@ -88,6 +88,13 @@ class SparseMLP(nn.Module):
             (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
         reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
             entries) or ``"per_token"`` (sum over units, mean over tokens).
+        op_graphs: on CUDA, the training ops replay a CUDA graph of their launches
+            once a step's tensors come back at the previous step's addresses (eager
+            training loops: a replay costs the host ~one launch instead of ~40; the
+            outputs are copied out of the graph's memory). The graphs' outputs stay
+            allocated, one set per shape and layer, and their replays must not run on
+            two streams at once (:class:`twell._graphs.OpGraphs`). No effect inside a
+            CUDA graph capture of the caller's own.
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden
@@ -115,6 +122,7 @@ class SparseMLP(nn.Module):
         dense_capacity: float = 0.0,
         train_kernels: bool = True,
         reduction: str = "mean",
+        op_graphs: bool = False,
     ) -> None:
         super().__init__()
         for name, layer in (
@@ -140,6 +148,7 @@ class SparseMLP(nn.Module):
             raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         self.train_kernels = bool(train_kernels)
         self.reduction = reduction
+        self.op_graphs = bool(op_graphs)
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.l1: torch.Tensor | None = None
         self.l0: torch.Tensor | None = None
@@ -214,7 +223,7 @@ class SparseMLP(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         self._block = None  # the weights are about to change: no stale inference block
         if self.train_kernels:
-            y, l1, l0 = ffn_train(x, *weights, self.options, self.reduction)
+            y, l1, l0 = ffn_train(x, *weights, self.options, self.reduction, self.op_graphs)
         else:
             y, l1, l0 = self._dense(x)
         self.l1, self.l0 = l1, l0
@@ -276,6 +285,7 @@ def sparsify(
     dense_capacity: float = 0.0,
     train_kernels: bool = True,
     reduction: str = "mean",
+    op_graphs: bool = False,
 ) -> int:
     """Replace every Llama-style ReLU MLP inside ``model`` by a :class:`SparseMLP`.
 
@@ -295,7 +305,7 @@ def sparsify(
     for parent, name, child in targets:
         replacement = SparseMLP.from_module(
             child, tile=tile, slots=slots, dense_capacity=dense_capacity,
-            train_kernels=train_kernels, reduction=reduction,
+            train_kernels=train_kernels, reduction=reduction, op_graphs=op_graphs,
         )  # fmt: skip
         setattr(parent, name, replacement)
     return len(targets)
