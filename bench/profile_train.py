@@ -111,6 +111,13 @@ def run(variant: str, config: Any, data: torch.Tensor, args: argparse.Namespace)
          "calls_per_step": e.count // n}
         for e in cpu[:20]
     ]  # fmt: skip
+    if variant == "twell_op_graphs":
+        from twell import autograd
+
+        graphs = autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS
+        rec["op_graphs"] = {"captures": [g.captures for g in graphs],
+                            "replays": [g.replays for g in graphs]}  # fmt: skip
+        print(f"== {variant}: op graphs {rec['op_graphs']}")
     print(f"== {variant}: step {rec['step_ms']} ms, GPU busy {rec['gpu_ms_per_step']} ms/step"
           f"{'  L0 ' + str(rec['l0']) if sparse else ''}")  # fmt: skip
     for k in rec["kernels"]:

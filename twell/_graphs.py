@@ -158,12 +158,26 @@ class OpGraphs:
         return tuple(None if t is None else t.clone() for t in outputs)
 
     def _capture(self, fn: Callable[..., tuple], args: tuple) -> tuple[Any, tuple]:
+        """Capture on a side stream with ``capture_begin``/``capture_end``, not the
+        ``torch.cuda.graph`` context: that one empties torch's allocator cache first,
+        after which the next steps' tensors land at new addresses (new keys, more
+        captures)."""
         import torch
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream(current.device)
+        side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = fn(*args)
+        with torch.cuda.stream(side):
+            # thread_local: CUDA calls of other threads (a DDP reducer's, a data
+            # loader's) neither break this capture nor are broken by it.
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn(*args)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
         self.captures += 1
         return graph, tuple(outputs)
