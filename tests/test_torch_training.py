@@ -736,7 +736,10 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
         assert torch.equal(values[-1], values[0])
     assert not torch.equal(kept[0][0], kept[-1][0])
     after = (fw.captures, fw.replays, bw.captures, bw.replays)
-    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 3, 1, 3]
+    captures, replays = after[0] - before[0], after[1] - before[1]
+    # (an earlier test's graph serves this one if its weights landed at the same places)
+    assert (captures, replays) in ((1, 3), (0, 4))
+    assert (after[2] - before[2], after[3] - before[3]) in ((1, 3), (0, 4))
 
 
 @pytest.mark.gpu

@@ -94,32 +94,36 @@ OP_CACHE = 32
 OP_SEEN = 256
 
 
-def _arg_key(arg: Any) -> Any:
-    """What identifies an argument for a graph: a tensor by where it lives and how it is
-    laid out (the graph reads that memory), anything else by value."""
+def _arg_key(arg: Any, pinned: bool) -> Any:
+    """What identifies an argument for a graph: a pinned tensor by where it lives and how
+    it is laid out (the graph reads that memory), another tensor by its layout (it is
+    copied into the graph's own buffer), anything else by value."""
     import torch
 
     if isinstance(arg, torch.Tensor):
-        return (arg.data_ptr(), tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+        address = arg.data_ptr() if pinned else None
+        return (address, tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
     return arg
 
 
 class OpGraphs:
-    """One CUDA graph per (argument addresses, layouts, values) of ``fn(*args)``: how an
-    eager training op costs one replay instead of some forty launches and allocations.
+    """One CUDA graph per (argument layouts and values) of ``fn(*args)``: how an eager
+    training op costs one replay instead of some forty launches and allocations.
 
-    A call whose key was seen before (the second step of a training loop, whose tensors
-    torch's caching allocator hands out at the same addresses) captures ``fn`` on those
-    very arguments; later calls with that key replay it. The graph reads its inputs
-    where they were at capture, which is where the key says the current ones are, and
-    its outputs live in the graph's memory, so every call returns fresh clones of them
-    (a replay never changes a tensor that an earlier call returned). A key seen once
-    runs eagerly. So does every call while the caller is capturing a graph of its own.
+    The arguments at the ``pinned`` positions (the weights: parameters stay where they
+    are from step to step) are read where they lie, so their addresses are part of the
+    key; every other tensor argument is copied into a buffer of the graph before each
+    replay (the activations and gradients of a step land at addresses that torch's
+    allocator does not repeat reliably). A key's first call runs eagerly; its second
+    captures ``fn`` and replays it; later ones replay. The outputs live in the graph's
+    memory, so every call returns fresh clones of them (a replay never changes a tensor
+    that an earlier call returned). Calls made while the caller is capturing a graph of
+    its own run eagerly (their launches belong to that graph).
 
     The graphs of one instance share one memory pool, so their scratch memory is shared
-    and only their outputs are kept per graph. Replays are therefore stream-ordered on
-    the caller's current stream: two replays of one instance must not run concurrently
-    on different streams.
+    and only their input buffers and outputs are kept per graph. Replays are therefore
+    stream-ordered on the caller's current stream: two replays of one instance must not
+    run concurrently on different streams.
 
     Args:
         capacity: graphs kept (least recently used dropped first).
@@ -127,18 +131,20 @@ class OpGraphs:
 
     def __init__(self, capacity: int = OP_CACHE) -> None:
         self.capacity = capacity
-        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple]] = collections.OrderedDict()
+        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple, tuple]] = (
+            collections.OrderedDict()
+        )
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._pool: Any = None
         self.captures = 0
         self.replays = 0
 
-    def __call__(self, fn: Callable[..., tuple], *args: Any) -> tuple:
+    def __call__(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int]) -> tuple:
         import torch
 
         if torch.cuda.is_current_stream_capturing():
             return fn(*args)
-        key = tuple(_arg_key(a) for a in args)
+        key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
         found = self._graphs.get(key)
         if found is None:
             if key not in self._seen:
@@ -147,25 +153,34 @@ class OpGraphs:
                     self._seen.popitem(last=False)
                 return fn(*args)
             del self._seen[key]
-            found = self._graphs[key] = self._capture(fn, args)
+            found = self._graphs[key] = self._capture(fn, args, pinned)
             while len(self._graphs) > self.capacity:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
-        graph, outputs = found
+            for buffer, arg in zip(found[1], args, strict=True):
+                if buffer is not None:
+                    buffer.copy_(arg)
+        graph, _, outputs = found
         graph.replay()
         self.replays += 1
         return tuple(None if t is None else t.clone() for t in outputs)
 
-    def _capture(self, fn: Callable[..., tuple], args: tuple) -> tuple[Any, tuple]:
+    def _capture(
+        self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int]
+    ) -> tuple[Any, tuple, tuple]:
         """Capture on a side stream with ``capture_begin``/``capture_end``, not the
-        ``torch.cuda.graph`` context: that one empties torch's allocator cache first,
-        after which the next steps' tensors land at new addresses (new keys, more
-        captures)."""
+        ``torch.cuda.graph`` context: that one empties torch's allocator cache first, so
+        every capture would cost the next steps fresh allocations from the driver."""
         import torch
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        buffers = tuple(
+            a.clone() if isinstance(a, torch.Tensor) and i not in pinned else None
+            for i, a in enumerate(args)
+        )
+        inputs = tuple(a if b is None else b for a, b in zip(args, buffers, strict=True))
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream(current.device)
         side.wait_stream(current)
@@ -175,9 +190,9 @@ class OpGraphs:
             # loader's) neither break this capture nor are broken by it.
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                outputs = fn(*args)
+                outputs = fn(*inputs)
             finally:
                 graph.capture_end()
         current.wait_stream(side)
         self.captures += 1
-        return graph, tuple(outputs)
+        return graph, buffers, tuple(outputs)

@@ -24,9 +24,10 @@ dw_gate, dw_up, dw_down)``: the gradients of ``<dy, y> + dl1 · l1``. ``dx`` has
 dtype, each weight gradient its weight's dtype; ``dw_gate`` is an empty tensor for the
 non-gated block. A missing ``dy`` or ``dl1`` (None) counts as zero.
 
-``graphs=True`` (CUDA): the op replays a CUDA graph of its launches when its tensor
-arguments are where they were at an earlier call (:class:`twell._graphs.OpGraphs`;
-the same numbers, fresh output tensors).
+``graphs=True`` (CUDA): the op replays a CUDA graph of its launches from the second
+call with the same shapes and weights on (:class:`twell._graphs.OpGraphs`: the weights
+read in place, the other tensors copied into the graph's buffers, fresh output tensors;
+the same numbers as without).
 
 Where they run:
 
@@ -138,7 +139,7 @@ def ffn_train_forward(
     if x.device.type == "cuda":
         args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
         if graphs:
-            return _FORWARD_GRAPHS(_forward_cuda, *args)
+            return _FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
         return _forward_cuda(*args)
     if x.device.type != "cpu":
         raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
@@ -194,7 +195,7 @@ def ffn_train_backward(
         args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, tile, slots,
                 max_row_nnz, dense_capacity, reduction)  # fmt: skip
         if graphs:
-            return _BACKWARD_GRAPHS(_backward_cuda, *args)
+            return _BACKWARD_GRAPHS(_backward_cuda, args, pinned=_BACKWARD_WEIGHTS)
         return _backward_cuda(*args)
     return _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction)
 
@@ -291,8 +292,8 @@ def ffn_train(
 
     ``y [..., K]`` (``x``'s dtype) and ``l1`` (float32 scalar) are differentiable; ``l0``
     (float32 scalar, mean active units per token) is not. ``graphs``: on CUDA, each op
-    replays a CUDA graph of its launches once its arguments come back at the same
-    addresses (:class:`twell._graphs.OpGraphs`: its memory and stream rules apply).
+    replays a CUDA graph of its launches from the second call with the same shapes and
+    weights on (:class:`twell._graphs.OpGraphs`: its memory and stream rules apply).
     """
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -366,6 +367,9 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 #: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each).
 _FORWARD_GRAPHS = OpGraphs()
 _BACKWARD_GRAPHS = OpGraphs()
+#: The weights' positions in the ops' arguments: read in place by the graphs.
+_FORWARD_WEIGHTS = frozenset({1, 2, 3})
+_BACKWARD_WEIGHTS = frozenset({3, 4, 5})
 
 
 def _training_block(w_gate: Any, w_up: Any, w_down: Any, options: Options) -> Any:
