@@ -116,9 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     for field in dataclasses.fields(train_small.Config):
         default = getattr(defaults, field.name)
+        kind = type(default)
         p.add_argument(
             f"--{field.name.replace('_', '-')}",
-            type=type(default),
+            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
             default=None,
             help=f"default {300 if field.name == 'steps' else default}",
         )
@@ -216,9 +217,12 @@ def run(
     import torch.nn.functional as F  # noqa: N812
 
     import twell.torch as twell_torch
+    from twell import autograd
 
     sparse = variant == "twell"
     distributed = strategy in STRATEGIES
+    op_graphs = (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS)
+    counters = [(g.captures, g.replays) for g in op_graphs]
     run_steps = steps if run_steps is None else run_steps
     model = train_small.build_model(config, device, sparse=sparse)  # same weights on all ranks
     inner = model
@@ -319,6 +323,11 @@ def run(
         "peak_memory_bytes": (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
+        # the training ops' CUDA graphs in this run (SparseMLP op_graphs): forward, backward
+        "op_graphs": {
+            "captures": [g.captures - c for g, (c, _) in zip(op_graphs, counters, strict=True)],
+            "replays": [g.replays - r for g, (_, r) in zip(op_graphs, counters, strict=True)],
+        },
     }
 
 
