@@ -22,6 +22,8 @@ from twell.options import Options
 
 SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096)
 WARPS = (2, 3, 4, 6, 8)
+#: Warps per token of the two-units-in-flight variant (twell_light_rows_from_pre_wide2).
+WARPS2 = (2, 4, 8)
 
 
 def launch_variant(kind: str, warps: int, x, pre, block, heavy, y) -> None:  # noqa: ANN001
@@ -32,7 +34,11 @@ def launch_variant(kind: str, warps: int, x, pre, block, heavy, y) -> None:  # n
         light_rows_decode.from_pre(x, pre, heavy, block.w_up, block.w_down_t, y, tile=256,
                                    slots=32, max_row_nnz=block.max_row_nnz)  # fmt: skip
         return
-    function = "twell_light_rows_from_pre" if kind == "one" else "twell_light_rows_from_pre_wide"
+    function = {
+        "one": "twell_light_rows_from_pre",
+        "wide": "twell_light_rows_from_pre_wide",
+        "wide2": "twell_light_rows_from_pre_wide2",
+    }[kind]
     light_rows._launch(function, m, 32 * warps, x, pre.view(cp.uint16), heavy, block.w_up,
                        block.w_down_t, y, 256, 32, block.max_row_nnz)  # fmt: skip
 
@@ -50,10 +56,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     parser.add_argument("--workloads", nargs="+", default=["uniform", "paperlike", "heavy"])
+    parser.add_argument("--M", nargs="+", type=int, default=list(SIZES))
     args = parser.parse_args()
     records = []
     for workload in args.workloads:
-        for m in SIZES:
+        for m in args.M:
             p = make_problem(workload, m, 2048, 5632)
             x, wg, wu, wd = (to_device(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
             block = PreparedBlock(wg, wu, wd, Options())
@@ -64,10 +71,11 @@ def main() -> None:
             light = base_heavy == 0
             ref = base_y.astype(cp.float32)[light]
             scale = float(cp.abs(ref).max()) or 1.0
-            variants = [("wide", w) for w in WARPS] + ([("decode", 0)] if m <= 256 else [])
+            variants = [("wide", w) for w in WARPS] + [("wide2", w) for w in WARPS2]
+            variants += [("decode", 0)] if m <= 256 else []
             for kind, warps in variants:
                 us, heavy, y = measure(kind, warps, x, pre, block)
-                key = f"w{warps}" if kind == "wide" else "decode"
+                key = {"wide": f"w{warps}", "wide2": f"w{warps}x2"}.get(kind, "decode")
                 out[f"{key}_us"] = round(us, 2)
                 same_flags = bool((heavy == base_heavy).all())
                 diff = float(cp.abs(y.astype(cp.float32)[light] - ref).max()) / scale

@@ -134,7 +134,8 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
         w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int, warps: int = 8
         ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """``(heavy, y bits)`` from the decode kernel or the wide kernel (``warps`` warps per
-    token; 1: the one-warp kernel), on poisoned buffers."""
+    token; 1: the one-warp kernel; ``"wide2"``: its two-units-in-flight variant), on
+    poisoned buffers."""
     m, k = pre.shape[0], w_down_t.shape[1]
     gated = x is not None
     xg, wu = (cp.asarray(x), cp.asarray(w_up)) if gated else (None, None)
@@ -146,6 +147,8 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
     else:
         function = "twell_light_rows_from_pre" if warps == 1 else "twell_light_rows_from_pre_wide"
+        if kernel == "wide2":
+            function = "twell_light_rows_from_pre_wide2"
         light_rows._launch(function, m, 32 * warps, xg, u16(pg), heavy, wu, wdt, y, tile, slots,
                            max_row_nnz)  # fmt: skip
     return heavy.get().astype(bool), y.get()
@@ -293,6 +296,10 @@ def test_wide_kernel_at_every_warp_count(warps: int, gated: bool, k: int) -> Non
     np.testing.assert_array_equal(again, y)
     _, eight = run("wide", x, pre, w_up, w_down_t, warps=8, **kw)
     assert rel_err(got, values(eight[light])) <= 1e-3
+    if warps > 1:  # two units in flight per warp: the same sums in the same order
+        two_heavy, two = run("wide2", x, pre, w_up, w_down_t, warps=warps, **kw)
+        np.testing.assert_array_equal(two_heavy, heavy)
+        np.testing.assert_array_equal(two, y)
 
 
 def test_wide_warps_fill_one_wave() -> None:

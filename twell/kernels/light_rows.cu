@@ -53,46 +53,66 @@ struct Shared {
 };
 
 // Phase 2 for list entry e: gather the unit's rows, multiply, accumulate. (Loading
-// several units' rows at once was measured slower: the gather is bound by L2 throughput,
-// and more registers per warp cost occupancy; docs/perf-log.md, v2c.)
-__device__ __forceinline__ void gather_unit(const uint32_t* list, int e, int lane, int N,
-                                            const uint4* xs, const uint16_t* __restrict__ w_up,
-                                            const uint16_t* __restrict__ w_down_t,
-                                            float (&acc)[NCH][8], float& l1) {
-  const uint32_t entry = list[e];
-  int n = entry & 0xffffu;
-  float value = twell_hi_bf16(entry);
-  if (n >= N) {  // invalid input: contribute nothing, read a valid row
-    n = 0;
-    value = 0.f;
-  }
-  const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
+// several units' rows at once was measured slower in the one-warp kernels: the gather is
+// bound by L2 throughput, and more registers per warp cost occupancy; docs/perf-log.md,
+// v2c. The wide kernel's two-unit variant, for batches too small to fill the GPU, does.)
+struct UnitRows {
   uint4 b[NCH];
 #if TWELL_GATED
-  const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
   uint4 a[NCH];
+#endif
+  float value;
+};
+
+__device__ __forceinline__ void load_unit(const uint32_t* list, int e, int lane, int N,
+                                          const uint16_t* __restrict__ w_up,
+                                          const uint16_t* __restrict__ w_down_t,
+                                          UnitRows& rows) {
+  const uint32_t entry = list[e];
+  int n = entry & 0xffffu;
+  rows.value = twell_hi_bf16(entry);
+  if (n >= N) {  // invalid input: contribute nothing, read a valid row
+    n = 0;
+    rows.value = 0.f;
+  }
+  const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
+#if TWELL_GATED
+  const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
 #endif
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
     const bool ok = chunk_valid(c, lane);
 #if TWELL_GATED
-    a[c] = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    rows.a[c] = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
 #endif
-    b[c] = ok ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    rows.b[c] = ok ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
   }
+}
+
+__device__ __forceinline__ void use_unit(const UnitRows& rows, int lane, const uint4* xs,
+                                         float (&acc)[NCH][8], float& l1) {
 #if TWELL_GATED
   float part = 0.f;
 #pragma unroll
-  for (int c = 0; c < NCH; ++c) part = twell_dot8(xs[c * 32 + lane], a[c], part);
+  for (int c = 0; c < NCH; ++c) part = twell_dot8(xs[c * 32 + lane], rows.a[c], part);
 #pragma unroll
   for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
-  const float h = value * part;
+  const float h = rows.value * part;
 #else
-  const float h = value;
+  const float h = rows.value;
 #endif
   l1 += fabsf(h);  // the row's L1 term (training forward); dead code elsewhere
 #pragma unroll
-  for (int c = 0; c < NCH; ++c) twell_axpy8(h, b[c], acc[c]);
+  for (int c = 0; c < NCH; ++c) twell_axpy8(h, rows.b[c], acc[c]);
+}
+
+__device__ __forceinline__ void gather_unit(const uint32_t* list, int e, int lane, int N,
+                                            const uint4* xs, const uint16_t* __restrict__ w_up,
+                                            const uint16_t* __restrict__ w_down_t,
+                                            float (&acc)[NCH][8], float& l1) {
+  UnitRows rows;
+  load_unit(list, e, lane, N, w_up, w_down_t, rows);
+  use_unit(rows, lane, xs, acc, l1);
 }
 
 __device__ __forceinline__ void gather_list(const uint32_t* list, int count, int lane, int N,
@@ -221,14 +241,17 @@ struct WideShared {
   int heavy;
 };
 
-extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
-twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K] (gated only)
-                      const uint16_t* __restrict__ pre,       // [M, N] gate pre-activation
-                      uint8_t* __restrict__ heavy,            // [M] out
-                      const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
-                      const uint16_t* __restrict__ w_down_t,  // [N, K]
-                      uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                      int M, int N, int max_row_nnz) {
+// UNITS: units whose rows a warp loads before it uses them (1, or 2: twice the loads in
+// flight for batches too small to fill the GPU, at more registers). The sum order is the
+// same for both (entry e, then e + W, ... per warp): the same bits.
+template <int UNITS>
+__device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
+                                          const uint16_t* __restrict__ pre,
+                                          uint8_t* __restrict__ heavy,
+                                          const uint16_t* __restrict__ w_up,
+                                          const uint16_t* __restrict__ w_down_t,
+                                          uint16_t* __restrict__ y, int M, int N,
+                                          int max_row_nnz) {
   __shared__ WideShared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const long long row = blockIdx.x;
@@ -256,8 +279,17 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
   const int total = sm.total;
   ZERO_ACC(acc)
   float l1 = 0.f;
-  for (int e = warp; e < total; e += warps)
-    gather_unit(sm.list, e, lane, N, xs, w_up, w_down_t, acc, l1);
+  int e = warp;
+  if (UNITS == 2) {
+    for (; e + warps < total; e += 2 * warps) {
+      UnitRows first, second;
+      load_unit(sm.list, e, lane, N, w_up, w_down_t, first);
+      load_unit(sm.list, e + warps, lane, N, w_up, w_down_t, second);
+      use_unit(first, lane, xs, acc, l1);
+      use_unit(second, lane, xs, acc, l1);
+    }
+  }
+  for (; e < total; e += warps) gather_unit(sm.list, e, lane, N, xs, w_up, w_down_t, acc, l1);
   // Fixed-order reduction: partial = acc_0; partial += acc_1; ...; y = partial + acc_last.
   for (int w = 0; w < warps - 1; ++w) {
     if (warp == w) {
@@ -281,6 +313,27 @@ twell_light_rows_from_pre_wide(const uint16_t* __restrict__ x,         // [M, K]
     store_row(y, row, lane, acc);
   }
 }
+
+#define TWELL_WIDE_ARGS                                                                   \
+  const uint16_t *__restrict__ x, /* [M, K] (gated only) */                               \
+      const uint16_t *__restrict__ pre,      /* [M, N] gate pre-activation */             \
+      uint8_t *__restrict__ heavy,           /* [M] out */                                \
+      const uint16_t *__restrict__ w_up,     /* [N, K] (gated only) */                    \
+      const uint16_t *__restrict__ w_down_t, /* [N, K] */                                 \
+      uint16_t *__restrict__ y,              /* [M, K] out (light rows) */                \
+      int M, int N, int max_row_nnz
+
+extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
+twell_light_rows_from_pre_wide(TWELL_WIDE_ARGS) {
+  wide_rows<1>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz);
+}
+
+#if NCH <= 8  // K <= 2048: two units' rows fit in registers (244 at K = 2048, no spills)
+extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
+twell_light_rows_from_pre_wide2(TWELL_WIDE_ARGS) {
+  wide_rows<2>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(TWELL_ROW_WARPS * 32, MIN_BLOCKS)
 twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (gated only)
