@@ -93,3 +93,14 @@ def test_gate_gemm_shared_memory_matches_its_source() -> None:
     tile = gate_gemm.BLOCK_M * (2 * gate_gemm.BLOCK_N + 16)
     assert gate_gemm.SMEM_BYTES == ring + tile + 2 * gate_gemm.STAGES * 8 + 1024 <= 232448
     assert "static_assert(TWELL_SMEM_BYTES ==" in kc.SOURCES["gate_gemm.cu"].text()
+
+
+def test_wide_warps_fill_one_wave() -> None:
+    """The light rows' warps per token (CPU: the launcher's rule, no compile)."""
+    from twell.kernels import light_rows
+
+    sms = 132
+    assert [light_rows.wide_warps(m, sms, 16) for m in (65, 528, 529, 1056, 1057, 65536)] == [
+        4, 4, 2, 2, 1, 1,
+    ]  # fmt: skip
+    assert [light_rows.wide_warps(m, sms, 8) for m in (264, 265, 528, 529)] == [4, 2, 2, 1]

@@ -701,32 +701,30 @@ def assert_same_training_outputs(want: tuple, got: tuple, slots: int) -> None:
 def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -> None:
     """graphs=True: the first call runs eagerly, the second captures, later ones replay;
     every call returns the eager op's bits in tensors of its own (a replay does not
-    change what an earlier call returned), and new values at the same addresses (an
-    optimizer step, a new batch) are seen."""
+    change what an earlier call returned). The weights are read where they lie (changed
+    in place, as an optimizer does); every other input is a new tensor each step, which
+    the graph copies in."""
     from twell import autograd
 
     p = workloads.make(workload, 333, 256, 1024, seed=3)
-    x, wg, wu, wd = (torch.from_numpy(a.astype(np.float32)).cuda().bfloat16()
-                     for a in p.arrays())  # fmt: skip
-    dy = torch.randn_like(x)
-    dl1 = torch.full((), 0.5, device="cuda")
+    x0, wg, wu, wd = (torch.from_numpy(a.astype(np.float32)).cuda().bfloat16()
+                      for a in p.arrays())  # fmt: skip
     settings = (256, 32, -1, 0.0, "per_token")
     fw, bw = autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS
     before = (fw.captures, fw.replays, bw.captures, bw.replays)
     kept = []
-    saved = None  # the forward's saved tensors, at fixed addresses for the backward's key
     for step in range(4):
         with torch.no_grad():
-            x.mul_(1.0 + 0.125 * step)
             wu.mul_(1.0 - 0.0625 * step)
+        x = x0 * (1.0 + 0.125 * step)  # new tensors every step
+        dy = torch.randn_like(x)
+        dl1 = torch.full((), 0.5 + step, device="cuda")
         want = ffn_train_forward(x, wg, wu, wd, *settings)
-        got = ffn_train_forward(x, wg, wu, wd, *settings, True)
-        if saved is None:
-            saved = [t.clone() for t in got[2:]]
-        for buffer, t in zip(saved, got[2:], strict=True):
-            buffer.copy_(t)
+        got = ffn_train_forward(x.clone(), wg, wu, wd, *settings, True)
+        saved = [t.clone() for t in got[2:]]
         want_g = ffn_train_backward(dy, dl1, x, wg, wu, wd, *want[2:], *settings)
-        got_g = ffn_train_backward(dy, dl1, x, wg, wu, wd, *saved, *settings, True)
+        got_g = ffn_train_backward(dy.clone(), dl1.clone(), x.clone(), wg, wu, wd, *saved,
+                                   *settings, True)  # fmt: skip
         assert_same_training_outputs(want, got, slots=32)
         for a, b in zip(want_g, got_g, strict=True):
             assert torch.equal(a, b)
@@ -736,9 +734,8 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
         assert torch.equal(values[-1], values[0])
     assert not torch.equal(kept[0][0], kept[-1][0])
     after = (fw.captures, fw.replays, bw.captures, bw.replays)
-    captures, replays = after[0] - before[0], after[1] - before[1]
     # (an earlier test's graph serves this one if its weights landed at the same places)
-    assert (captures, replays) in ((1, 3), (0, 4))
+    assert (after[0] - before[0], after[1] - before[1]) in ((1, 3), (0, 4))
     assert (after[2] - before[2], after[3] - before[3]) in ((1, 3), (0, 4))
 
 
@@ -746,7 +743,8 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
 @needs_gpu
 def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
     """A small decoder trained eagerly for a few steps with op_graphs on and off, on the
-    same batches: the same parameters bit for bit."""
+    same batches: the same gradients at every step and the same parameters, bit for
+    bit."""
     from twell import autograd
 
     params = []
@@ -756,16 +754,23 @@ def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
         torch.manual_seed(0)
         model = Decoder(256, 1024, layers=2).cuda()
         sparsify(model, reduction="per_token", op_graphs=op_graphs)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-        static_x = torch.empty(512, 256, device="cuda")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        start = [p.detach().clone() for p in model.parameters()]
+        trace = []
         for x in batches:
-            static_x.copy_(x)
             optimizer.zero_grad(set_to_none=True)
-            _graph_step(model, static_x, x / x.numel(), 1e-3)
+            _graph_step(model, x, x / 512, 1e-3)
+            trace.append([p.grad.clone() for p in model.parameters()])
             optimizer.step()
-        params.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*params, strict=True):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
-    # A steady training loop hands the ops their tensors at the same addresses each step.
+        params.append((trace, [p.detach().clone() for p in model.parameters()]))
+        for a, b in zip(start, params[-1][1], strict=True):
+            assert not torch.equal(a, b), "a parameter did not move"
+    (trace, last), (trace_graphs, last_graphs) = params
+    for grads, grads_graphs in zip(trace, trace_graphs, strict=True):
+        for a, b in zip(grads, grads_graphs, strict=True):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+    for a, b in zip(last, last_graphs, strict=True):
+        assert torch.equal(a, b)
+    # Same shapes and weights every step: the ops replayed their graphs.
     assert autograd._FORWARD_GRAPHS.replays > replays[0]
     assert autograd._BACKWARD_GRAPHS.replays > replays[1]

@@ -19,6 +19,7 @@ the density switch keeps seeing fresh statistics. Graphs are kept for the most r
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -88,8 +89,8 @@ class GraphedBlock:
         return graph, static_x, static_y
 
 
-#: Graphs kept per training op (:class:`OpGraphs`).
-OP_CACHE = 32
+#: Graphs kept per training op (:class:`OpGraphs`): one per layer and batch shape.
+OP_CACHE = 128
 #: Keys remembered as seen once (a key is captured when it comes back).
 OP_SEEN = 256
 
@@ -120,13 +121,16 @@ class OpGraphs:
     that an earlier call returned). Calls made while the caller is capturing a graph of
     its own run eagerly (their launches belong to that graph).
 
-    The graphs of one instance share one memory pool, so their scratch memory is shared
-    and only their input buffers and outputs are kept per graph. Replays are therefore
-    stream-ordered on the caller's current stream: two replays of one instance must not
-    run concurrently on different streams.
+    The graphs of one instance share one memory pool and one capture stream per device,
+    so their scratch memory is shared and only their input buffers and outputs are kept
+    per graph. Replays are therefore stream-ordered on the caller's current stream: two
+    replays of one instance must not run concurrently on different streams. Everything
+    runs with the arguments' device current. A key whose capture failed runs eagerly
+    from then on (the error is raised once, by the call that captured).
 
     Args:
-        capacity: graphs kept (least recently used dropped first).
+        capacity: graphs kept (least recently used dropped first; :meth:`clear` drops
+            them all).
     """
 
     def __init__(self, capacity: int = OP_CACHE) -> None:
@@ -135,11 +139,27 @@ class OpGraphs:
             collections.OrderedDict()
         )
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._failed: set[tuple] = set()
         self._pool: Any = None
+        self._streams: dict[Any, Any] = {}
         self.captures = 0
         self.replays = 0
 
+    def clear(self) -> None:
+        """Drop every graph (and the memory that only they hold)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._failed.clear()
+
     def __call__(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int]) -> tuple:
+        import torch
+
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with torch.cuda.device(device):
+            return self._call(fn, args, pinned, device)
+
+    def _call(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int],
+              device: Any) -> tuple:  # fmt: skip
         import torch
 
         if torch.cuda.is_current_stream_capturing():
@@ -147,13 +167,20 @@ class OpGraphs:
         key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
         found = self._graphs.get(key)
         if found is None:
+            if key in self._failed:
+                return fn(*args)
             if key not in self._seen:
                 self._seen[key] = None
                 while len(self._seen) > OP_SEEN:
                     self._seen.popitem(last=False)
                 return fn(*args)
             del self._seen[key]
-            found = self._graphs[key] = self._capture(fn, args, pinned)
+            try:
+                found = self._capture(fn, args, pinned, device)
+            except BaseException:
+                self._failed.add(key)
+                raise
+            self._graphs[key] = found
             while len(self._graphs) > self.capacity:
                 self._graphs.popitem(last=False)
         else:
@@ -167,22 +194,26 @@ class OpGraphs:
         return tuple(None if t is None else t.clone() for t in outputs)
 
     def _capture(
-        self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int]
+        self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int], device: Any
     ) -> tuple[Any, tuple, tuple]:
-        """Capture on a side stream with ``capture_begin``/``capture_end``, not the
-        ``torch.cuda.graph`` context: that one empties torch's allocator cache first, so
-        every capture would cost the next steps fresh allocations from the driver."""
+        """Capture on this instance's side stream of ``device`` with ``capture_begin``/
+        ``capture_end``, not the ``torch.cuda.graph`` context: that one empties torch's
+        allocator cache first, so every capture would cost the next steps fresh
+        allocations from the driver. (The allocator reuses a freed block only on the
+        stream that allocated it: one stream lets the graphs share their scratch.)"""
         import torch
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
         buffers = tuple(
             a.clone() if isinstance(a, torch.Tensor) and i not in pinned else None
             for i, a in enumerate(args)
         )
         inputs = tuple(a if b is None else b for a, b in zip(args, buffers, strict=True))
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream(current.device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
@@ -191,8 +222,11 @@ class OpGraphs:
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 outputs = fn(*inputs)
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         current.wait_stream(side)
         self.captures += 1
         return graph, buffers, tuple(outputs)

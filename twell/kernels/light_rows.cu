@@ -226,10 +226,11 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
 }
 
 
-// Few tokens: one block of W = blockDim.x / 32 warps per token (2 <= W <= TWELL_WIDE_WARPS;
-// the launcher picks W from M so that the grid fills the GPU). Warp 0 scans the row; the
-// warps share the entry list (entry e goes to warp e % W) and their fp32 partial rows are
-// added in warp order through shared memory: deterministic for a given W.
+// Few tokens: one block of W = blockDim.x / 32 warps per token (1 <= W <= TWELL_WIDE_WARPS;
+// the launcher picks the largest W of 4 and 2 whose grid fits in one wave). Warp 0 scans
+// the row; the warps share the entry list (entry e goes to warp e % W) and their fp32
+// partial rows are added in warp order through shared memory: deterministic for a given
+// W (so a token's bits depend on the W that its batch size picks).
 
 struct WideShared {
   uint32_t list[LIST_CAP];

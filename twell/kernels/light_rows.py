@@ -26,9 +26,18 @@ from twell.options import LIST_CAPACITY
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
 #: token is done, so long tokens do not hold finished warps' registers).
 ROW_WARPS = 1
-#: Most warps sharing one token in the wide kernel (its launch bound; the launcher picks
-#: 4 or 2, see :func:`wide_warps`).
+#: Most warps sharing one token in the wide kernels (their launch bound; the launcher
+#: picks 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
+#: The wide kernels: one unit's rows in flight per warp, or two (more registers: used
+#: while a grid of four warps per token still fits in one wave, K <= WIDE2_KDIM). Measured
+#: on an H100 (bench/dev_wide.py, K = 2048, N = 5632, µs per launch in a graph, four warps
+#: per token, one unit / two units): uniform M = 64 29.4 / 28.0, M = 128 31.0 / 28.7,
+#: M = 256 35.9 / 35.8; paperlike M = 128 47.2 / 41.0, M = 256 51.9 / 43.7; past one wave
+#: (M = 384) 42.8 / 60.4.
+WIDE = "twell_light_rows_from_pre_wide"
+WIDE2 = "twell_light_rows_from_pre_wide2"
+WIDE2_KDIM = 2048
 
 SOURCE = declare(
     Source(
@@ -69,12 +78,11 @@ def wide_warps(m: int, sms: int, warps_per_sm: int) -> int:
 
 
 @functools.cache
-def _wide_warps_per_sm(k: int, tile: int, slots: int, gated: bool) -> int:
-    """Resident warps of the wide kernel on one SM, as its registers allow (ptxas gives
-    it 64 registers at K = 1024, 128 at K = 2048, 242 at K = 4096; allocated per warp in
-    units of 256)."""
-    kernel = SOURCE.kernel("twell_light_rows_from_pre_wide", KDIM=k, TILE=tile, SLOTS=slots,
-                           GATED=int(gated))  # fmt: skip
+def _wide_warps_per_sm(function: str, k: int, tile: int, slots: int, gated: bool) -> int:
+    """Resident warps of a wide kernel on one SM, as its registers allow (ptxas gives the
+    one-unit kernel 64 registers at K = 1024, 128 at K = 2048, 242 at K = 4096, and the
+    two-unit one 244 at K = 2048; allocated per warp in units of 256)."""
+    kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
     per_warp = -(-kernel.num_regs * 32 // 256) * 256
     return min(64, 65536 // per_warp)
 
@@ -103,8 +111,10 @@ def from_pre(
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
     ``heavy[m]`` (1: the row is left to the dense path) for every row. Gated if ``w_up``
     is given. Up to ``light_rows_decode.DECODE_ROWS_BELOW`` tokens (decode), the cluster
-    kernel of light_rows_decode.cu runs; above, a block of :func:`wide_warps` warps per
-    token, or a warp per token."""
+    kernel of light_rows_decode.cu runs; above, a block of four warps per token with two
+    units in flight each (``WIDE2``, while those blocks fit in one wave), a block of
+    :func:`wide_warps` warps per token, or a warp per token. The kernels give a row
+    different bits (their sums differ in order), so a token's output bits depend on M."""
     m = y.shape[0]
     if m == 0:
         return
@@ -115,12 +125,16 @@ def from_pre(
         light_rows_decode.from_pre(x, pre, heavy, w_up, w_down_t, y, tile=tile, slots=slots,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
         return
-    per_sm = _wide_warps_per_sm(y.shape[1], tile, slots, w_up is not None)
-    warps = wide_warps(m, device_info().multiprocessors, per_sm)
-    if warps > 1:
-        function, grid, block = "twell_light_rows_from_pre_wide", m, warps
-    else:
-        function, grid, block = "twell_light_rows_from_pre", math.ceil(m / ROW_WARPS), ROW_WARPS
+    function, grid, block = "twell_light_rows_from_pre", math.ceil(m / ROW_WARPS), ROW_WARPS
+    sms, k, gated = device_info().multiprocessors, y.shape[1], w_up is not None
+    if m <= 32 * sms:  # else no wide grid fits in one wave (at most 64 warps per SM)
+        two = k <= WIDE2_KDIM and m <= _wide_warps_per_sm(WIDE2, k, tile, slots, gated) // 4 * sms
+        if two:  # four warps per token, two units in flight each: one wave
+            function, grid, block = WIDE2, m, 4
+        else:
+            warps = wide_warps(m, sms, _wide_warps_per_sm(WIDE, k, tile, slots, gated))
+            if warps > 1:
+                function, grid, block = WIDE, m, warps
     _launch(function, grid, 32 * block, x, u16(pre), heavy, w_up, w_down_t, y, tile, slots,
             max_row_nnz)  # fmt: skip
 
