@@ -68,14 +68,14 @@ _prepared_cache: collections.OrderedDict[tuple, tuple[list[Any], SparseFFN]] = (
 _PREPARED_CACHE_SIZE = 8
 
 
-def _block_for(weights: dict[str, Any], tile: int, slots: int) -> SparseFFN:
-    """The :class:`SparseFFN` of the functional :func:`ffn`: cached for torch weights,
-    keyed on (pointer, shape, dtype, version counter) of each and checked to be the same
-    tensor objects (so an in-place change, or a new tensor at a recycled address, is
-    seen); built anew for CuPy weights, whose in-place changes leave no trace to key on."""
-    tensors = [weights.get(name) for name in ("w_gate", "w_up", "w_down")]
-    if not any(hasattr(t, "_version") for t in tensors):
-        return SparseFFN(*tensors, tile=tile, slots=slots)
+def _cached_block(tensors: list[Any], tile: int, slots: int) -> tuple[tuple | None, Any]:
+    """``(key, block)``: the functional :func:`ffn`'s cached :class:`SparseFFN` of these
+    torch weights, or None (key None: not all torch tensors, nothing to key on). The key
+    is (pointer, shape, dtype, version counter) of each weight, and a hit must hold the
+    same tensor objects (so an in-place change, or a new tensor at a recycled address,
+    is seen)."""
+    if not all(t is None or hasattr(t, "_version") for t in tensors) or tensors[1] is None:
+        return None, None
     key = (tile, slots, *[None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype,
                                                   t._version) for t in tensors])  # fmt: skip
     found = _prepared_cache.get(key)
@@ -84,7 +84,20 @@ def _block_for(weights: dict[str, Any], tile: int, slots: int) -> SparseFFN:
         for r, t in zip(found[0], tensors, strict=True)
     ):
         _prepared_cache.move_to_end(key)
-        return found[1]
+        return key, found[1]
+    return key, None
+
+
+def _block_for(weights: dict[str, Any], tile: int, slots: int) -> SparseFFN:
+    """The :class:`SparseFFN` of the functional :func:`ffn`: cached for torch weights
+    (:func:`_cached_block`); built anew for CuPy weights, whose in-place changes leave no
+    trace to key on."""
+    tensors = [weights.get(name) for name in ("w_gate", "w_up", "w_down")]
+    key, block = _cached_block(tensors, tile, slots)
+    if key is None:
+        return SparseFFN(*tensors, tile=tile, slots=slots)
+    if block is not None:
+        return block
     block = SparseFFN(*tensors, tile=tile, slots=slots)
     _prepared_cache[key] = ([None if t is None else weakref.ref(t) for t in tensors], block)
     while len(_prepared_cache) > _PREPARED_CACHE_SIZE:
@@ -211,6 +224,11 @@ def ffn(
     Returns:
         ``[..., K]``: float64 NumPy for NumPy input; the caller's GPU type and dtype else.
     """
+    # Weights seen before (torch, unchanged): they were checked when their block was
+    # prepared, and the block checks x against them, so only x is checked (host time).
+    _, block = _cached_block([w_gate, w_up, w_down], tile, slots)
+    if block is not None and hasattr(x, "_version"):
+        return block(x)
     inputs = _validate(
         x=x,
         weights={"w_gate": (w_gate, "NK"), "w_up": (w_up, "NK"), "w_down": (w_down, "KN")},
