@@ -114,15 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--smoke", action="store_true", help="tiny CPU run over gloo (2 layers, hidden 64, FFN 256)"
     )
-    for field in dataclasses.fields(train_small.Config):
-        default = getattr(defaults, field.name)
-        kind = type(default)
-        p.add_argument(
-            f"--{field.name.replace('_', '-')}",
-            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
-            default=None,
-            help=f"default {300 if field.name == 'steps' else default}",
-        )
+    train_small.add_config_flags(p, dataclasses.replace(defaults, steps=300))
     p.add_argument(
         "--baseline-steps",
         type=int,

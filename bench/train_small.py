@@ -524,6 +524,20 @@ def plot(report: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
+def add_config_flags(p: argparse.ArgumentParser, defaults: Config) -> None:
+    """One ``--field`` per :class:`Config` field (``--flag/--no-flag`` for booleans),
+    default None (the config keeps its value); ``defaults`` only fills the help text."""
+    for field in dataclasses.fields(Config):
+        default = getattr(defaults, field.name)
+        kind = type(default)
+        p.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
+            default=None,
+            help=f"default {default}",
+        )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = Config()
     p = argparse.ArgumentParser(
@@ -537,15 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--variants", nargs="+", choices=("dense", "twell"), default=["dense", "twell"])
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    for field in dataclasses.fields(Config):
-        default = getattr(defaults, field.name)
-        kind = type(default)
-        p.add_argument(
-            f"--{field.name.replace('_', '-')}",
-            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
-            default=None,
-            help=f"default {default}",
-        )
+    add_config_flags(p, defaults)
     p.add_argument("--log-every", type=int, default=None, help="default 25 (smoke: 5)")
     p.add_argument(
         "--eval-every", type=int, default=None, help="default 250 (smoke: 10); 0: end only"
