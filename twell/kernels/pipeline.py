@@ -22,6 +22,12 @@ pass has two stages (docs/design.md draws them):
    tensor cores (heavy_rows.cu), the first ``ceil(dense_capacity * M)`` of them
    optionally through fixed-size cuBLAS GEMMs.
 
+Inference calls of the ``"fused"`` path with at most ``decode_units.MAX_ROWS`` tokens
+(decode) take neither stage: decode_units.py computes the whole block in two launches,
+dividing the work among the SMs by hidden unit (each active unit's weight rows read once
+for all tokens), with no heavy rows and no density switch (its bytes never exceed the
+dense block's by more than the small scratch it writes).
+
 Two cases take plain dense math for the whole batch instead (:func:`dense_block`: three
 cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
 
@@ -41,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels import gate_gemm, heavy_rows, light_rows
+from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows
 from twell.kernels.backward import Activations
 from twell.kernels.buffers import alloc, empty_bf16
 from twell.kernels.convert import as_bf16, from_bf16, transpose
@@ -113,6 +119,11 @@ class PreparedBlock:
         """The weight whose relu'd product is the hidden activation's pattern."""
         return self.w_up if self.w_gate is None else self.w_gate
 
+    def _by_unit(self, m: int) -> bool:
+        """Whether an inference call of ``m`` tokens takes decode_units.py's kernels (the
+        ``"fused"`` path at most ``decode_units.MAX_ROWS`` tokens)."""
+        return self.options.path == "fused" and decode_units.fits(m, self.n)
+
     def __call__(self, x: Any) -> Any:
         """The block's output for ``x [M, K]`` (``x``'s dtype)."""
         return self.forward(x)
@@ -133,6 +144,15 @@ class PreparedBlock:
             raise ValueError(f"x: expected K={self.k}, got {k}")
         y = empty_bf16((m, k))
         in_capture = capturing()
+        if not save and self.weights_finite and self._by_unit(m):
+            # Decode: the whole block by unit, every row (no heavy rows, no density switch:
+            # it reads each active unit's rows once, at most the dense block's bytes).
+            scratch = decode_units.forward(
+                xb, self.w_first, self.w_up if self.gated else None, self.w_down_t, y
+            )
+            if in_capture:
+                self._graph_scratch.append([xb, y, *scratch])
+            return from_bf16(y, x.dtype)
         if m and not save and (not self.weights_finite or self.density.go_dense(in_capture)):
             scratch = dense_block(self, xb, y)
             if in_capture:

@@ -1,0 +1,119 @@
+"""The by-unit decode route (decode_units.cu) against the per-token route it replaces at
+M <= 16 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
+with the weights L2-warm (one set) and rotated over sets that exceed L2, plus each of
+its two kernels alone. Checks every variant against float64 dense math first.
+
+    PYTHONPATH=. python bench/dev_units.py [--M 1 8 16] [--out dev_units.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
+
+from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
+from twell.kernels import decode_units, pipeline
+from twell.kernels.buffers import alloc, empty_bf16
+from twell.options import Options
+from twell.reference.forward import ffn_dense
+
+SETS = 4  # 4 x 69 MB of weights: far past the 50 MB of L2
+
+
+def rel_err(y: cp.ndarray, ref: np.ndarray) -> float:
+    got = cp.asnumpy(y.view(cp.uint16)).view(ml_dtypes.bfloat16).astype(np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
+    problems = [make_problem(workload, m, k, n, seed=s) for s in range(SETS)]
+    x = to_device(problems[0].x)
+    blocks = [
+        pipeline.PreparedBlock(
+            to_device(p.w_gate) if gated else None, to_device(p.w_up), to_device(p.w_down),
+            Options(path="fused", density_switch=False),
+        )
+        for p in problems
+    ]  # fmt: skip
+    p0 = problems[0]
+    ref = ffn_dense(p0.x, p0.w_gate if gated else None, p0.w_up, p0.w_down)
+    saved = decode_units.MAX_ROWS
+
+    def units(b):  # noqa: ANN001, ANN202
+        decode_units.MAX_ROWS = saved
+        return b(x)
+
+    def old(b):  # noqa: ANN001, ANN202
+        decode_units.MAX_ROWS = 0
+        try:
+            return b(x)
+        finally:
+            decode_units.MAX_ROWS = saved
+
+    def dense(b):  # noqa: ANN001, ANN202
+        y = empty_bf16((m, k))
+        return [y, *pipeline.dense_block(b, x, y)]
+
+    out = []
+    for name, fn in (("units", units), ("per_token", old), ("dense", dense)):
+        y = fn(blocks[0])
+        y = y[0] if isinstance(y, list) else y
+        err = rel_err(y, ref)
+        again = fn(blocks[0])
+        again = again[0] if isinstance(again, list) else again
+        same = bool(cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)))
+        warm = graph_ms_cupy(lambda fn=fn: fn(blocks[0]), reps=50) * 1e3
+        rotated = graph_ms_cupy(lambda fn=fn: [fn(b) for b in blocks], reps=30) * 1e3 / SETS
+        out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
+                    "variant": name, "warm_us": warm, "rotated_us": rotated,
+                    "rel_err": err, "deterministic": same})  # fmt: skip
+    # the two kernels alone (L2-warm)
+    b = blocks[0]
+    h = alloc((m, n), np.float32)
+    masks = alloc((m, n // decode_units.UNITS), np.uint16)
+    nt = 1 if m <= 8 else 2
+    gate = decode_units.SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt)
+    down = decode_units.SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt)
+    y = empty_bf16((m, k))
+    u16 = lambda a: a.view(cp.uint16)  # noqa: E731
+    gate_args = (u16(x), u16(b.w_first), u16(b.w_up) if gated else np.uint64(0), h, masks,
+                 np.int32(m), np.int32(n))  # fmt: skip
+    shared = 8 * nt * decode_units.LIST * 2 + m * (n // 16) * 2
+    down_args = (masks, h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
+    g_us = graph_ms_cupy(lambda: gate((n // 16,), (256,), gate_args), reps=50) * 1e3
+    d_us = (
+        graph_ms_cupy(lambda: down((-(-k // 32),), (128,), down_args, shared_mem=shared), reps=50)
+        * 1e3
+    )
+    out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
+                "variant": "kernels", "gate_up_us": g_us, "down_us": d_us})  # fmt: skip
+    for r in out:
+        print(json.dumps(r), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--M", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    records = []
+    for workload, gated in (("uniform", True), ("uniform", False), ("paperlike", True),
+                            ("density=0.1", True), ("density=0.5", True)):  # fmt: skip
+        ms = args.M if workload in ("uniform", "paperlike") else [1, 16]
+        for m in ms:
+            records += run(workload, m, 2048, 5632, gated)
+    for m in (1, 16):
+        records += run("uniform", m, 4096, 14336, True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": gpu_name(), "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

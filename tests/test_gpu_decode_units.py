@@ -1,0 +1,212 @@
+"""The by-unit decode kernels (decode_units.cu) against float64 dense math (skipped
+without a GPU).
+
+Every buffer comes from ``twell.kernels.buffers.alloc``, poisoned with 0xFF bytes (NaN in
+bf16 and in float32), so a mask word, an ``h`` entry or a row of ``y`` the kernels forgot
+to write (or read without writing) fails the comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from twell import reference, workloads
+from twell.kernels.compile import unavailable_reason
+
+pytestmark = pytest.mark.gpu
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from twell.benchmark import to_device as to_gpu  # noqa: E402
+from twell.kernels import buffers, decode_units  # noqa: E402
+from twell.kernels.convert import transpose  # noqa: E402
+from twell.kernels.pipeline import PreparedBlock  # noqa: E402
+from twell.options import Options  # noqa: E402
+from twell.testing.gpu import poisoned_buffers  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs() -> Iterator[None]:
+    with poisoned_buffers():
+        yield
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
+              w_down: np.ndarray) -> np.ndarray:  # fmt: skip
+    """decode_units.forward on bf16 inputs; float64 result."""
+    xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
+    wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
+    y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
+    decode_units.forward(xg, wu if wg is None else wg, None if wg is None else wu,
+                         transpose(wd), y)  # fmt: skip
+    first = y.view(cp.uint16).copy()
+    decode_units.forward(xg, wu if wg is None else wg, None if wg is None else wu,
+                         transpose(wd), y)  # fmt: skip
+    assert cp.array_equal(first, y.view(cp.uint16)), "not deterministic"
+    return y.view(cp.uint16).get().view(BF16).astype(np.float64)
+
+
+def check_against_dense(got: np.ndarray, x: np.ndarray, w_gate: np.ndarray | None,
+                        w_up: np.ndarray, w_down: np.ndarray) -> None:  # fmt: skip
+    bf = [None if a is None else a.astype(BF16) for a in (x, w_gate, w_up, w_down)]
+    ref = reference.forward.ffn_dense(*bf)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
+    rows = np.isfinite(ref).all(axis=1)
+    assert rel_err(got[rows], ref[rows]) <= TOL
+
+
+@pytest.mark.parametrize("k", [8, 264, 2048])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+def test_units_match_dense_float64(m: int, gated: bool, k: int) -> None:
+    """Workloads with heavy rows (many active units: no capacity here) and, from m = 2,
+    a NaN and an Inf in x (rows dense math fills with NaN/Inf)."""
+    n = 1024
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + k)
+    x = p.x.astype(np.float32)
+    if m >= 2:
+        x[m - 1, k // 2] = np.nan
+        x[0, 1] = np.inf
+    w_gate = p.w_gate if gated else None
+    got = run_units(x, w_gate, p.w_up, p.w_down)
+    check_against_dense(got, x, w_gate, p.w_up, p.w_down)
+
+
+def test_a_token_with_more_units_than_a_list_pass() -> None:
+    """A token keeping every unit (N > 2 * LIST: the down kernel takes three passes) next
+    to tokens keeping about half of them."""
+    m, n, k = 5, 2 * decode_units.LIST + 48, 264
+    rng = np.random.default_rng(3)
+    w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_gate[:, 0] = 1.0
+    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_down = rng.standard_normal((k, n)) / np.sqrt(n)
+    x = rng.standard_normal((m, k))
+    x[:, 0] = 0.0
+    x[2, 0] = 50.0  # token 2: every gate positive
+    got = run_units(x, w_gate, w_up, w_down)
+    check_against_dense(got, x, w_gate, w_up, w_down)
+
+
+def test_overflowing_gate_gives_dense_maths_infinities() -> None:
+    """A finite x whose gate overflows float32 for two units of one token (+Inf and -Inf
+    pre-activations): the +Inf unit enters the sum, so that row is all ±Inf, as in dense
+    math with a float32 accumulator; the other rows are untouched by those units."""
+    m, n, k = 3, 256, 64
+    rng = np.random.default_rng(5)
+    w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_gate[7], w_gate[9] = 0.0, 0.0
+    w_gate[7, 0], w_gate[9, 0] = 3e38 / 4, -3e38 / 4
+    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_down = rng.standard_normal((k, n)) / np.sqrt(n)
+    x = rng.standard_normal((m, k))
+    x[:, 0] = 0.0
+    x[1, 0] = 8.0
+    got = run_units(x, w_gate, w_up, w_down)
+    assert np.isinf(got[1]).all()
+    rows = [0, 2]
+    check_against_dense(got[rows], x[rows], w_gate, w_up, w_down)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
+    m, n, k = 8, 2048, 1024
+    p = workloads.uniform(m, k, n, p=0.01, seed=2)
+    block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate if gated else None, p.w_up, p.w_down)),
+                          Options(path="fused"))  # fmt: skip
+    x = to_gpu(p.x)
+    eager = block(x).view(cp.uint16).copy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        block(x)  # the pool holds this call's buffers for the capture to reuse
+        stream.synchronize()
+        stream.begin_capture()
+        y = block(x)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        first = y.view(cp.uint16).copy()
+        y.view(cp.uint16).fill(0xFFFF)
+        graph.launch(stream)
+        stream.synchronize()
+    assert cp.array_equal(first, eager) and cp.array_equal(y.view(cp.uint16), eager)
+
+
+def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.MonkeyPatch):
+    p = workloads.uniform(40, 264, 1024, p=0.02, seed=4)
+    calls: list[int] = []
+    real = decode_units.forward
+
+    def spy(x, *args):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(decode_units, "forward", spy)
+    for path in ("fused", "epilogue"):
+        block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)),
+                              Options(path=path, density_switch=False))  # fmt: skip
+        for m in (1, decode_units.MAX_ROWS, decode_units.MAX_ROWS + 1):
+            xs = p.x[:m]
+            got = block(to_gpu(xs)).view(cp.uint16).get().view(BF16).astype(np.float64)
+            ref = reference.forward.ffn_dense(xs, p.w_gate, p.w_up, p.w_down)
+            assert rel_err(got, ref) <= TOL
+    assert calls == [1, decode_units.MAX_ROWS]
+
+
+def test_limits() -> None:
+    assert decode_units.fits(1, 16) and decode_units.fits(16, 16384)
+    assert not decode_units.fits(0, 1024) and not decode_units.fits(17, 1024)
+    assert not decode_units.fits(16, 24) and not decode_units.fits(16, 65536)
+    with pytest.raises(ValueError, match="decode_units"):
+        x = cp.zeros((17, 64), cp.uint16)
+        w = cp.zeros((64, 64), cp.uint16)
+        decode_units.forward(x, w, None, w, x)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    m=st.integers(1, decode_units.MAX_ROWS),
+    blocks=st.integers(1, 24),
+    k=st.sampled_from([8, 16, 136, 264]),
+    gated=st.booleans(),
+    density=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
+    nonfinite=st.sampled_from(["none", "nan", "inf", "-inf"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: float,
+                          nonfinite: str, seed: int) -> None:  # fmt: skip
+    """Drawn shapes (N any multiple of 16), densities from none to all units, and a
+    non-finite x element."""
+    n = 16 * blocks
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k))
+    w_first = rng.standard_normal((n, k)) / np.sqrt(k)
+    # a bias direction sets the density: units fire where w_first[:, 0] > threshold
+    w_first[:, 0] = np.where(rng.random(n) < density, 4.0, -4.0)
+    x[:, 0] = np.abs(x[:, 0]) + 1.0
+    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_down = rng.standard_normal((k, n)) / np.sqrt(max(1.0, n * max(density, 0.01)))
+    if nonfinite != "none":
+        x[rng.integers(m), rng.integers(k)] = float(nonfinite)
+    w_gate, w_up_ = (w_first, w_up) if gated else (None, w_first)
+    got = run_units(x, w_gate, w_up_, w_down)
+    check_against_dense(got, x, w_gate, w_up_, w_down)

@@ -1,0 +1,285 @@
+// decode_units.cu — the whole FFN block for a few tokens (decode, M <= 8 * TWELL_NT),
+// with the work divided among the GPU's SMs by hidden unit rather than by token:
+// every weight row of an active unit is read once for all the tokens that use it.
+//
+//   gated:     y[t] = sum over n with g[t,n] kept of  r(g[t,n]) * (x[t]·w_up[n]) * w_down_t[n]
+//   non-gated: y[t] = sum over n with g[t,n] kept of  r(g[t,n]) * w_down_t[n]
+//   g[t,n] = bf16(x[t]·w_first[n])    (w_first: w_gate, or w_up when non-gated)
+//   r(v) = v for v > 0 and for NaN, 0 otherwise (relu as dense math has it)
+//
+// "Kept" is relu's rule on the bf16 bits (twell_relu_keeps) or a non-finite value: a unit
+// whose g is NaN or ±Inf always enters the sum, so a row with a non-finite pre-activation
+// gets the NaN/Inf pattern dense math gives it (relu(-Inf) * u = 0 for a finite u). There
+// are no heavy rows here: a unit list has no capacity, so a token with many active units
+// costs more weight rows, never a different path, and every row of y is written.
+//
+// Two launches (no host synchronisation, no atomics, no global scratch beyond the two
+// outputs of the first):
+//
+// twell_units_gate_up — one CTA per 16 units (grid N / 16, 8 warps):
+//  1. the gate of its 16 units for all M tokens on tensor cores (mma.sync m16n8k16, the
+//     units as rows, the tokens as columns): warp w takes the 32-wide k-chunks w, w+8, ...
+//     of K, each lane loading 16 contiguous bytes of two weight rows and of x (the same
+//     permutation of k for both operands, so the dot products are exact reorderings of
+//     the plain ones); the 8 warps' fragments are summed in warp order in shared memory
+//     and rounded to bf16;
+//  2. gated: for every active unit (warps take them in turn), the lanes read w_up[n]
+//     (16 bytes per lane per 256 columns; from L1 for the unit's second token on) and
+//     take the dot product with each token that keeps the unit (fp32, the lane's chunks
+//     in order, then an xor butterfly):
+//     h[t, n] = r(g) * (x[t]·w_up[n]); non-gated: h[t, n] = r(g);
+//  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
+//     written only where the bit is set.
+//
+// twell_units_down — one CTA per 32 columns of y (grid ceil(K / 32), 4 warps): the masks
+// of all tokens into shared memory; each token's kept units listed in ascending order
+// (passes of LIST units when a token keeps more); item (token t, 8 columns) is summed by
+// J lanes (J = the largest power of two with 4 * M * J <= 128), lane j taking list
+// entries j, j + J, ... in order (h[t, n] * w_down_t[n, cols], fp32), then an xor
+// butterfly over the J lanes; every row of y is written.
+//
+// Determinism: every value is summed in an order fixed by M, K, N and the data (never by
+// timing or by the grid): identical bits run to run and on any device.
+//
+// Floor (uniform p = 0.005, K = 2048, N = 5632, gated): the gate reads w_first once
+// (23 MB: 6.9 µs at 3.35 TB/s); an active unit adds 8 KB (M = 8: ~220 units, 1.8 MB).
+//
+// Layouts (row-major, bf16 as uint16 bits): x [M, K]; w_first, w_up, w_down_t [N, K];
+// y [M, K]; h float [M, N]; masks uint16 [M, N / 16]; 16-byte aligned rows.
+// Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 16 == 0, N <= 65536;
+// 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds
+// M * (N / 16) * 2 bytes of masks after TWELL_TOKENS * TWELL_LIST * 2 bytes of lists.
+//
+// Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles of the
+// gate, 1 or 2); constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
+// TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (128), TWELL_DOWN_COLUMNS (32),
+// TWELL_LIST.
+
+namespace units {
+
+constexpr int K = TWELL_KDIM;
+constexpr bool GATED = TWELL_GATED != 0;
+constexpr int NT = TWELL_NT;
+constexpr int TOKENS = 8 * NT;                    // most tokens of a launch
+constexpr int U = TWELL_UNITS;                    // units per CTA of the gate kernel
+constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps (split K)
+constexpr int CHUNKS = (K + 31) / 32;             // 32-wide k-chunks of a row
+constexpr int BATCH = NT == 1 ? 4 : 2;            // chunks a warp loads before its mmas
+constexpr int UPV = (K + 255) / 256;              // 16-byte pieces per lane of a row
+constexpr int DTHREADS = TWELL_DOWN_THREADS;
+constexpr int DCOLS = TWELL_DOWN_COLUMNS;         // columns of y per down CTA
+constexpr int DCHUNKS = DCOLS / 8;                // 8-column items per token
+constexpr int LIST = TWELL_LIST;                  // list entries per token per pass
+
+static_assert(U == 16, "the gate kernel's CTA is one m16 tile of units");
+static_assert(NT == 1 || NT == 2, "TWELL_NT: 1 or 2 column tiles of 8 tokens");
+static_assert(U * TOKENS <= TWELL_GATE_THREADS, "one thread per (unit, token)");
+static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
+static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0, "down kernel geometry");
+static_assert(DCHUNKS * TOKENS <= DTHREADS, "one lane at least per down item");
+
+__device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// relu as dense math has it: NaN passes, -Inf and negatives give +0.
+__device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) ? v : 0.f; }
+
+}  // namespace units
+
+// ---------------------------------------------------------------------- gate and up
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, 3)
+twell_units_gate_up(const uint16_t* __restrict__ x,        // [M, K]
+                    const uint16_t* __restrict__ w_first,  // [N, K]
+                    const uint16_t* __restrict__ w_up,     // [N, K] (gated only)
+                    float* __restrict__ h,                 // [M, N] out (kept pairs)
+                    uint16_t* __restrict__ masks,          // [M, N / 16] out
+                    int M, int N) {
+  using namespace units;
+  __shared__ float s_red[WARPS][NT][32][4];
+  __shared__ float s_g[U][TOKENS];
+  __shared__ uint32_t s_tok[U];  // bit t: unit kept for token t
+  (void)w_up;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int n0 = blockIdx.x * U;
+  const uint16_t* ra = w_first + (long long)(n0 + grp) * K;  // rows grp and grp + 8
+  const uint16_t* rb = ra + 8LL * K;
+  const uint16_t* xr[NT];
+  bool xv[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int t = nt * 8 + grp;
+    xv[nt] = t < M;
+    xr[nt] = x + (long long)(xv[nt] ? t : 0) * K;
+  }
+
+  // ---- 1. gate: 16 units x TOKENS tokens, warp w over chunks w, w + WARPS, ...
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int c0 = warp; c0 < CHUNKS; c0 += WARPS * BATCH) {
+    uint4 a[BATCH], b[BATCH], xx[BATCH][NT];
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+      const int k0 = (c0 + i * WARPS) * 32 + tig * 8;
+      const bool ok = k0 < K;  // K % 8 == 0: a lane's 8 columns are all in or all out
+      a[i] = ok ? ldg16(ra + k0) : zero;
+      b[i] = ok ? ldg16(rb + k0) : zero;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xx[i][nt] = ok && xv[nt] ? ldg16(xr[nt] + k0) : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < BATCH; ++i) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        // logical k 2tig, 2tig+1, 2tig+8, 2tig+9 <-> columns k0 .. k0+3, then k0+4 .. k0+7
+        twell_mma_bf16(acc[nt], a[i].x, b[i].x, a[i].y, b[i].y, xx[i][nt].x, xx[i][nt].y);
+        twell_mma_bf16(acc[nt], a[i].z, b[i].z, a[i].w, b[i].w, xx[i][nt].z, xx[i][nt].w);
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s_red[warp][nt][lane][j] = acc[nt][j];
+  __syncthreads();
+
+  // one thread per (unit u, token t): the warps' sums in warp order, rounded to bf16
+  if (warp < U * TOKENS / 32) {  // warp-uniform (the ballot below needs whole warps)
+    const int u = tid / TOKENS, t = tid % TOKENS;
+    const int nt = t >> 3, tt = t & 7;
+    const int src = (u & 7) * 4 + (tt >> 1), j = (u >> 3) * 2 + (tt & 1);
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += s_red[w][nt][src][j];
+    const uint32_t bits = twell_pack_bf16x2(s, 0.f) & 0xffffu;
+    const float g = twell_bf16_to_float((uint16_t)bits);
+    const bool kept = t < M && (twell_relu_keeps(bits) || twell_non_finite(bits));
+    s_g[u][t] = g;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, kept);
+    if (t == 0) s_tok[u] = (ballot >> (lane - lane % TOKENS)) & ((1u << (TOKENS - 1) << 1) - 1u);
+    if (!GATED && kept) h[(long long)t * N + n0 + u] = relu_nan(g);
+  }
+  __syncthreads();
+
+  // ---- 3. masks: bit u of masks[t, block] for every token
+  if (tid < M) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) m |= ((s_tok[u] >> tid) & 1u) << u;
+    masks[(long long)tid * (N / U) + blockIdx.x] = (uint16_t)m;
+  }
+
+  // ---- 2. gated: up dot products of the kept pairs, warps taking active units in turn
+  if (GATED) {
+    int rank = 0;
+    for (int u = 0; u < U; ++u) {
+      const uint32_t tokens = s_tok[u];
+      if (!tokens) continue;
+      if (rank++ % WARPS != warp) continue;
+      const uint16_t* wr = w_up + (long long)(n0 + u) * K;
+      for (uint32_t rest = tokens; rest; rest &= rest - 1) {  // w_up[n] from L1 after the first
+        const int t = __ffs(rest) - 1;
+        const uint16_t* xt = x + (long long)t * K;
+        float s = 0.f;
+#pragma unroll 4
+        for (int i = 0; i < UPV; ++i) {
+          const int k = (i * 32 + lane) * 8;
+          if (k < K) s = twell_dot8(ldg16(xt + k), ldg16(wr + k), s);
+        }
+#pragma unroll
+        for (int d = 16; d >= 1; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+        if (lane == 0) h[(long long)t * N + n0 + u] = relu_nan(s_g[u][t]) * s;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------- down
+extern "C" __global__ void __launch_bounds__(TWELL_DOWN_THREADS)
+twell_units_down(const uint16_t* __restrict__ masks,     // [M, N / 16]
+                 const float* __restrict__ h,            // [M, N] (kept pairs)
+                 const uint16_t* __restrict__ w_down_t,  // [N, K]
+                 uint16_t* __restrict__ y,               // [M, K] out (every row)
+                 int M, int N) {
+  using namespace units;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* s_list = reinterpret_cast<uint16_t*>(smem);               // [TOKENS][LIST]
+  uint16_t* s_mask = reinterpret_cast<uint16_t*>(smem + TOKENS * LIST * 2);  // [M][B]
+  __shared__ int s_cnt[TOKENS];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int blocks = N / U;  // mask words per token
+  for (int i = tid; i < M * blocks; i += DTHREADS) s_mask[i] = masks[i];
+  __syncthreads();
+  for (int t = warp; t < M; t += DTHREADS / 32) {
+    int c = 0;
+    for (int b = lane; b < blocks; b += 32) c += __popc(s_mask[t * blocks + b]);
+    c = __reduce_add_sync(0xffffffffu, (unsigned)c);
+    if (lane == 0) s_cnt[t] = c;
+  }
+  __syncthreads();
+  int most = 0;
+  for (int t = 0; t < M; ++t) most = max(most, s_cnt[t]);
+
+  int J = 32;  // lanes per item: largest power of two with DCHUNKS * M * J <= DTHREADS
+  while (J > 1 && DCHUNKS * M * J > DTHREADS) J >>= 1;
+  const int item = tid / J, jl = tid % J;
+  const int t = item / DCHUNKS;
+  const int col = blockIdx.x * DCOLS + (item % DCHUNKS) * 8;
+  const bool valid = t < M && col < K;
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = 0.f;
+
+  for (int p0 = 0; p0 < most; p0 += LIST) {
+    // token tt's kept units with list positions [p0, p0 + LIST), ascending
+    for (int tt = warp; tt < M; tt += DTHREADS / 32) {
+      int run = 0;
+      for (int b0 = 0; b0 < blocks && run < p0 + LIST; b0 += 32) {
+        const int b = b0 + lane;
+        const uint32_t m = b < blocks ? s_mask[tt * blocks + b] : 0u;
+        const int mine = __popc(m);
+        int incl = mine;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int o = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += o;
+        }
+        int pos = run + incl - mine;
+        for (uint32_t r = m; r; r &= r - 1, ++pos)
+          if (pos >= p0 && pos < p0 + LIST) s_list[tt * LIST + pos - p0] = (uint16_t)(b * U + __ffs(r) - 1);
+        run += __shfl_sync(0xffffffffu, incl, 31);
+      }
+    }
+    __syncthreads();
+    if (valid) {
+      const int count = min(s_cnt[t] - p0, LIST);
+      const uint16_t* list = s_list + t * LIST;
+      const float* ht = h + (long long)t * N;
+#pragma unroll 4
+      for (int p = jl; p < count; p += J) {
+        const int n = list[p];
+        twell_axpy8(ht[n], ldg16(w_down_t + (long long)n * K + col), v);
+      }
+    }
+    __syncthreads();  // the lists are rebuilt by the next pass
+  }
+  for (int d = 1; d < J; d <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], d);
+  }
+  if (valid && jl == 0) {
+    uint4 o;
+    o.x = twell_pack_bf16x2(v[0], v[1]);
+    o.y = twell_pack_bf16x2(v[2], v[3]);
+    o.z = twell_pack_bf16x2(v[4], v[5]);
+    o.w = twell_pack_bf16x2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
+  }
+}

@@ -1,0 +1,87 @@
+"""Launcher of ``decode_units.cu``: the whole FFN block for at most :data:`MAX_ROWS`
+tokens, with the work divided among the SMs by hidden unit (each active unit's weight
+rows read once for all the tokens that use it) instead of by token.
+
+:func:`forward` writes every row of ``y`` in two launches on CuPy's current stream: the
+gate of 16 units per CTA on tensor cores with the up dot products of the kept pairs, then
+the down projection by column slices. No heavy rows (a unit list has no capacity: rows
+with many active units, or a non-finite pre-activation, are summed over all their kept
+units), no allocation but the two scratch outputs, no host synchronisation: it can be
+captured in a CUDA graph. ``PreparedBlock.forward`` takes it for inference calls of the
+``"fused"`` path when :func:`fits` says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from twell.kernels.buffers import alloc, u16
+from twell.kernels.compile import Source, declare
+
+#: Most tokens of a call (two 8-token column tiles of the gate's tensor-core tiles). Up
+#: to here ``PreparedBlock.forward`` takes this route; above, the per-token kernels.
+MAX_ROWS = 16
+#: Units per CTA of the gate kernel (one m16 tile), its threads, the down kernel's
+#: threads and columns of y per CTA, and its list entries per token and pass.
+UNITS = 16
+GATE_THREADS = 256
+DOWN_THREADS = 128
+DOWN_COLUMNS = 32
+LIST = 1024
+#: The down kernel copies every token's masks (M * N / 16 uint16) into shared memory;
+#: calls whose masks exceed this take the per-token kernels.
+MASK_BYTES = 64 * 1024
+
+SOURCE = declare(
+    Source(
+        "decode_units.cu",
+        parameters=("KDIM", "GATED", "NT"),
+        constants={
+            "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
+            "DOWN_COLUMNS": DOWN_COLUMNS, "LIST": LIST,
+        },
+        examples=tuple(
+            {"KDIM": k, "GATED": g, "NT": nt}
+            for k in (8, 264, 2048, 4096) for g in (0, 1) for nt in (1, 2)
+        ),
+    )
+)  # fmt: skip
+
+_NULL = np.uint64(0)
+
+
+def fits(m: int, n: int) -> bool:
+    """Whether a call of ``m`` tokens on ``n`` units can take this route."""
+    return 1 <= m <= MAX_ROWS and n % UNITS == 0 and m * (n // UNITS) * 2 <= MASK_BYTES
+
+
+def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> list[Any]:
+    """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
+    given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
+    Returns the scratch buffers it used (keep them alive while a captured graph runs)."""
+    m, k = x.shape
+    n = w_first.shape[0]
+    if not fits(m, n):
+        raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
+    gated = w_up is not None
+    nt = 1 if m <= 8 else 2
+    h = alloc((m, n), np.float32)
+    masks = alloc((m, n // UNITS), np.uint16)
+    gate = SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt)
+    gate(
+        (n // UNITS,), (GATE_THREADS,),
+        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, h, masks, np.int32(m),
+         np.int32(n)),
+    )  # fmt: skip
+    down = SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt)
+    shared = 8 * nt * LIST * 2 + m * (n // UNITS) * 2
+    if down.max_dynamic_shared_size_bytes < shared:
+        down.max_dynamic_shared_size_bytes = shared
+    down(
+        (-(-k // DOWN_COLUMNS),), (DOWN_THREADS,),
+        (masks, h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
+        shared_mem=shared,
+    )  # fmt: skip
+    return [h, masks]
