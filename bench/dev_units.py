@@ -83,11 +83,14 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     u16 = lambda a: a.view(cp.uint16)  # noqa: E731
     gate_args = (u16(x), u16(b.w_first), u16(b.w_up) if gated else np.uint64(0), h, masks,
                  np.int32(m), np.int32(n))  # fmt: skip
-    shared = 8 * nt * decode_units.LIST * 2 + m * (n // 16) * 2
-    down_args = (masks, h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
+    shared = decode_units.down_shared_bytes(m, n)
+    down_args = (masks.view(cp.uint32), h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
     g_us = graph_ms_cupy(lambda: gate((n // 16,), (256,), gate_args), reps=50) * 1e3
+    cols, threads = decode_units.DOWN_COLUMNS, decode_units.DOWN_THREADS
     d_us = (
-        graph_ms_cupy(lambda: down((-(-k // 32),), (128,), down_args, shared_mem=shared), reps=50)
+        graph_ms_cupy(
+            lambda: down((-(-k // cols),), (threads,), down_args, shared_mem=shared), reps=50
+        )
         * 1e3
     )
     out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,

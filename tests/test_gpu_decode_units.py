@@ -27,6 +27,7 @@ import cupy as cp  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from twell.benchmark import make_problem  # noqa: E402
 from twell.benchmark import to_device as to_gpu  # noqa: E402
 from twell.kernels import buffers, decode_units  # noqa: E402
 from twell.kernels.convert import transpose  # noqa: E402
@@ -93,7 +94,7 @@ def test_units_match_dense_float64(m: int, gated: bool, k: int) -> None:
 def test_a_token_with_more_units_than_a_list_pass() -> None:
     """A token keeping every unit (N > 2 * LIST: the down kernel takes three passes) next
     to tokens keeping about half of them."""
-    m, n, k = 5, 2 * decode_units.LIST + 48, 264
+    m, n, k = 5, 2 * decode_units.LIST + 64, 264
     rng = np.random.default_rng(3)
     w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
     w_gate[:, 0] = 1.0
@@ -171,10 +172,26 @@ def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.Monk
     assert calls == [1, decode_units.MAX_ROWS]
 
 
+def test_dense_inputs_send_decode_calls_to_dense_math() -> None:
+    """The density switch reads the route's masks: at half the units active it turns the
+    block to dense math after a few calls (the estimate lands without a host wait)."""
+    p = make_problem("density=0.5", 4, 264, 1024, seed=1)
+    block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)), Options())
+    ref = reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    x = to_gpu(p.x)
+    for _ in range(3 * block.density.EVERY):
+        got = block(x).view(cp.uint16).get().view(BF16).astype(np.float64)
+        assert rel_err(got, ref) <= TOL
+        cp.cuda.get_current_stream().synchronize()
+    assert block.density.estimate is not None and block.density.estimate > 200
+    assert block.density.dense
+
+
 def test_limits() -> None:
     assert decode_units.fits(1, 16) and decode_units.fits(16, 16384)
     assert not decode_units.fits(0, 1024) and not decode_units.fits(17, 1024)
     assert not decode_units.fits(16, 24) and not decode_units.fits(16, 65536)
+    assert not decode_units.fits(1, 48)  # the down kernel reads 32-unit mask words
     with pytest.raises(ValueError, match="decode_units"):
         x = cp.zeros((17, 64), cp.uint16)
         w = cp.zeros((64, 64), cp.uint16)
@@ -194,9 +211,9 @@ def test_limits() -> None:
 )
 def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: float,
                           nonfinite: str, seed: int) -> None:  # fmt: skip
-    """Drawn shapes (N any multiple of 16), densities from none to all units, and a
+    """Drawn shapes (N any multiple of 32), densities from none to all units, and a
     non-finite x element."""
-    n = 16 * blocks
+    n = 32 * blocks
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k))
     w_first = rng.standard_normal((n, k)) / np.sqrt(k)

@@ -31,12 +31,15 @@
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
-// twell_units_down — one CTA per 32 columns of y (grid ceil(K / 32), 4 warps): the masks
-// of all tokens into shared memory; each token's kept units listed in ascending order
-// (passes of LIST units when a token keeps more); item (token t, 8 columns) is summed by
-// J lanes (J = the largest power of two with 4 * M * J <= 128), lane j taking list
-// entries j, j + J, ... in order (h[t, n] * w_down_t[n, cols], fp32), then an xor
-// butterfly over the J lanes; every row of y is written.
+// twell_units_down — one CTA per 16 columns of y (grid ceil(K / 16), 8 warps): the masks
+// of all tokens into shared memory (as uint32: 32 units per word); each token's kept
+// units listed in ascending order (passes of LIST units when a token keeps more). The
+// work of a pass is cut into work units of (token, CHP = 8 * JW consecutive list
+// entries, 8 columns), so a token with many units spreads over many lanes: JW lanes take
+// a work unit, lane j summing entries j, j + JW, ... of it (at most 8, every load in
+// flight at once; h[t, n] * w_down_t[n, cols], fp32), then an xor butterfly over the JW
+// lanes into shared memory; one thread per (token, 8 columns) adds the work units in
+// order into its accumulator. Every row of y is written.
 //
 // Determinism: every value is summed in an order fixed by M, K, N and the data (never by
 // timing or by the grid): identical bits run to run and on any device.
@@ -46,14 +49,15 @@
 //
 // Layouts (row-major, bf16 as uint16 bits): x [M, K]; w_first, w_up, w_down_t [N, K];
 // y [M, K]; h float [M, N]; masks uint16 [M, N / 16]; 16-byte aligned rows.
-// Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 16 == 0, N <= 65536;
-// 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds
-// M * (N / 16) * 2 bytes of masks after TWELL_TOKENS * TWELL_LIST * 2 bytes of lists.
+// Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536;
+// 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds its partials,
+// accumulators and lists, then M * (N / 32) * 4 bytes of masks
+// (decode_units.down_shared_bytes).
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles of the
 // gate, 1 or 2); constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
-// TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (128), TWELL_DOWN_COLUMNS (32),
-// TWELL_LIST.
+// TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_COLUMNS (16),
+// TWELL_DOWN_LANES (4), TWELL_LIST (512).
 
 namespace units {
 
@@ -68,15 +72,19 @@ constexpr int BATCH = NT == 1 ? 4 : 2;            // chunks a warp loads before 
 constexpr int UPV = (K + 255) / 256;              // 16-byte pieces per lane of a row
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DOWN_COLUMNS;         // columns of y per down CTA
-constexpr int DCHUNKS = DCOLS / 8;                // 8-column items per token
+constexpr int DCHUNKS = DCOLS / 8;                // 8-column pieces of a slice
 constexpr int LIST = TWELL_LIST;                  // list entries per token per pass
+constexpr int JW = TWELL_DOWN_LANES;              // lanes of a down work unit
+constexpr int PB = 8;                             // pairs per lane of a work unit
+constexpr int CHP = JW * PB;                      // pairs per work unit
+constexpr int WU_MAX = TOKENS * (LIST / CHP) * DCHUNKS;  // work units of a pass, at most
 
 static_assert(U == 16, "the gate kernel's CTA is one m16 tile of units");
 static_assert(NT == 1 || NT == 2, "TWELL_NT: 1 or 2 column tiles of 8 tokens");
 static_assert(U * TOKENS <= TWELL_GATE_THREADS, "one thread per (unit, token)");
 static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
-static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0, "down kernel geometry");
-static_assert(DCHUNKS * TOKENS <= DTHREADS, "one lane at least per down item");
+static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0 && 32 % JW == 0, "down kernel geometry");
+static_assert(DCHUNKS * TOKENS <= DTHREADS && LIST % CHP == 0, "down kernel geometry");
 
 __device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -201,49 +209,56 @@ twell_units_gate_up(const uint16_t* __restrict__ x,        // [M, K]
 }
 
 // ---------------------------------------------------------------------- down
-extern "C" __global__ void __launch_bounds__(TWELL_DOWN_THREADS)
-twell_units_down(const uint16_t* __restrict__ masks,     // [M, N / 16]
+extern "C" __global__ void __launch_bounds__(TWELL_DOWN_THREADS, 2)
+twell_units_down(const uint32_t* __restrict__ masks,     // [M, N / 32] (the uint16 pairs)
                  const float* __restrict__ h,            // [M, N] (kept pairs)
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (every row)
                  int M, int N) {
   using namespace units;
   extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* s_list = reinterpret_cast<uint16_t*>(smem);               // [TOKENS][LIST]
-  uint16_t* s_mask = reinterpret_cast<uint16_t*>(smem + TOKENS * LIST * 2);  // [M][B]
+  float* s_part = reinterpret_cast<float*>(smem);                  // [WU_MAX][8]
+  float* s_acc = s_part + WU_MAX * 8;                               // [TOKENS][DCHUNKS][8]
+  uint16_t* s_list = reinterpret_cast<uint16_t*>(s_acc + TOKENS * DCHUNKS * 8);  // [TOKENS][LIST]
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_list + TOKENS * LIST);       // [M][words]
   __shared__ int s_cnt[TOKENS];
+  __shared__ int s_wuoff[TOKENS + 1];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int blocks = N / U;  // mask words per token
-  for (int i = tid; i < M * blocks; i += DTHREADS) s_mask[i] = masks[i];
+  const int words = N / 32;
+  const int total = M * words;
+  for (int i0 = tid; i0 < total; i0 += 4 * DTHREADS) {  // four loads in flight per thread
+    uint32_t v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = i0 + j * DTHREADS;
+      v[j] = i < total ? __ldg(masks + i) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = i0 + j * DTHREADS;
+      if (i < total) s_mask[i] = v[j];
+    }
+  }
+  for (int i = tid; i < TOKENS * DCHUNKS * 8; i += DTHREADS) s_acc[i] = 0.f;
   __syncthreads();
   for (int t = warp; t < M; t += DTHREADS / 32) {
     int c = 0;
-    for (int b = lane; b < blocks; b += 32) c += __popc(s_mask[t * blocks + b]);
-    c = __reduce_add_sync(0xffffffffu, (unsigned)c);
+    for (int w = lane; w < words; w += 32) c += __popc(s_mask[t * words + w]);
+    c = (int)__reduce_add_sync(0xffffffffu, (unsigned)c);
     if (lane == 0) s_cnt[t] = c;
   }
   __syncthreads();
   int most = 0;
   for (int t = 0; t < M; ++t) most = max(most, s_cnt[t]);
 
-  int J = 32;  // lanes per item: largest power of two with DCHUNKS * M * J <= DTHREADS
-  while (J > 1 && DCHUNKS * M * J > DTHREADS) J >>= 1;
-  const int item = tid / J, jl = tid % J;
-  const int t = item / DCHUNKS;
-  const int col = blockIdx.x * DCOLS + (item % DCHUNKS) * 8;
-  const bool valid = t < M && col < K;
-  float v[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = 0.f;
-
   for (int p0 = 0; p0 < most; p0 += LIST) {
     // token tt's kept units with list positions [p0, p0 + LIST), ascending
     for (int tt = warp; tt < M; tt += DTHREADS / 32) {
       int run = 0;
-      for (int b0 = 0; b0 < blocks && run < p0 + LIST; b0 += 32) {
-        const int b = b0 + lane;
-        const uint32_t m = b < blocks ? s_mask[tt * blocks + b] : 0u;
+      for (int w0 = 0; w0 < words && run < p0 + LIST; w0 += 32) {
+        const int w = w0 + lane;
+        const uint32_t m = w < words ? s_mask[tt * words + w] : 0u;
         const int mine = __popc(m);
         int incl = mine;
 #pragma unroll
@@ -252,34 +267,91 @@ twell_units_down(const uint16_t* __restrict__ masks,     // [M, N / 16]
           if (lane >= d) incl += o;
         }
         int pos = run + incl - mine;
-        for (uint32_t r = m; r; r &= r - 1, ++pos)
-          if (pos >= p0 && pos < p0 + LIST) s_list[tt * LIST + pos - p0] = (uint16_t)(b * U + __ffs(r) - 1);
+        if (pos + mine > p0 && pos < p0 + LIST) {
+          for (uint32_t r = m; r; r &= r - 1, ++pos)
+            if (pos >= p0 && pos < p0 + LIST)
+              s_list[tt * LIST + pos - p0] = (uint16_t)(w * 32 + __ffs(r) - 1);
+        }
         run += __shfl_sync(0xffffffffu, incl, 31);
       }
     }
+    if (tid == 0) {  // work units: token-major, then chunk of CHP pairs, then 8 columns
+      int off = 0;
+      for (int t = 0; t < M; ++t) {
+        s_wuoff[t] = off;
+        const int here = min(max(s_cnt[t] - p0, 0), LIST);
+        off += (here + CHP - 1) / CHP * DCHUNKS;
+      }
+      s_wuoff[M] = off;
+    }
     __syncthreads();
-    if (valid) {
-      const int count = min(s_cnt[t] - p0, LIST);
-      const uint16_t* list = s_list + t * LIST;
-      const float* ht = h + (long long)t * N;
-#pragma unroll 4
-      for (int p = jl; p < count; p += J) {
-        const int n = list[p];
-        twell_axpy8(ht[n], ldg16(w_down_t + (long long)n * K + col), v);
+
+    const int W = s_wuoff[M];
+    for (int w0 = 0; w0 < W; w0 += DTHREADS / JW) {
+      const int wu = w0 + tid / JW, jl = tid % JW;
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = 0.f;
+      if (wu < W) {
+        int t = 0;
+        while (s_wuoff[t + 1] <= wu) ++t;
+        const int r = wu - s_wuoff[t], j = r / DCHUNKS;
+        const int col = blockIdx.x * DCOLS + (r % DCHUNKS) * 8;
+        const int here = min(s_cnt[t] - p0, LIST);
+        if (col < K) {
+          const uint16_t* list = s_list + t * LIST;
+          const float* ht = h + (long long)t * N;
+          uint4 wv[PB];
+          float hv[PB];
+#pragma unroll
+          for (int i = 0; i < PB; ++i) {  // one batch: every load in flight at once
+            const int p = j * CHP + jl + i * JW;
+            if (p < here) {
+              const int n = list[p];
+              hv[i] = ht[n];
+              wv[i] = ldg16(w_down_t + (long long)n * K + col);
+            } else {
+              hv[i] = 0.f;
+              wv[i] = make_uint4(0u, 0u, 0u, 0u);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < PB; ++i) twell_axpy8(hv[i], wv[i], v);
+        }
+      }
+#pragma unroll
+      for (int d = 1; d < JW; d <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], d);
+      }
+      if (wu < W && jl == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s_part[wu * 8 + i] = v[i];
       }
     }
-    __syncthreads();  // the lists are rebuilt by the next pass
-  }
-  for (int d = 1; d < J; d <<= 1) {
+    __syncthreads();
+    if (tid < M * DCHUNKS) {  // this pass's chunks into the accumulators, in chunk order
+      const int t = tid / DCHUNKS, c = tid % DCHUNKS;
+      const int chunks = (s_wuoff[t + 1] - s_wuoff[t]) / DCHUNKS;
+      float* acc = s_acc + tid * 8;
+      for (int j = 0; j < chunks; ++j) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], d);
+        for (int i = 0; i < 8; ++i) acc[i] += s_part[(s_wuoff[t] + j * DCHUNKS + c) * 8 + i];
+      }
+    }
+    __syncthreads();  // lists, work units and partials are rebuilt by the next pass
   }
-  if (valid && jl == 0) {
-    uint4 o;
-    o.x = twell_pack_bf16x2(v[0], v[1]);
-    o.y = twell_pack_bf16x2(v[2], v[3]);
-    o.z = twell_pack_bf16x2(v[4], v[5]);
-    o.w = twell_pack_bf16x2(v[6], v[7]);
-    *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
+  if (tid < M * DCHUNKS) {
+    const int t = tid / DCHUNKS;
+    const int col = blockIdx.x * DCOLS + (tid % DCHUNKS) * 8;
+    if (col < K) {
+      const float* a = s_acc + tid * 8;
+      uint4 o;
+      o.x = twell_pack_bf16x2(a[0], a[1]);
+      o.y = twell_pack_bf16x2(a[2], a[3]);
+      o.z = twell_pack_bf16x2(a[4], a[5]);
+      o.w = twell_pack_bf16x2(a[6], a[7]);
+      *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
+    }
   }
 }

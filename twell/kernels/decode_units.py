@@ -23,13 +23,15 @@ from twell.kernels.compile import Source, declare
 #: Most tokens of a call (two 8-token column tiles of the gate's tensor-core tiles). Up
 #: to here ``PreparedBlock.forward`` takes this route; above, the per-token kernels.
 MAX_ROWS = 16
-#: Units per CTA of the gate kernel (one m16 tile), its threads, the down kernel's
-#: threads and columns of y per CTA, and its list entries per token and pass.
+#: Units per CTA of the gate kernel (one m16 tile) and its threads; the down kernel's
+#: threads, columns of y per CTA, lanes per work unit (each lane sums up to 8 pairs of
+#: one token, all loads in flight at once) and list entries per token and pass.
 UNITS = 16
 GATE_THREADS = 256
-DOWN_THREADS = 128
-DOWN_COLUMNS = 32
-LIST = 1024
+DOWN_THREADS = 256
+DOWN_COLUMNS = 16
+DOWN_LANES = 4
+LIST = 512
 #: The down kernel copies every token's masks (M * N / 16 uint16) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
@@ -40,7 +42,7 @@ SOURCE = declare(
         parameters=("KDIM", "GATED", "NT"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_COLUMNS": DOWN_COLUMNS, "LIST": LIST,
+            "DOWN_COLUMNS": DOWN_COLUMNS, "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
             {"KDIM": k, "GATED": g, "NT": nt}
@@ -54,7 +56,15 @@ _NULL = np.uint64(0)
 
 def fits(m: int, n: int) -> bool:
     """Whether a call of ``m`` tokens on ``n`` units can take this route."""
-    return 1 <= m <= MAX_ROWS and n % UNITS == 0 and m * (n // UNITS) * 2 <= MASK_BYTES
+    return 1 <= m <= MAX_ROWS and n % 32 == 0 and m * (n // UNITS) * 2 <= MASK_BYTES
+
+
+def down_shared_bytes(m: int, n: int) -> int:
+    """Dynamic shared memory of the down kernel (its layout in decode_units.cu)."""
+    tokens = 8 if m <= 8 else 16
+    chunks = DOWN_COLUMNS // 8
+    work_units = tokens * (LIST // (8 * DOWN_LANES)) * chunks
+    return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + m * (n // 32) * 4
 
 
 def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> list[Any]:
@@ -76,12 +86,12 @@ def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> li
          np.int32(n)),
     )  # fmt: skip
     down = SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt)
-    shared = 8 * nt * LIST * 2 + m * (n // UNITS) * 2
+    shared = down_shared_bytes(m, n)
     if down.max_dynamic_shared_size_bytes < shared:
         down.max_dynamic_shared_size_bytes = shared
     down(
         (-(-k // DOWN_COLUMNS),), (DOWN_THREADS,),
-        (masks, h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
+        (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         shared_mem=shared,
     )  # fmt: skip
     return [h, masks]

@@ -25,8 +25,7 @@ pass has two stages (docs/design.md draws them):
 Inference calls of the ``"fused"`` path with at most ``decode_units.MAX_ROWS`` tokens
 (decode) take neither stage: decode_units.py computes the whole block in two launches,
 dividing the work among the SMs by hidden unit (each active unit's weight rows read once
-for all tokens), with no heavy rows and no density switch (its bytes never exceed the
-dense block's by more than the small scratch it writes).
+for all tokens), with no heavy rows; it feeds the density switch from its bit masks.
 
 Two cases take plain dense math for the whole batch instead (:func:`dense_block`: three
 cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
@@ -41,6 +40,7 @@ no step uses atomics, so the same inputs give the same output bits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,19 +144,21 @@ class PreparedBlock:
             raise ValueError(f"x: expected K={self.k}, got {k}")
         y = empty_bf16((m, k))
         in_capture = capturing()
-        if not save and self.weights_finite and self._by_unit(m):
-            # Decode: the whole block by unit, every row (no heavy rows, no density switch:
-            # it reads each active unit's rows once, at most the dense block's bytes).
+        by_unit = not save and self.weights_finite and self._by_unit(m)
+        if m and not save and (not self.weights_finite or self.density.go_dense(in_capture)):
+            scratch = dense_block(self, xb, y)
+            if in_capture:
+                self._graph_scratch.append([xb, y, *scratch])
+            return from_bf16(y, x.dtype)
+        if by_unit:
+            # Decode: the whole block by unit, every row (no heavy rows).
             scratch = decode_units.forward(
                 xb, self.w_first, self.w_up if self.gated else None, self.w_down_t, y
             )
             if in_capture:
                 self._graph_scratch.append([xb, y, *scratch])
-            return from_bf16(y, x.dtype)
-        if m and not save and (not self.weights_finite or self.density.go_dense(in_capture)):
-            scratch = dense_block(self, xb, y)
-            if in_capture:
-                self._graph_scratch.append([xb, y, *scratch])
+            else:
+                self.density.observe_masks(scratch[1])
             return from_bf16(y, x.dtype)
         path = self.options.path
         if save and path == "fused":
@@ -249,6 +251,17 @@ class DensitySwitch:
         self.dense = self.enabled and self.estimate is not None and self.estimate > self.threshold
         return self.dense
 
+    def observe_masks(self, masks: Any) -> None:
+        """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
+        every row: a few tokens, so all of them are counted)."""
+        import cupy
+
+        self._calls += 1
+        if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
+            return
+        per_row = _popcount8()[masks.view(cupy.uint8)].sum(dtype=cupy.float32) / masks.shape[0]
+        self._publish(per_row)
+
     def observe(self, packed: Any | None, pre: Any, slots: int) -> None:
         """Start the estimate of this call (a few small kernels and an async copy)."""
         import cupy
@@ -263,11 +276,25 @@ class DensitySwitch:
         else:
             sample = pre[rows][: self.SAMPLE_ROWS].view(cupy.int16)
             per_row = (sample > 0).sum(dtype=cupy.float32) / sample.shape[0]
+        self._publish(per_row)
+
+    def _publish(self, per_row: Any) -> None:
+        """Copy the device estimate to pinned memory behind an event (read by go_dense)."""
+        import cupy
+
         host = np.frombuffer(cupy.cuda.alloc_pinned_memory(4), np.float32, 1)
         per_row.reshape(1).get(out=host, blocking=False)
         event = cupy.cuda.Event(disable_timing=True)
         event.record()
         self._pending = (host, event)
+
+
+@functools.cache
+def _popcount8() -> Any:
+    """Set bits of every byte value, on the device (uint8 ``[256]``)."""
+    import cupy
+
+    return cupy.asarray([bin(b).count("1") for b in range(256)], dtype=cupy.uint8)
 
 
 def sample_rows(m: int, rows: int) -> slice:
