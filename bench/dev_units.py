@@ -76,13 +76,13 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     b = blocks[0]
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // decode_units.UNITS), np.uint16)
-    nt = 1 if m <= 8 else 2
+    nt = decode_units.token_tiles(m)
     gate = decode_units.SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt)
     down = decode_units.SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt)
     y = empty_bf16((m, k))
     u16 = lambda a: a.view(cp.uint16)  # noqa: E731
-    gate_args = (u16(x), u16(b.w_first), u16(b.w_up) if gated else np.uint64(0), h, masks,
-                 np.int32(m), np.int32(n))  # fmt: skip
+    gate_args = (u16(x), u16(b.w_first), u16(b.w_up) if gated else np.uint64(0),
+                 u16(b.w_down_t), h, masks, np.int32(m), np.int32(n))  # fmt: skip
     shared = decode_units.down_shared_bytes(m, n)
     down_args = (masks.view(cp.uint32), h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
     g_us = graph_ms_cupy(lambda: gate((n // 16,), (256,), gate_args), reps=50) * 1e3
@@ -102,16 +102,16 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--M", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16])
+    ap.add_argument("--M", nargs="+", type=int, default=[1, 4, 8, 16, 24, 32, 48, 64])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     records = []
     for workload, gated in (("uniform", True), ("uniform", False), ("paperlike", True),
                             ("density=0.1", True), ("density=0.5", True)):  # fmt: skip
-        ms = args.M if workload in ("uniform", "paperlike") else [1, 16]
+        ms = args.M if workload in ("uniform", "paperlike") else [1, 16, 64]
         for m in ms:
             records += run(workload, m, 2048, 5632, gated)
-    for m in (1, 16):
+    for m in (1, 16, 64):
         records += run("uniform", m, 4096, 14336, True)
     if args.out:
         with open(args.out, "w") as f:

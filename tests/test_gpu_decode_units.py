@@ -76,7 +76,7 @@ def check_against_dense(got: np.ndarray, x: np.ndarray, w_gate: np.ndarray | Non
 
 @pytest.mark.parametrize("k", [8, 264, 2048])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 33, 64])
 def test_units_match_dense_float64(m: int, gated: bool, k: int) -> None:
     """Workloads with heavy rows (many active units: no capacity here) and, from m = 2,
     a NaN and an Inf in x (rows dense math fills with NaN/Inf)."""
@@ -132,7 +132,7 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
     m, n, k = 8, 2048, 1024
     p = workloads.uniform(m, k, n, p=0.01, seed=2)
     block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate if gated else None, p.w_up, p.w_down)),
-                          Options(path="fused"))  # fmt: skip
+                          Options(path="fused", density_switch=False))  # fmt: skip
     x = to_gpu(p.x)
     eager = block(x).view(cp.uint16).copy()
     stream = cp.cuda.Stream(non_blocking=True)
@@ -152,7 +152,7 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
 
 
 def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.MonkeyPatch):
-    p = workloads.uniform(40, 264, 1024, p=0.02, seed=4)
+    p = workloads.uniform(decode_units.MAX_ROWS + 1, 264, 1024, p=0.02, seed=4)
     calls: list[int] = []
     real = decode_units.forward
 
@@ -188,12 +188,15 @@ def test_dense_inputs_send_decode_calls_to_dense_math() -> None:
 
 
 def test_limits() -> None:
-    assert decode_units.fits(1, 16) and decode_units.fits(16, 16384)
-    assert not decode_units.fits(0, 1024) and not decode_units.fits(17, 1024)
+    assert decode_units.fits(1, 32) and decode_units.fits(16, 16384)
+    assert decode_units.fits(decode_units.MAX_ROWS, 8192)
+    assert not decode_units.fits(0, 1024)
+    assert not decode_units.fits(decode_units.MAX_ROWS + 1, 1024)
+    assert not decode_units.fits(64, 16384)  # the masks would not fit in shared memory
     assert not decode_units.fits(16, 24) and not decode_units.fits(16, 65536)
     assert not decode_units.fits(1, 48)  # the down kernel reads 32-unit mask words
     with pytest.raises(ValueError, match="decode_units"):
-        x = cp.zeros((17, 64), cp.uint16)
+        x = cp.zeros((decode_units.MAX_ROWS + 1, 64), cp.uint16)
         w = cp.zeros((64, 64), cp.uint16)
         decode_units.forward(x, w, None, w, x)
 

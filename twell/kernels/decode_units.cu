@@ -68,7 +68,8 @@ constexpr int TOKENS = 8 * NT;                    // most tokens of a launch
 constexpr int U = TWELL_UNITS;                    // units per CTA of the gate kernel
 constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps (split K)
 constexpr int CHUNKS = (K + 31) / 32;             // 32-wide k-chunks of a row
-constexpr int BATCH = NT == 1 ? 4 : 2;            // chunks a warp loads before its mmas
+constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token mask
+constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int UPV = (K + 255) / 256;              // 16-byte pieces per lane of a row
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DOWN_COLUMNS;         // columns of y per down CTA
@@ -80,8 +81,9 @@ constexpr int CHP = JW * PB;                      // pairs per work unit
 constexpr int WU_MAX = TOKENS * (LIST / CHP) * DCHUNKS;  // work units of a pass, at most
 
 static_assert(U == 16, "the gate kernel's CTA is one m16 tile of units");
-static_assert(NT == 1 || NT == 2, "TWELL_NT: 1 or 2 column tiles of 8 tokens");
-static_assert(U * TOKENS <= TWELL_GATE_THREADS, "one thread per (unit, token)");
+static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8, "TWELL_NT: 1, 2, 4 or 8 tiles of 8 tokens");
+static_assert(U * TOKENS % TWELL_GATE_THREADS == 0 || U * TOKENS < TWELL_GATE_THREADS,
+              "(unit, token) pairs in whole passes of the CTA");
 static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
 static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0 && 32 % JW == 0, "down kernel geometry");
 static_assert(DCHUNKS * TOKENS <= DTHREADS && LIST % CHP == 0, "down kernel geometry");
@@ -96,17 +98,18 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 }  // namespace units
 
 // ---------------------------------------------------------------------- gate and up
-extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, 3)
-twell_units_gate_up(const uint16_t* __restrict__ x,        // [M, K]
-                    const uint16_t* __restrict__ w_first,  // [N, K]
-                    const uint16_t* __restrict__ w_up,     // [N, K] (gated only)
-                    float* __restrict__ h,                 // [M, N] out (kept pairs)
-                    uint16_t* __restrict__ masks,          // [M, N / 16] out
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_NT >= 4 ? 2 : 3)
+twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
+                    const uint16_t* __restrict__ w_first,   // [N, K]
+                    const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
+                    const uint16_t* __restrict__ w_down_t,  // [N, K] (prefetched into L2)
+                    float* __restrict__ h,                  // [M, N] out (kept pairs)
+                    uint16_t* __restrict__ masks,           // [M, N / 16] out
                     int M, int N) {
   using namespace units;
   __shared__ float s_red[WARPS][NT][32][4];
   __shared__ float s_g[U][TOKENS];
-  __shared__ uint32_t s_tok[U];  // bit t: unit kept for token t
+  __shared__ uint32_t s_tok[U][TW];  // bit t % 32 of word t / 32: unit kept for token t
   (void)w_up;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -157,9 +160,10 @@ twell_units_gate_up(const uint16_t* __restrict__ x,        // [M, K]
     for (int j = 0; j < 4; ++j) s_red[warp][nt][lane][j] = acc[nt][j];
   __syncthreads();
 
-  // one thread per (unit u, token t): the warps' sums in warp order, rounded to bf16
-  if (warp < U * TOKENS / 32) {  // warp-uniform (the ballot below needs whole warps)
-    const int u = tid / TOKENS, t = tid % TOKENS;
+  // one thread per (unit u, token t): the warps' sums in warp order, rounded to bf16;
+  // 32 consecutive (u, t) per warp and pass, so a ballot gives whole words of s_tok
+  for (int i = tid; i < U * TOKENS; i += TWELL_GATE_THREADS) {  // warp-uniform trip count
+    const int u = i / TOKENS, t = i % TOKENS;
     const int nt = t >> 3, tt = t & 7;
     const int src = (u & 7) * 4 + (tt >> 1), j = (u >> 3) * 2 + (tt & 1);
     float s = 0.f;
@@ -170,39 +174,58 @@ twell_units_gate_up(const uint16_t* __restrict__ x,        // [M, K]
     const bool kept = t < M && (twell_relu_keeps(bits) || twell_non_finite(bits));
     s_g[u][t] = g;
     const uint32_t ballot = __ballot_sync(0xffffffffu, kept);
-    if (t == 0) s_tok[u] = (ballot >> (lane - lane % TOKENS)) & ((1u << (TOKENS - 1) << 1) - 1u);
+    if (TOKENS >= 32) {
+      if (lane == 0) s_tok[u][t >> 5] = ballot;
+    } else if (t == 0) {
+      s_tok[u][0] = (ballot >> (lane - lane % TOKENS)) & ((1u << (TOKENS - 1) << 1) - 1u);
+    }
     if (!GATED && kept) h[(long long)t * N + n0 + u] = relu_nan(g);
   }
   __syncthreads();
 
-  // ---- 3. masks: bit u of masks[t, block] for every token
+  // ---- 3. masks: bit u of masks[t, block] for every token; the kept units' w_down_t
+  // rows start moving into L2 for the down kernel
   if (tid < M) {
     uint32_t m = 0;
 #pragma unroll
-    for (int u = 0; u < U; ++u) m |= ((s_tok[u] >> tid) & 1u) << u;
+    for (int u = 0; u < U; ++u) m |= ((s_tok[u][tid >> 5] >> (tid & 31)) & 1u) << u;
     masks[(long long)tid * (N / U) + blockIdx.x] = (uint16_t)m;
+  } else if (tid >= TWELL_GATE_THREADS - U) {
+    const int u = tid - (TWELL_GATE_THREADS - U);
+    uint32_t any = 0;
+#pragma unroll
+    for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
+    if (any) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
+                   "r"((uint32_t)K * 2u) : "memory");
+    }
   }
 
   // ---- 2. gated: up dot products of the kept pairs, warps taking active units in turn
   if (GATED) {
     int rank = 0;
     for (int u = 0; u < U; ++u) {
-      const uint32_t tokens = s_tok[u];
-      if (!tokens) continue;
+      uint32_t any = 0;
+#pragma unroll
+      for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
+      if (!any) continue;
       if (rank++ % WARPS != warp) continue;
       const uint16_t* wr = w_up + (long long)(n0 + u) * K;
-      for (uint32_t rest = tokens; rest; rest &= rest - 1) {  // w_up[n] from L1 after the first
-        const int t = __ffs(rest) - 1;
-        const uint16_t* xt = x + (long long)t * K;
-        float s = 0.f;
+#pragma unroll 1
+      for (int w = 0; w < TW; ++w) {
+        for (uint32_t rest = s_tok[u][w]; rest; rest &= rest - 1) {  // w_up[n]: L1 after the first
+          const int t = w * 32 + __ffs(rest) - 1;
+          const uint16_t* xt = x + (long long)t * K;
+          float s = 0.f;
 #pragma unroll 4
-        for (int i = 0; i < UPV; ++i) {
-          const int k = (i * 32 + lane) * 8;
-          if (k < K) s = twell_dot8(ldg16(xt + k), ldg16(wr + k), s);
-        }
+          for (int i = 0; i < UPV; ++i) {
+            const int k = (i * 32 + lane) * 8;
+            if (k < K) s = twell_dot8(ldg16(xt + k), ldg16(wr + k), s);
+          }
 #pragma unroll
-        for (int d = 16; d >= 1; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-        if (lane == 0) h[(long long)t * N + n0 + u] = relu_nan(s_g[u][t]) * s;
+          for (int d = 16; d >= 1; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+          if (lane == 0) h[(long long)t * N + n0 + u] = relu_nan(s_g[u][t]) * s;
+        }
       }
     }
   }

@@ -13,6 +13,7 @@ captured in a CUDA graph. ``PreparedBlock.forward`` takes it for inference calls
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,9 @@ import numpy as np
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
-#: Most tokens of a call (two 8-token column tiles of the gate's tensor-core tiles). Up
+#: Most tokens of a call (eight 8-token column tiles of the gate's tensor-core tiles). Up
 #: to here ``PreparedBlock.forward`` takes this route; above, the per-token kernels.
-MAX_ROWS = 16
+MAX_ROWS = 64
 #: Units per CTA of the gate kernel (one m16 tile) and its threads; the down kernel's
 #: threads, columns of y per CTA, lanes per work unit (each lane sums up to 8 pairs of
 #: one token, all loads in flight at once) and list entries per token and pass.
@@ -35,6 +36,8 @@ LIST = 512
 #: The down kernel copies every token's masks (M * N / 16 uint16) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
+#: Dynamic shared memory a CTA may use on sm_90 (opt-in maximum).
+SHARED_LIMIT = 232448
 
 SOURCE = declare(
     Source(
@@ -46,7 +49,7 @@ SOURCE = declare(
         },
         examples=tuple(
             {"KDIM": k, "GATED": g, "NT": nt}
-            for k in (8, 264, 2048, 4096) for g in (0, 1) for nt in (1, 2)
+            for k in (8, 264, 2048, 4096) for g in (0, 1) for nt in (1, 2, 4, 8)
         ),
     )
 )  # fmt: skip
@@ -56,12 +59,22 @@ _NULL = np.uint64(0)
 
 def fits(m: int, n: int) -> bool:
     """Whether a call of ``m`` tokens on ``n`` units can take this route."""
-    return 1 <= m <= MAX_ROWS and n % 32 == 0 and m * (n // UNITS) * 2 <= MASK_BYTES
+    return (
+        1 <= m <= MAX_ROWS
+        and n % 32 == 0
+        and m * (n // UNITS) * 2 <= MASK_BYTES
+        and down_shared_bytes(m, n) <= SHARED_LIMIT
+    )
+
+
+def token_tiles(m: int) -> int:
+    """The kernels' ``NT`` for ``m`` tokens: 8-token tiles, a power of two (1 to 8)."""
+    return 1 << max(0, math.ceil(math.log2(max(1, -(-m // 8)))))
 
 
 def down_shared_bytes(m: int, n: int) -> int:
     """Dynamic shared memory of the down kernel (its layout in decode_units.cu)."""
-    tokens = 8 if m <= 8 else 16
+    tokens = 8 * token_tiles(m)
     chunks = DOWN_COLUMNS // 8
     work_units = tokens * (LIST // (8 * DOWN_LANES)) * chunks
     return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + m * (n // 32) * 4
@@ -76,14 +89,14 @@ def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> li
     if not fits(m, n):
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
-    nt = 1 if m <= 8 else 2
+    nt = token_tiles(m)
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
     gate = SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt)
     gate(
         (n // UNITS,), (GATE_THREADS,),
-        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, h, masks, np.int32(m),
-         np.int32(n)),
+        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t), h, masks,
+         np.int32(m), np.int32(n)),
     )  # fmt: skip
     down = SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt)
     shared = down_shared_bytes(m, n)
