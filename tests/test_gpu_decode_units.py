@@ -189,14 +189,16 @@ def test_dense_inputs_send_decode_calls_to_dense_math() -> None:
 
 def test_limits() -> None:
     assert decode_units.fits(1, 32) and decode_units.fits(16, 16384)
-    assert decode_units.fits(decode_units.MAX_ROWS, 8192)
     assert not decode_units.fits(0, 1024)
     assert not decode_units.fits(decode_units.MAX_ROWS + 1, 1024)
-    assert not decode_units.fits(64, 16384)  # the masks would not fit in shared memory
+    most = decode_units.MAX_TOKENS
+    assert decode_units.fits(most, 8192, most=most)
+    assert not decode_units.fits(most + 1, 1024, most=most + 1)
+    assert not decode_units.fits(64, 16384, most=most)  # the masks exceed shared memory
     assert not decode_units.fits(16, 24) and not decode_units.fits(16, 65536)
     assert not decode_units.fits(1, 48)  # the down kernel reads 32-unit mask words
     with pytest.raises(ValueError, match="decode_units"):
-        x = cp.zeros((decode_units.MAX_ROWS + 1, 64), cp.uint16)
+        x = cp.zeros((most + 1, 64), cp.uint16)
         w = cp.zeros((64, 64), cp.uint16)
         decode_units.forward(x, w, None, w, x)
 
@@ -204,7 +206,7 @@ def test_limits() -> None:
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(
-    m=st.integers(1, decode_units.MAX_ROWS),
+    m=st.integers(1, decode_units.MAX_TOKENS),
     blocks=st.integers(1, 24),
     k=st.sampled_from([8, 16, 136, 264]),
     gated=st.booleans(),

@@ -250,20 +250,17 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M, N / 32] (the uin
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int words = N / 32;
   const int total = M * words;
-  for (int i0 = tid; i0 < total; i0 += 4 * DTHREADS) {  // four loads in flight per thread
-    uint32_t v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = i0 + j * DTHREADS;
-      v[j] = i < total ? __ldg(masks + i) : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = i0 + j * DTHREADS;
-      if (i < total) s_mask[i] = v[j];
-    }
+  // every 16-byte piece of the masks in flight at once (cp.async), the tail word by word
+  const int pieces = total / 4;
+  for (int i = tid; i < pieces; i += DTHREADS) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(s_mask + 4 * i);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(masks + 4 * i)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  for (int i = 4 * pieces + tid; i < total; i += DTHREADS) s_mask[i] = __ldg(masks + i);
   for (int i = tid; i < TOKENS * DCHUNKS * 8; i += DTHREADS) s_acc[i] = 0.f;
+  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   for (int t = warp; t < M; t += DTHREADS / 32) {
     int c = 0;

@@ -21,9 +21,14 @@ import numpy as np
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
-#: Most tokens of a call (eight 8-token column tiles of the gate's tensor-core tiles). Up
-#: to here ``PreparedBlock.forward`` takes this route; above, the per-token kernels.
-MAX_ROWS = 64
+#: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. The
+#: kernels take up to 64 (eight 8-token column tiles in the gate); on an H100 (K = 2048,
+#: N = 5632, uniform) they beat the per-token kernels up to 16 tokens and lose above
+#: (24 tokens: 32.4 against 28.7 µs; 64: 59.7 against 37.5), where the gate reads x from
+#: L2 once per 16 units (docs/perf-log.md, 2026-11-23, fourth session).
+MAX_ROWS = 16
+#: Most tokens the kernels take.
+MAX_TOKENS = 64
 #: Units per CTA of the gate kernel (one m16 tile) and its threads; the down kernel's
 #: threads, columns of y per CTA, lanes per work unit (each lane sums up to 8 pairs of
 #: one token, all loads in flight at once) and list entries per token and pass.
@@ -57,10 +62,12 @@ SOURCE = declare(
 _NULL = np.uint64(0)
 
 
-def fits(m: int, n: int) -> bool:
-    """Whether a call of ``m`` tokens on ``n`` units can take this route."""
+def fits(m: int, n: int, *, most: int | None = None) -> bool:
+    """Whether a call of ``m`` tokens on ``n`` units takes this route (``most``: the
+    token bound, :data:`MAX_ROWS` unless given; the kernels take up to
+    :data:`MAX_TOKENS`)."""
     return (
-        1 <= m <= MAX_ROWS
+        1 <= m <= min(MAX_TOKENS, MAX_ROWS if most is None else most)
         and n % 32 == 0
         and m * (n // UNITS) * 2 <= MASK_BYTES
         and down_shared_bytes(m, n) <= SHARED_LIMIT
@@ -86,7 +93,7 @@ def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> li
     Returns the scratch buffers it used (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
-    if not fits(m, n):
+    if not fits(m, n, most=MAX_TOKENS):
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
     nt = token_tiles(m)
