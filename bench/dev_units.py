@@ -51,13 +51,6 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         finally:
             decode_units.MAX_ROWS = saved
 
-    def units_plain(b):  # noqa: ANN001, ANN202
-        decode_units.PROGRAMMATIC = False
-        try:
-            return units(b)
-        finally:
-            decode_units.PROGRAMMATIC = True
-
     def old(b):  # noqa: ANN001, ANN202
         decode_units.MAX_ROWS = 0
         try:
@@ -70,9 +63,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         return [y, *pipeline.dense_block(b, x, y)]
 
     out = []
-    variants = (("units", units), ("units_plain", units_plain), ("per_token", old),
-                ("dense", dense))  # fmt: skip
-    for name, fn in variants:
+    for name, fn in (("units", units), ("per_token", old), ("dense", dense)):
         y = fn(blocks[0])
         y = y[0] if isinstance(y, list) else y
         err = rel_err(y, ref)

@@ -151,21 +151,6 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
     assert cp.array_equal(first, eager) and cp.array_equal(y.view(cp.uint16), eager)
 
 
-@pytest.mark.parametrize("m", [1, 16])
-def test_programmatic_launch_gives_the_plain_launch_bits(m: int, monkeypatch: pytest.MonkeyPatch):
-    """The down kernel as a programmatic dependent of the gate kernel (the default) and
-    as a plain launch: the same bits."""
-    p = workloads.heavy(m, 1024, 2048, p=0.01, frac=0.25, seed=9)
-    args = [to_gpu(a) for a in (p.x, p.w_gate, p.w_up)] + [transpose(to_gpu(p.w_down))]
-    outs = []
-    for programmatic in (True, False):
-        monkeypatch.setattr(decode_units, "PROGRAMMATIC", programmatic)
-        y = buffers.alloc((m, 1024), np.uint16).view(args[0].dtype)
-        decode_units.forward(*args, y)
-        outs.append(y.view(cp.uint16).copy())
-    assert cp.array_equal(outs[0], outs[1])
-
-
 def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.MonkeyPatch):
     p = workloads.uniform(decode_units.MAX_ROWS + 1, 264, 1024, p=0.02, seed=4)
     calls: list[int] = []

@@ -14,8 +14,7 @@
 // costs more weight rows, never a different path, and every row of y is written.
 //
 // Two launches (no host synchronisation, no atomics, no global scratch beyond the two
-// outputs of the first); the second is a programmatic dependent of the first when the
-// launcher can (griddepcontrol: its CTAs take the SMs the first one leaves, then wait):
+// outputs of the first):
 //
 // twell_units_gate_up — one CTA per 16 units (grid N / 16, 8 warps):
 //  1. the gate of its 16 units for all M tokens on tensor cores (mma.sync m16n8k16, the
@@ -113,9 +112,6 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   __shared__ uint32_t s_tok[U][TW];  // bit t % 32 of word t / 32: unit kept for token t
   (void)w_up;
 
-  // the down kernel may start launching now (driver.launch_dependent); it waits on the
-  // device for this grid's completion before it reads anything written here
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int n0 = blockIdx.x * U;
@@ -251,9 +247,6 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M, N / 32] (the uin
   __shared__ int s_cnt[TOKENS];
   __shared__ int s_wuoff[TOKENS + 1];
 
-  // launched as a programmatic dependent of the gate kernel: wait for its results (a
-  // no-op after a plain launch)
-  asm volatile("griddepcontrol.wait;" ::: "memory");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int words = N / 32;
   const int total = M * words;

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels import driver
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
@@ -42,10 +41,6 @@ LIST = 512
 #: The down kernel copies every token's masks (M * N / 16 uint16) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
-#: Launch the down kernel as a programmatic dependent of the gate kernel (its CTAs start
-#: on SMs the gate kernel has left and wait on the device for its results, instead of
-#: the whole launch waiting for the gate kernel's last CTA).
-PROGRAMMATIC = True
 #: Dynamic shared memory a CTA may use on sm_90 (opt-in maximum).
 SHARED_LIMIT = 232448
 
@@ -114,8 +109,9 @@ def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> li
     shared = down_shared_bytes(m, n)
     if down.max_dynamic_shared_size_bytes < shared:
         down.max_dynamic_shared_size_bytes = shared
-    grid = -(-k // DOWN_COLUMNS)
-    args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
-    if not (PROGRAMMATIC and driver.launch_dependent(down, grid, DOWN_THREADS, args, shared)):
-        down((grid,), (DOWN_THREADS,), args, shared_mem=shared)
+    down(
+        (-(-k // DOWN_COLUMNS),), (DOWN_THREADS,),
+        (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
+        shared_mem=shared,
+    )  # fmt: skip
     return [h, masks]
