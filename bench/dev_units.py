@@ -9,11 +9,7 @@ its two kernels alone. Checks every variant against float64 dense math first.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
-import tempfile
-from pathlib import Path
 
 import cupy as cp
 import ml_dtypes
@@ -23,7 +19,6 @@ import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
 from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
 from twell.kernels import decode_units, pipeline
 from twell.kernels.buffers import alloc, empty_bf16
-from twell.kernels.compile import Source
 from twell.options import Options
 from twell.reference.forward import ffn_dense
 
@@ -33,17 +28,6 @@ SETS = 4  # 4 x 69 MB of weights: far past the 50 MB of L2
 def rel_err(y: cp.ndarray, ref: np.ndarray) -> float:
     got = cp.asnumpy(y.view(cp.uint16)).view(ml_dtypes.bfloat16).astype(np.float64)
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-@functools.cache
-def _without_gate_prefetch() -> Source:
-    """decode_units.cu without the gate kernel's L2 prefetch of its w_first rows (an A/B
-    of that one line; a source of another name, so its kernels are cached apart)."""
-    text = decode_units.SOURCE.text()
-    kept = "\n".join(line for line in text.splitlines() if "prefetch_l2(w_first" not in line)
-    folder = Path(tempfile.mkdtemp())
-    (folder / "decode_units_plain.cu").write_text(kept)
-    return dataclasses.replace(decode_units.SOURCE, name="decode_units_plain.cu", directory=folder)
 
 
 def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
@@ -107,8 +91,6 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     shared = decode_units.down_shared_bytes(m, n)
     down_args = (masks.view(cp.uint32), h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
     g_us = graph_ms_cupy(lambda: gate((n // 16,), (256,), gate_args), reps=50) * 1e3
-    plain = _without_gate_prefetch().kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt)
-    g0_us = graph_ms_cupy(lambda: plain((n // 16,), (256,), gate_args), reps=50) * 1e3
     cols, threads = decode_units.DOWN_COLUMNS, decode_units.DOWN_THREADS
     d_us = (
         graph_ms_cupy(
@@ -117,8 +99,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         * 1e3
     )
     out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
-                "variant": "kernels", "gate_up_us": g_us, "gate_up_no_prefetch_us": g0_us,
-                "down_us": d_us})  # fmt: skip
+                "variant": "kernels", "gate_up_us": g_us, "down_us": d_us})  # fmt: skip
     for r in out:
         print(json.dumps(r), flush=True)
     return out

@@ -86,17 +86,10 @@ static_assert(U * TOKENS % TWELL_GATE_THREADS == 0 || U * TOKENS < TWELL_GATE_TH
               "(unit, token) pairs in whole passes of the CTA");
 static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
 static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0 && 32 % JW == 0, "down kernel geometry");
-static_assert(DCHUNKS * TOKENS <= DTHREADS && LIST % CHP == 0 && TOKENS <= 64,
-              "down kernel geometry");
+static_assert(DCHUNKS * TOKENS <= DTHREADS && LIST % CHP == 0, "down kernel geometry");
 
 __device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
-// `bytes` (a multiple of 16) from global memory into L2, no completion tracked.
-__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((uint32_t)bytes)
-               : "memory");
 }
 
 // relu as dense math has it: NaN passes, -Inf and negatives give +0.
@@ -124,8 +117,6 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   const int n0 = blockIdx.x * U;
   const uint16_t* ra = w_first + (long long)(n0 + grp) * K;  // rows grp and grp + 8
   const uint16_t* rb = ra + 8LL * K;
-  // the CTA's 16 rows of w_first (contiguous) all start moving from DRAM at once
-  if (tid == 0) prefetch_l2(w_first + (long long)n0 * K, U * K * 2);
   const uint16_t* xr[NT];
   bool xv[NT];
 #pragma unroll
@@ -204,7 +195,10 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     uint32_t any = 0;
 #pragma unroll
     for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
-    if (any) prefetch_l2(w_down_t + (long long)(n0 + u) * K, K * 2);
+    if (any) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
+                   "r"((uint32_t)K * 2u) : "memory");
+    }
   }
 
   // ---- 2. gated: up dot products of the kept pairs, warps taking active units in turn
@@ -268,55 +262,47 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M, N / 32] (the uin
   for (int i = tid; i < TOKENS * DCHUNKS * 8; i += DTHREADS) s_acc[i] = 0.f;
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
-  // Each pass lists, per token, its kept units with list positions [p0, p0 + LIST) in
-  // ascending order: a warp per token, each lane over a contiguous run of mask words (one
-  // scan of the lanes' counts). The first pass also counts every token's units.
-  const int per = (words + 31) / 32;  // mask words per lane
+  for (int t = warp; t < M; t += DTHREADS / 32) {
+    int c = 0;
+    for (int w = lane; w < words; w += 32) c += __popc(s_mask[t * words + w]);
+    c = (int)__reduce_add_sync(0xffffffffu, (unsigned)c);
+    if (lane == 0) s_cnt[t] = c;
+  }
+  __syncthreads();
   int most = 0;
-  for (int p0 = 0; p0 == 0 || p0 < most; p0 += LIST) {
+  for (int t = 0; t < M; ++t) most = max(most, s_cnt[t]);
+
+  for (int p0 = 0; p0 < most; p0 += LIST) {
+    // token tt's kept units with list positions [p0, p0 + LIST), ascending
     for (int tt = warp; tt < M; tt += DTHREADS / 32) {
-      const uint32_t* row = s_mask + tt * words;
-      const int wb = min(words, lane * per), we = min(words, wb + per);
-      int mine = 0;
-      for (int w = wb; w < we; ++w) mine += __popc(row[w]);
-      int incl = mine;
+      int run = 0;
+      for (int w0 = 0; w0 < words && run < p0 + LIST; w0 += 32) {
+        const int w = w0 + lane;
+        const uint32_t m = w < words ? s_mask[tt * words + w] : 0u;
+        const int mine = __popc(m);
+        int incl = mine;
 #pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += o;
-      }
-      if (p0 == 0 && lane == 31) s_cnt[tt] = incl;
-      int pos = incl - mine;
-      if (pos < p0 + LIST && pos + mine > p0) {
-        for (int w = wb; w < we && pos < p0 + LIST; ++w) {
-          for (uint32_t r = row[w]; r; r &= r - 1, ++pos)
+        for (int d = 1; d < 32; d <<= 1) {
+          const int o = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += o;
+        }
+        int pos = run + incl - mine;
+        if (pos + mine > p0 && pos < p0 + LIST) {
+          for (uint32_t r = m; r; r &= r - 1, ++pos)
             if (pos >= p0 && pos < p0 + LIST)
               s_list[tt * LIST + pos - p0] = (uint16_t)(w * 32 + __ffs(r) - 1);
         }
+        run += __shfl_sync(0xffffffffu, incl, 31);
       }
     }
-    __syncthreads();  // lists and counts
-    if (p0 == 0) {
-      for (int t = 0; t < M; ++t) most = max(most, s_cnt[t]);
-    }
-    if (warp == 0) {  // work units (token-major, then CHP pairs, then 8 columns): offsets
-      int n[2], incl[2];
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int t = lane + 32 * q;
-        const int here = t < M ? min(max(s_cnt[t] - p0, 0), LIST) : 0;
-        n[q] = (here + CHP - 1) / CHP * DCHUNKS;
-        incl[q] = n[q];
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int o = __shfl_up_sync(0xffffffffu, incl[q], d);
-          if (lane >= d) incl[q] += o;
-        }
+    if (tid == 0) {  // work units: token-major, then chunk of CHP pairs, then 8 columns
+      int off = 0;
+      for (int t = 0; t < M; ++t) {
+        s_wuoff[t] = off;
+        const int here = min(max(s_cnt[t] - p0, 0), LIST);
+        off += (here + CHP - 1) / CHP * DCHUNKS;
       }
-      const int first = __shfl_sync(0xffffffffu, incl[0], 31);
-      if (lane < M) s_wuoff[lane] = incl[0] - n[0];
-      if (lane + 32 < M) s_wuoff[lane + 32] = first + incl[1] - n[1];
-      if (lane == 31) s_wuoff[M] = first + incl[1];
+      s_wuoff[M] = off;
     }
     __syncthreads();
 
@@ -327,11 +313,8 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M, N / 32] (the uin
 #pragma unroll
       for (int i = 0; i < 8; ++i) v[i] = 0.f;
       if (wu < W) {
-        int t = 0, hi = M - 1;  // the last token whose first work unit is <= wu
-        while (t < hi) {
-          const int mid = (t + hi + 1) >> 1;
-          if (s_wuoff[mid] <= wu) t = mid; else hi = mid - 1;
-        }
+        int t = 0;
+        while (s_wuoff[t + 1] <= wu) ++t;
         const int r = wu - s_wuoff[t], j = r / DCHUNKS;
         const int col = blockIdx.x * DCOLS + (r % DCHUNKS) * 8;
         const int here = min(s_cnt[t] - p0, LIST);
