@@ -104,3 +104,17 @@ def test_wide_warps_fill_one_wave() -> None:
         4, 4, 2, 2, 1, 1,
     ]  # fmt: skip
     assert [light_rows.wide_warps(m, sms, 8) for m in (264, 265, 528, 529)] == [4, 2, 2, 1]
+
+
+def test_decode_units_route_limits() -> None:
+    """The by-unit decode route's bounds (pure Python: no GPU needed)."""
+    from twell.kernels import decode_units
+
+    assert decode_units.fits(1, 32) and decode_units.fits(decode_units.MAX_ROWS, 16384)
+    assert not decode_units.fits(0, 1024)
+    assert not decode_units.fits(decode_units.MAX_ROWS + 1, 1024)
+    assert decode_units.fits(decode_units.MAX_TOKENS, 8192, most=decode_units.MAX_TOKENS)
+    assert not decode_units.fits(64, 16384, most=64)  # the masks exceed their budget
+    assert not decode_units.fits(1, 48)  # 32-unit mask words
+    assert decode_units.fits(1, 65536) and not decode_units.fits(1, 65536 + 32)  # 16-bit ids
+    assert [decode_units.token_tiles(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]

@@ -42,14 +42,17 @@
 // order into its accumulator. Every row of y is written.
 //
 // Determinism: every value is summed in an order fixed by M, K, N and the data (never by
-// timing or by the grid): identical bits run to run and on any device.
+// timing or by the grid): identical bits run to run, and on any sm_90 device (the
+// tensor-core sums follow the hardware's order).
 //
 // Floor (uniform p = 0.005, K = 2048, N = 5632, gated): the gate reads w_first once
 // (23 MB: 6.9 µs at 3.35 TB/s); an active unit adds 8 KB (M = 8: ~220 units, 1.8 MB).
 //
 // Layouts (row-major, bf16 as uint16 bits): x [M, K]; w_first, w_up, w_down_t [N, K];
-// y [M, K]; h float [M, N]; masks uint16 [M, N / 16]; 16-byte aligned rows.
-// Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536;
+// y [M, K]; h float [M, N]; masks uint16 [M, N / 16]; the bf16 rows 16-byte aligned,
+// the masks' base too (the down kernel copies them in 16-byte pieces).
+// Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536 (the
+// down kernel's lists hold 16-bit unit ids);
 // 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds its partials,
 // accumulators and lists, then M * (N / 32) * 4 bytes of masks
 // (decode_units.down_shared_bytes).

@@ -20,12 +20,14 @@ import numpy as np
 
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
+from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. The
 #: kernels take up to 64 (eight 8-token column tiles in the gate); on an H100 (K = 2048,
 #: N = 5632, uniform) they beat the per-token kernels up to 16 tokens and lose above
-#: (24 tokens: 32.4 against 28.7 µs; 64: 59.7 against 37.5), where the gate reads x from
-#: L2 once per 16 units (docs/perf-log.md, 2026-11-23, fourth session).
+#: (24 tokens: 31.8 against 28.1 µs; 64: 60.2 against 39.1), where the gate reads x from
+#: L2 once per 16 units (docs/perf-log.md, 2026-11-23, fourth session). The routes sum in
+#: different orders, so a row's output bits depend on which side of this bound M lies.
 MAX_ROWS = 16
 #: Most tokens the kernels take.
 MAX_TOKENS = 64
@@ -41,8 +43,6 @@ LIST = 512
 #: The down kernel copies every token's masks (M * N / 16 uint16) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
-#: Dynamic shared memory a CTA may use on sm_90 (opt-in maximum).
-SHARED_LIMIT = 232448
 
 SOURCE = declare(
     Source(
@@ -65,12 +65,13 @@ _NULL = np.uint64(0)
 def fits(m: int, n: int, *, most: int | None = None) -> bool:
     """Whether a call of ``m`` tokens on ``n`` units takes this route (``most``: the
     token bound, :data:`MAX_ROWS` unless given; the kernels take up to
-    :data:`MAX_TOKENS`)."""
+    :data:`MAX_TOKENS`): N a multiple of 32 and at most 65536 (the lists hold 16-bit
+    unit ids), every token's masks within :data:`MASK_BYTES`."""
     return (
         1 <= m <= min(MAX_TOKENS, MAX_ROWS if most is None else most)
         and n % 32 == 0
+        and n <= MAX_COLUMNS
         and m * (n // UNITS) * 2 <= MASK_BYTES
-        and down_shared_bytes(m, n) <= SHARED_LIMIT
     )
 
 

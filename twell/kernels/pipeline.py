@@ -253,13 +253,18 @@ class DensitySwitch:
 
     def observe_masks(self, masks: Any) -> None:
         """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
-        every row: a few tokens, so all of them are counted)."""
+        every row: a few tokens, so all of them are counted). A row that keeps every unit
+        (a non-finite x: its gate is NaN everywhere) is left out of the mean, as long as
+        one row is not."""
         import cupy
 
         self._calls += 1
         if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
             return
-        per_row = _popcount8()[masks.view(cupy.uint8)].sum(dtype=cupy.float32) / masks.shape[0]
+        counts = _popcount8(masks.device.id)[masks.view(cupy.uint8)].sum(axis=1, dtype=cupy.float32)
+        usual = counts < 16 * masks.shape[1]
+        taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
+        per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
         self._publish(per_row)
 
     def observe(self, packed: Any | None, pre: Any, slots: int) -> None:
@@ -290,11 +295,12 @@ class DensitySwitch:
 
 
 @functools.cache
-def _popcount8() -> Any:
-    """Set bits of every byte value, on the device (uint8 ``[256]``)."""
+def _popcount8(device: int) -> Any:
+    """Set bits of every byte value, on ``device`` (uint8 ``[256]``)."""
     import cupy
 
-    return cupy.asarray([bin(b).count("1") for b in range(256)], dtype=cupy.uint8)
+    with cupy.cuda.Device(device):
+        return cupy.asarray([bin(b).count("1") for b in range(256)], dtype=cupy.uint8)
 
 
 def sample_rows(m: int, rows: int) -> slice:
