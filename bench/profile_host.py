@@ -1,9 +1,10 @@
 """Where the host time of one SparseFFN call goes (cProfile over many calls, torch
 tensors, M=64), beside the dense torch block's host time.
 
-    PYTHONPATH=. python bench/profile_host.py
+    PYTHONPATH=. python bench/profile_host.py [--M 64]
 """
 
+import argparse
 import cProfile
 import pstats
 import time
@@ -51,13 +52,17 @@ def host_us(fn, calls: int = 8, repeats: int = 5) -> float:  # noqa: ANN001
 
 
 def main() -> None:
-    p = workloads.uniform(64, 2048, 5632, seed=0)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--M", type=int, default=64)
+    m = parser.parse_args().M
+    p = workloads.uniform(m, 2048, 5632, seed=0)
     x, wg, wu, wd = (torch.from_numpy(a.astype(np.float32)).cuda().bfloat16() for a in p.arrays())
     block = twell.SparseFFN(wg, wu, wd)
-    print(f"SparseFFN host {per_call_us(lambda: block(x)):.1f} us per call")
-    print(f"twell.ffn host {per_call_us(lambda: twell.ffn(x, wg, wu, wd)):.1f} us per call")
     dense = lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)  # noqa: E731
-    print(f"dense torch host {per_call_us(dense):.1f} us per call")
+    for name, fn in (("SparseFFN", lambda: block(x)), ("twell.ffn", lambda: twell.ffn(x, wg, wu, wd)),
+                     ("dense torch", dense)):  # fmt: skip
+        print(f"M={m} {name} host {per_call_us(fn):.1f} us per call in a loop, "
+              f"{host_us(fn):.1f} us behind a GPU sleep")  # fmt: skip
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):
