@@ -48,7 +48,8 @@ __all__ = [
     "ensure_valid",
 ]
 
-_TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
+#: The torch dtypes the ops take (by name).
+TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
 _FLOAT_NAMES = "bfloat16, float16, float32, float64"
 
 #: Default of an argument an op does not take (``None`` is a value a user can pass).
@@ -95,8 +96,8 @@ def check_dtype(name: str, array: Any, library: str) -> None:
     """A floating dtype (and, for torch, a CUDA device)."""
     if library == "torch":
         dtype = str(array.dtype).removeprefix("torch.")
-        if dtype not in _TORCH_FLOATS:
-            raise TypeError(f"{name}: expected a floating dtype {_TORCH_FLOATS}, got {dtype}")
+        if dtype not in TORCH_FLOATS:
+            raise TypeError(f"{name}: expected a floating dtype {TORCH_FLOATS}, got {dtype}")
         if array.device.type != "cuda":
             raise TypeError(
                 f"{name}: torch tensors must live on a CUDA device (got {array.device}); "

@@ -20,6 +20,7 @@ from twell._arrays import bfloat16
 from twell._graphs import GraphedBlock
 from twell._interop import on_gpu
 from twell._validation import (
+    TORCH_FLOATS,
     Inputs,
     array_library,
     check_dtype,
@@ -309,6 +310,14 @@ class SparseFFN:
             self._graphed = GraphedBlock(
                 lambda x: _eager_torch(prepared, x), lambda: density.go_dense(False)
             )
+        # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
+        # float dtype): recognised by a few attribute reads instead of the full check.
+        self._fast_torch: tuple[type, frozenset, Any] | None = None
+        if self.library == "torch":
+            import torch
+
+            floats = frozenset(getattr(torch, name) for name in TORCH_FLOATS)
+            self._fast_torch = (torch.Tensor, floats, torch.device("cuda", self._device))
 
     @property
     def gated(self) -> bool:
@@ -329,6 +338,20 @@ class SparseFFN:
         be captured by ``torch.cuda.graph`` (torch tensors) or a CuPy stream capture.
         """
         k = self.shape[1]
+        fast = self._fast_torch
+        if (
+            fast is not None
+            and isinstance(x, fast[0])
+            and x.dtype in fast[1]
+            and x.device == fast[2]
+            and x.dim() >= 2
+            and x.shape[-1] == k
+            and x.numel() > 0
+            and x.is_contiguous()
+        ):
+            if x.dim() == 2:
+                return self._graphed(x)
+            return self._graphed(x.view(-1, k)).view(x.shape)
         if hasattr(x, "shape") and (len(x.shape) < 1 or x.shape[-1] != k):
             raise ValueError(f"x: expected shape [..., {k}] (the block's K), got {tuple(x.shape)}")
         o = self.options
