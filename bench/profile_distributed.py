@@ -1,7 +1,9 @@
 """Where a DDP step's time goes, dense against twell: the small model of train_small.py
 under DistributedDataParallel, eager steps timed with and without the gradient all-reduce
-(``no_sync``) in the same process, then torch.profiler over a few steps (rank 0's
-kernels, NCCL included, GPU time per step).
+(``no_sync``) in the same process, every timed step started behind a barrier (so the
+slowest rank's time per step is known too: without the all-reduce the ranks do not wait
+for each other), then torch.profiler over a few steps (rank 0's kernels, NCCL included,
+GPU time per step).
 
     torchrun --standalone --nproc_per_node 2 bench/profile_distributed.py [--op-graphs]
 """
@@ -52,21 +54,30 @@ def profile(variant: str, config: Any, data: torch.Tensor, device: Any, rank: in
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def timed(sync: bool) -> float:
+    def timed(sync: bool) -> tuple[float, float, list[float]]:
+        """Median step time on this rank; the median over steps of the slowest rank's
+        time (every step starts behind a barrier, so the ranks start together); each
+        rank's median."""
         times = []
         for _ in range(args.timed_steps):
             torch.cuda.synchronize()
+            dist.barrier()
             t = time.perf_counter()
             step(sync)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
-        return round(statistics.median(times) * 1e3, 2)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, times)
+        slowest = [max(ts) for ts in zip(*every, strict=True)]
+        return (round(statistics.median(times) * 1e3, 2),
+                round(statistics.median(slowest) * 1e3, 2),
+                [round(statistics.median(ts) * 1e3, 2) for ts in every])  # fmt: skip
 
     for _ in range(args.steps):
         step()
     rec: dict[str, Any] = {"variant": variant, "op_graphs": config.op_graphs}
-    rec["step_ms_no_sync"] = timed(False)
-    rec["step_ms_ddp"] = timed(True)
+    rec["step_ms_no_sync"], rec["step_ms_no_sync_slowest_rank"], rec["ranks_no_sync"] = timed(False)
+    rec["step_ms_ddp"], rec["step_ms_ddp_slowest_rank"], rec["ranks_ddp"] = timed(True)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(args.profile_steps):
@@ -111,7 +122,9 @@ def main() -> None:
             for rec in records:
                 print(
                     f"== {rec['variant']}: step {rec['step_ms_ddp']} ms with DDP, "
-                    f"{rec['step_ms_no_sync']} without the all-reduce; GPU busy "
+                    f"{rec['step_ms_no_sync']} without the all-reduce (slowest rank per "
+                    f"step {rec['step_ms_no_sync_slowest_rank']}; ranks {rec['ranks_no_sync']}"
+                    f" / DDP {rec['ranks_ddp']}); GPU busy "
                     f"{rec['gpu_ms_per_step']} ms/step, NCCL {rec['nccl_ms_per_step']}"
                 )
                 for k in rec["kernels"]:
