@@ -106,10 +106,13 @@ def main() -> None:
     p.add_argument("--timed-steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--op-graphs", action="store_true", help="SparseMLP(op_graphs=True)")
+    p.add_argument("--reverse-devices", action="store_true", help="rank r on the last-but-r GPU")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rank = int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", rank))
+    if args.reverse_devices:  # rank r on GPU (world - 1 - r): does a slow rank follow its GPU?
+        local = int(os.environ["LOCAL_WORLD_SIZE"]) - 1 - local
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     torch.backends.cuda.matmul.allow_tf32 = True
