@@ -12,7 +12,6 @@ import argparse
 import json
 
 import cupy as cp
-import ml_dtypes
 import numpy as np
 import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
 
@@ -21,13 +20,9 @@ from twell.kernels import decode_units, pipeline
 from twell.kernels.buffers import alloc, empty_bf16
 from twell.options import Options
 from twell.reference.forward import ffn_dense
+from twell.testing.asserts import relative_error
 
 SETS = 4  # 4 x 69 MB of weights: far past the 50 MB of L2
-
-
-def rel_err(y: cp.ndarray, ref: np.ndarray) -> float:
-    got = cp.asnumpy(y.view(cp.uint16)).view(ml_dtypes.bfloat16).astype(np.float64)
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
@@ -66,7 +61,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     for name, fn in (("units", units), ("per_token", old), ("dense", dense)):
         y = fn(blocks[0])
         y = y[0] if isinstance(y, list) else y
-        err = rel_err(y, ref)
+        err = relative_error(y, ref)
         again = fn(blocks[0])
         again = again[0] if isinstance(again, list) else again
         same = bool(cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)))

@@ -33,6 +33,7 @@ from twell.kernels import buffers, decode_units  # noqa: E402
 from twell.kernels.convert import transpose  # noqa: E402
 from twell.kernels.pipeline import PreparedBlock  # noqa: E402
 from twell.options import Options  # noqa: E402
+from twell.testing.asserts import as_host, relative_error  # noqa: E402
 from twell.testing.gpu import poisoned_buffers  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -43,10 +44,6 @@ TOL = 1e-2
 def poisoned_outputs() -> Iterator[None]:
     with poisoned_buffers():
         yield
-
-
-def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
@@ -61,7 +58,7 @@ def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
     decode_units.forward(xg, wu if wg is None else wg, None if wg is None else wu,
                          transpose(wd), y)  # fmt: skip
     assert cp.array_equal(first, y.view(cp.uint16)), "not deterministic"
-    return y.view(cp.uint16).get().view(BF16).astype(np.float64)
+    return as_host(y).astype(np.float64)
 
 
 def check_against_dense(got: np.ndarray, x: np.ndarray, w_gate: np.ndarray | None,
@@ -71,7 +68,7 @@ def check_against_dense(got: np.ndarray, x: np.ndarray, w_gate: np.ndarray | Non
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
     rows = np.isfinite(ref).all(axis=1)
-    assert rel_err(got[rows], ref[rows]) <= TOL
+    assert relative_error(got[rows], ref[rows]) <= TOL
     # and row by row (a wrong 8-column piece of one row would hide in the whole's norm)
     scale = np.linalg.norm(ref[rows]) / np.sqrt(max(1, rows.sum()))
     for g, r in zip(got[rows], ref[rows], strict=True):
@@ -181,9 +178,9 @@ def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.Monk
                               Options(path=path, density_switch=False))  # fmt: skip
         for m in (1, decode_units.MAX_ROWS, decode_units.MAX_ROWS + 1):
             xs = p.x[:m]
-            got = block(to_gpu(xs)).view(cp.uint16).get().view(BF16).astype(np.float64)
+            got = as_host(block(to_gpu(xs))).astype(np.float64)
             ref = reference.forward.ffn_dense(xs, p.w_gate, p.w_up, p.w_down)
-            assert rel_err(got, ref) <= TOL
+            assert relative_error(got, ref) <= TOL
     assert calls == [1, decode_units.MAX_ROWS]
 
 
@@ -195,8 +192,8 @@ def test_dense_inputs_send_decode_calls_to_dense_math() -> None:
     ref = reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
     x = to_gpu(p.x)
     for _ in range(3 * block.density.EVERY):
-        got = block(x).view(cp.uint16).get().view(BF16).astype(np.float64)
-        assert rel_err(got, ref) <= TOL
+        got = as_host(block(x)).astype(np.float64)
+        assert relative_error(got, ref) <= TOL
         cp.cuda.get_current_stream().synchronize()
     kept = (p.x.astype(np.float64) @ p.w_gate.astype(np.float64).T > 0).sum(axis=1).mean()
     assert block.density.estimate == pytest.approx(kept, rel=0.02)
