@@ -47,16 +47,17 @@ def poisoned_outputs() -> Iterator[None]:
 
 
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
-              w_down: np.ndarray) -> np.ndarray:  # fmt: skip
-    """decode_units.forward on bf16 inputs; float64 result."""
+              w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
+    """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``);
+    float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
     decode_units.forward(xg, wu if wg is None else wg, None if wg is None else wu,
-                         transpose(wd), y)  # fmt: skip
+                         transpose(wd), y, **geometry)  # fmt: skip
     first = y.view(cp.uint16).copy()
     decode_units.forward(xg, wu if wg is None else wg, None if wg is None else wu,
-                         transpose(wd), y)  # fmt: skip
+                         transpose(wd), y, **geometry)  # fmt: skip
     assert cp.array_equal(first, y.view(cp.uint16)), "not deterministic"
     return as_host(y).astype(np.float64)
 
@@ -109,7 +110,24 @@ def test_a_token_with_more_units_than_a_list_pass(m: int) -> None:
     check_against_dense(got, x, w_gate, w_up, w_down)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(16, 32768, 264), (64, 8192, 136), (4, 2048, 4096)])
+@pytest.mark.parametrize("ut", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 13, 40, 64])
+def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(m: int, ut: int) -> None:
+    """Each gate CTA width (16, 32, 64 units) at each token count, and the down kernel's
+    tokens per CTA (8, 16, all): the down split by tokens sums every row in the same
+    order, so its bits do not depend on the group size."""
+    n, k = 1024, 264
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + ut)
+    x = p.x.astype(np.float32)
+    x[m - 1, 3] = np.nan
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut)
+    check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
+    for tokens in (16, 64):
+        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, down_tokens=tokens)
+        np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(16, 65536, 136), (64, 8192, 136), (4, 2048, 4096)])
 def test_largest_shapes_the_route_takes(m: int, n: int, k: int) -> None:
     """The most shared memory the down kernel asks for (masks at their bound) and the
     widest model."""

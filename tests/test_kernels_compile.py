@@ -114,7 +114,11 @@ def test_decode_units_route_limits() -> None:
     assert not decode_units.fits(0, 1024)
     assert not decode_units.fits(decode_units.MAX_ROWS + 1, 1024)
     assert decode_units.fits(decode_units.MAX_TOKENS, 8192, most=decode_units.MAX_TOKENS)
-    assert not decode_units.fits(64, 16384, most=64)  # the masks exceed their budget
+    # the down kernel holds the masks of at most DOWN_TOKENS tokens: any N the ids allow
+    assert decode_units.fits(64, 65536, most=64)
+    assert decode_units.down_shared_bytes(64, 65536) <= 100 * 1024
+    assert [decode_units.unit_tiles(m, 5632) for m in (1, 16, 17, 64)] == [1, 1, 2, 2]
+    assert decode_units.unit_tiles(64, 96) == 2 and decode_units.unit_tiles(32, 64) == 2
     assert not decode_units.fits(1, 48)  # 32-unit mask words
     assert decode_units.fits(1, 65536) and not decode_units.fits(1, 65536 + 32)  # 16-bit ids
     assert [decode_units.token_tiles(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]

@@ -1,4 +1,4 @@
-// decode_units.cu — the whole FFN block for a few tokens (decode, M <= 8 * TWELL_NT),
+// decode_units.cu — the whole FFN block for a few tokens (decode, M <= 64),
 // with the work divided among the GPU's SMs by hidden unit rather than by token:
 // every weight row of an active unit is read once for all the tokens that use it.
 //
@@ -16,13 +16,15 @@
 // Two launches (no host synchronisation, no atomics, no global scratch beyond the two
 // outputs of the first):
 //
-// twell_units_gate_up — one CTA per 16 units (grid N / 16, 8 warps):
-//  1. the gate of its 16 units for all M tokens on tensor cores (mma.sync m16n8k16, the
-//     units as rows, the tokens as columns): warp w takes the 32-wide k-chunks w, w+8, ...
-//     of K, each lane loading 16 contiguous bytes of two weight rows and of x (the same
-//     permutation of k for both operands, so the dot products are exact reorderings of
-//     the plain ones); the 8 warps' fragments are summed in warp order in shared memory
-//     and rounded to bf16;
+// twell_units_gate_up — one CTA per UT tiles of 16 units (grid N / (16 UT), 8 warps; all
+// M <= 8 NT tokens, so x is read once per CTA: UT > 1 for larger M):
+//  1. the gate of its units for all M tokens on tensor cores (mma.sync m16n8k16, the
+//     units as rows, the tokens as columns): the WPT = 8 / UT warps of a unit tile take
+//     its 32-wide k-chunks in turn (kw, kw + WPT, ...), each lane loading 16 contiguous
+//     bytes of two weight rows and of x (the same permutation of k for both operands, so
+//     the dot products are exact reorderings of the plain ones; warps of different tiles
+//     load the same x pieces, the later ones from L1); a tile's warp fragments are summed
+//     in K order in shared memory and rounded to bf16;
 //  2. gated: for every active unit (warps take them in turn), the lanes read w_up[n]
 //     (16 bytes per lane per 256 columns; from L1 for the unit's second token on) and
 //     take the dot product with each token that keeps the unit (fp32, the lane's chunks
@@ -31,8 +33,10 @@
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
-// twell_units_down — one CTA per 16 columns of y (grid ceil(K / 16), 8 warps): the masks
-// of all tokens into shared memory (as uint32: 32 units per word); each token's kept
+// twell_units_down — one CTA per 16 columns of y and 8 NT tokens (grid ceil(K / 16) x
+// ceil(M / (8 NT)), 8 warps; the launcher takes NT for at most 8 tokens, so a CTA's
+// serial steps stay short): the masks of its tokens into shared memory (as uint32: 32
+// units per word); each token's kept
 // units listed in ascending order (passes of LIST units when a token keeps more). The
 // work of a pass is cut into work units of (token, CHP = 8 * JW consecutive list
 // entries, 8 columns), so a token with many units spreads over many lanes: JW lanes take
@@ -53,12 +57,13 @@
 // the masks' base too (the down kernel copies them in 16-byte pieces).
 // Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536 (the
 // down kernel's lists hold 16-bit unit ids);
-// 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds its partials,
-// accumulators and lists, then M * (N / 32) * 4 bytes of masks
+// gate: 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds its
+// partials, accumulators and lists, then 8 NT * (N / 32) * 4 bytes of masks
 // (decode_units.down_shared_bytes).
 //
-// Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles of the
-// gate, 1 or 2); constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
+// Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles: the
+// gate's tokens, the down kernel's tokens per CTA; 1, 2, 4 or 8), TWELL_UT (unit tiles
+// per gate CTA: 1, 2 or 4); constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
 // TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_COLUMNS (16),
 // TWELL_DOWN_LANES (4), TWELL_LIST (512).
 
@@ -68,8 +73,10 @@ constexpr int K = TWELL_KDIM;
 constexpr bool GATED = TWELL_GATED != 0;
 constexpr int NT = TWELL_NT;
 constexpr int TOKENS = 8 * NT;                    // most tokens of a launch
-constexpr int U = TWELL_UNITS;                    // units per CTA of the gate kernel
-constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps (split K)
+constexpr int UT = TWELL_UT;                      // m16 unit tiles per CTA of the gate kernel
+constexpr int U = TWELL_UNITS * UT;               // units per CTA of the gate kernel
+constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps
+constexpr int WPT = WARPS / UT;                   // warps per unit tile (they split K)
 constexpr int CHUNKS = (K + 31) / 32;             // 32-wide k-chunks of a row
 constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token mask
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
@@ -83,7 +90,9 @@ constexpr int PB = 8;                             // pairs per lane of a work un
 constexpr int CHP = JW * PB;                      // pairs per work unit
 constexpr int WU_MAX = TOKENS * (LIST / CHP) * DCHUNKS;  // work units of a pass, at most
 
-static_assert(U == 16, "the gate kernel's CTA is one m16 tile of units");
+static_assert(TWELL_UNITS == 16, "a unit tile is one m16 tile of mma");
+static_assert(UT == 1 || UT == 2 || UT == 4, "TWELL_UT: 1, 2 or 4 unit tiles per CTA");
+static_assert(TWELL_GATE_THREADS - U >= TOKENS, "mask threads and prefetch threads apart");
 static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8, "TWELL_NT: 1, 2, 4 or 8 tiles of 8 tokens");
 static_assert(U * TOKENS % TWELL_GATE_THREADS == 0 || U * TOKENS < TWELL_GATE_THREADS,
               "(unit, token) pairs in whole passes of the CTA");
@@ -111,14 +120,15 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     int M, int N) {
   using namespace units;
   __shared__ float s_red[WARPS][NT][32][4];
-  __shared__ float s_g[U][TOKENS];
+  __shared__ uint16_t s_g[U][TOKENS];  // the gate, bf16 bits
   __shared__ uint32_t s_tok[U][TW];  // bit t % 32 of word t / 32: unit kept for token t
   (void)w_up;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int n0 = blockIdx.x * U;
-  const uint16_t* ra = w_first + (long long)(n0 + grp) * K;  // rows grp and grp + 8
+  const int ut = warp % UT, kw = warp / UT;  // this warp's unit tile and share of K
+  const uint16_t* ra = w_first + (long long)(n0 + ut * 16 + grp) * K;  // rows grp, grp + 8
   const uint16_t* rb = ra + 8LL * K;
   const uint16_t* xr[NT];
   bool xv[NT];
@@ -129,18 +139,19 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     xr[nt] = x + (long long)(xv[nt] ? t : 0) * K;
   }
 
-  // ---- 1. gate: 16 units x TOKENS tokens, warp w over chunks w, w + WARPS, ...
+  // ---- 1. gate: UT tiles of 16 units x TOKENS tokens; the WPT warps of a tile take its
+  // 32-wide chunks of K in turn (kw, kw + WPT, ...)
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int c0 = warp; c0 < CHUNKS; c0 += WARPS * BATCH) {
+  for (int c0 = kw; c0 < CHUNKS; c0 += WPT * BATCH) {
     uint4 a[BATCH], b[BATCH], xx[BATCH][NT];
 #pragma unroll
     for (int i = 0; i < BATCH; ++i) {
-      const int k0 = (c0 + i * WARPS) * 32 + tig * 8;
+      const int k0 = (c0 + i * WPT) * 32 + tig * 8;
       const bool ok = k0 < K;  // K % 8 == 0: a lane's 8 columns are all in or all out
       a[i] = ok ? ldg16(ra + k0) : zero;
       b[i] = ok ? ldg16(rb + k0) : zero;
@@ -163,19 +174,19 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     for (int j = 0; j < 4; ++j) s_red[warp][nt][lane][j] = acc[nt][j];
   __syncthreads();
 
-  // one thread per (unit u, token t): the warps' sums in warp order, rounded to bf16;
-  // 32 consecutive (u, t) per warp and pass, so a ballot gives whole words of s_tok
+  // one thread per (unit u, token t): the sums of u's tile's warps in K order, rounded to
+  // bf16; 32 consecutive (u, t) per warp and pass, so a ballot gives whole words of s_tok
   for (int i = tid; i < U * TOKENS; i += TWELL_GATE_THREADS) {  // warp-uniform trip count
     const int u = i / TOKENS, t = i % TOKENS;
-    const int nt = t >> 3, tt = t & 7;
-    const int src = (u & 7) * 4 + (tt >> 1), j = (u >> 3) * 2 + (tt & 1);
+    const int nt = t >> 3, tt = t & 7, uu = u & 15;
+    const int src = (uu & 7) * 4 + (tt >> 1), j = (uu >> 3) * 2 + (tt & 1);
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) s += s_red[w][nt][src][j];
+    for (int w = 0; w < WPT; ++w) s += s_red[w * UT + u / 16][nt][src][j];
     const uint32_t bits = twell_pack_bf16x2(s, 0.f) & 0xffffu;
     const float g = twell_bf16_to_float((uint16_t)bits);
     const bool kept = t < M && (twell_relu_keeps(bits) || twell_non_finite(bits));
-    s_g[u][t] = g;
+    s_g[u][t] = (uint16_t)bits;
     const uint32_t ballot = __ballot_sync(0xffffffffu, kept);
     if (TOKENS >= 32) {
       if (lane == 0) s_tok[u][t >> 5] = ballot;
@@ -186,13 +197,16 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   }
   __syncthreads();
 
-  // ---- 3. masks: bit u of masks[t, block] for every token; the kept units' w_down_t
-  // rows start moving into L2 for the down kernel
+  // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
+  // w_down_t rows start moving into L2 for the down kernel
   if (tid < M) {
-    uint32_t m = 0;
 #pragma unroll
-    for (int u = 0; u < U; ++u) m |= ((s_tok[u][tid >> 5] >> (tid & 31)) & 1u) << u;
-    masks[(long long)tid * (N / U) + blockIdx.x] = (uint16_t)m;
+    for (int b = 0; b < UT; ++b) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) m |= ((s_tok[b * 16 + u][tid >> 5] >> (tid & 31)) & 1u) << u;
+      masks[(long long)tid * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
+    }
   } else if (tid >= TWELL_GATE_THREADS - U) {
     const int u = tid - (TWELL_GATE_THREADS - U);
     uint32_t any = 0;
@@ -227,7 +241,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
           }
 #pragma unroll
           for (int d = 16; d >= 1; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-          if (lane == 0) h[(long long)t * N + n0 + u] = relu_nan(s_g[u][t]) * s;
+          if (lane == 0) h[(long long)t * N + n0 + u] = relu_nan(twell_bf16_to_float(s_g[u][t])) * s;
         }
       }
     }
@@ -236,12 +250,18 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
 
 // ---------------------------------------------------------------------- down
 extern "C" __global__ void __launch_bounds__(TWELL_DOWN_THREADS, 2)
-twell_units_down(const uint32_t* __restrict__ masks,     // [M, N / 32] (the uint16 pairs)
-                 const float* __restrict__ h,            // [M, N] (kept pairs)
+twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the uint16 pairs)
+                 const float* __restrict__ h,            // [M_all, N] (kept pairs)
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
-                 uint16_t* __restrict__ y,               // [M, K] out (every row)
-                 int M, int N) {
+                 uint16_t* __restrict__ y,               // [M_all, K] out (every row)
+                 int M_all, int N) {
   using namespace units;
+  // this CTA's tokens: TOKENS of them from t0 (grid.y = ceil(M_all / TOKENS))
+  const int t0 = blockIdx.y * TOKENS;
+  const int M = min(M_all - t0, TOKENS);
+  masks += (long long)t0 * (N / 32);  // 16-byte aligned: t0 * N / 8 bytes, N % 32 == 0
+  h += (long long)t0 * N;
+  y += (long long)t0 * K;
   extern __shared__ __align__(16) unsigned char smem[];
   float* s_part = reinterpret_cast<float*>(smem);                  // [WU_MAX][8]
   float* s_acc = s_part + WU_MAX * 8;                               // [TOKENS][DCHUNKS][8]

@@ -24,14 +24,15 @@ from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. The
 #: kernels take up to 64 (eight 8-token column tiles in the gate); on an H100 (K = 2048,
-#: N = 5632, uniform) they beat the per-token kernels up to 16 tokens and lose above
-#: (24 tokens: 31.8 against 28.1 µs; 64: 60.2 against 39.1), where the gate reads x from
-#: L2 once per 16 units (docs/perf-log.md, 2026-11-23, fourth session). The routes sum in
-#: different orders, so a row's output bits depend on which side of this bound M lies.
-MAX_ROWS = 16
+#: N = 5632, uniform, weights read from DRAM) they beat the per-token kernels up to 32
+#: tokens (32.7 against 34.2 µs) and lose above (48: 40.6 against 37.4; 64: 47.6 against
+#: 41.0), where every gate CTA still reads all of x (docs/perf-log.md, 2026-11-23, fifth
+#: session). The routes sum in different orders, so a row's output bits depend on which
+#: side of this bound M lies.
+MAX_ROWS = 32
 #: Most tokens the kernels take.
 MAX_TOKENS = 64
-#: Units per CTA of the gate kernel (one m16 tile) and its threads; the down kernel's
+#: Units of an m16 tile of the gate kernel and its threads; the down kernel's
 #: threads, columns of y per CTA, lanes per work unit (each lane sums up to 8 pairs of
 #: one token, all loads in flight at once) and list entries per token and pass.
 UNITS = 16
@@ -40,21 +41,30 @@ DOWN_THREADS = 256
 DOWN_COLUMNS = 16
 DOWN_LANES = 4
 LIST = 512
-#: The down kernel copies every token's masks (M * N / 16 uint16) into shared memory;
+#: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
+#: of x, so more tokens want more units per CTA (fewer CTAs reading x).
+UNIT_TILES = ((16, 1), (64, 2))
+#: Most tokens per down CTA (a second grid dimension covers the rest).
+DOWN_TOKENS = 8
+#: The down kernel copies its tokens' masks (N / 16 uint16 per token) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
 
 SOURCE = declare(
     Source(
         "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT"),
+        parameters=("KDIM", "GATED", "NT", "UT"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
             "DOWN_COLUMNS": DOWN_COLUMNS, "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt}
-            for k in (8, 264, 2048, 4096) for g in (0, 1) for nt in (1, 2, 4, 8)
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut}
+            for k in (8, 264, 2048, 4096) for g in (0, 1)
+            for nt, ut in ((1, 1), (2, 1), (4, 2), (8, 4))
+        ) + tuple(
+            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut}
+            for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ),
     )
 )  # fmt: skip
@@ -71,7 +81,7 @@ def fits(m: int, n: int, *, most: int | None = None) -> bool:
         1 <= m <= min(MAX_TOKENS, MAX_ROWS if most is None else most)
         and n % 32 == 0
         and n <= MAX_COLUMNS
-        and m * (n // UNITS) * 2 <= MASK_BYTES
+        and min(m, DOWN_TOKENS) * (n // UNITS) * 2 <= MASK_BYTES
     )
 
 
@@ -80,38 +90,57 @@ def token_tiles(m: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, -(-m // 8)))))
 
 
-def down_shared_bytes(m: int, n: int) -> int:
-    """Dynamic shared memory of the down kernel (its layout in decode_units.cu)."""
-    tokens = 8 * token_tiles(m)
+def unit_tiles(m: int, n: int) -> int:
+    """The gate kernel's ``UT`` for ``m`` tokens and ``n`` units (:data:`UNIT_TILES`,
+    fewer where ``n`` is not a multiple of the CTA's units)."""
+    ut = next(t for most, t in UNIT_TILES if m <= most)
+    while n % (UNITS * ut):
+        ut //= 2
+    return ut
+
+
+def down_shared_bytes(m: int, n: int, *, down_tokens: int = DOWN_TOKENS) -> int:
+    """Dynamic shared memory of the down kernel (its layout in decode_units.cu) for a call
+    of ``m`` tokens with at most ``down_tokens`` per CTA."""
+    tokens = 8 * token_tiles(min(m, down_tokens))
+    rows = min(m, tokens)
     chunks = DOWN_COLUMNS // 8
     work_units = tokens * (LIST // (8 * DOWN_LANES)) * chunks
-    return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + m * (n // 32) * 4
+    return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + rows * (n // 32) * 4
 
 
-def forward(x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any) -> list[Any]:
+def forward(
+    x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
+    ut: int | None = None, down_tokens: int = DOWN_TOKENS,
+) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    Returns the scratch buffers it used (keep them alive while a captured graph runs)."""
+    ``ut`` and ``down_tokens`` override the geometry (benchmarks; :func:`unit_tiles`,
+    :data:`DOWN_TOKENS`). Returns the scratch buffers it used (keep them alive while a
+    captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
-    nt = token_tiles(m)
+    ut = unit_tiles(m, n) if ut is None else ut
+    if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
+        raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
-    gate = SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt)
+    gate = SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut)
     gate(
-        (n // UNITS,), (GATE_THREADS,),
+        (n // (UNITS * ut),), (GATE_THREADS,),
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t), h, masks,
          np.int32(m), np.int32(n)),
     )  # fmt: skip
-    down = SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt)
-    shared = down_shared_bytes(m, n)
+    nt = token_tiles(min(m, down_tokens))
+    down = SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1)
+    shared = down_shared_bytes(m, n, down_tokens=down_tokens)
     if down.max_dynamic_shared_size_bytes < shared:
         down.max_dynamic_shared_size_bytes = shared
     down(
-        (-(-k // DOWN_COLUMNS),), (DOWN_THREADS,),
+        (-(-k // DOWN_COLUMNS), -(-m // (8 * nt))), (DOWN_THREADS,),
         (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         shared_mem=shared,
     )  # fmt: skip
