@@ -57,20 +57,20 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         y = empty_bf16((m, k))
         return [y, *pipeline.dense_block(b, x, y)]
 
-    def geometry(ut: int, tokens: int):  # noqa: ANN202
+    def geometry(**kw: object):  # noqa: ANN202
         def call(b):  # noqa: ANN001, ANN202
             y = empty_bf16((m, k))
-            return [y, *decode_units.forward(x, b.w_first, b.w_up if gated else None,
-                                             b.w_down_t, y, ut=ut, down_tokens=tokens)]  # fmt: skip
+            up = b.w_up if gated else None
+            return [y, *decode_units.forward(x, b.w_first, up, b.w_down_t, y, **kw)]
 
         return call
 
     variants = [("units", units), ("per_token", old), ("dense", dense)]
-    if m > 1 and workload == "uniform" and gated and k == 2048:
-        variants += [
-            (f"units_ut{ut}_dt{dt}", geometry(ut, dt))
-            for ut in (1, 2, 4) for dt in (8, 64) if (m > 16 or ut == 1)
-        ]  # fmt: skip
+    if m >= 8 and k * n >= 2048 * 5632:
+        variants += [("units_mma_gate", geometry(mma_gate=True)),
+                     ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
+    if m >= 32 and workload == "uniform" and gated and k == 2048:
+        variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (32, 64)]
     out = []
     for name, fn in variants:
         y = fn(blocks[0])
@@ -93,16 +93,17 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     nt, ut = decode_units.token_tiles(m), decode_units.unit_tiles(m, n)
     nt_down = decode_units.token_tiles(min(m, decode_units.DOWN_TOKENS))
     source = decode_units.SOURCE
-    gate = source.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=nt, UT=ut)
-    down = source.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt_down, UT=1)
+    cols, threads = decode_units.down_columns(m), decode_units.DOWN_THREADS
+    kw = {"KDIM": k, "GATED": int(gated), "PRE": 0}
+    gate = source.kernel("twell_units_gate_up", NT=nt, UT=ut, DC=16, **kw)
+    down = source.kernel("twell_units_down", NT=nt_down, UT=1, DC=cols, **kw)
     y = empty_bf16((m, k))
     u16 = lambda a: a.view(cp.uint16)  # noqa: E731
     gate_args = (u16(x), u16(b.w_first), u16(b.w_up) if gated else np.uint64(0),
-                 u16(b.w_down_t), h, masks, np.int32(m), np.int32(n))  # fmt: skip
+                 u16(b.w_down_t), np.uint64(0), h, masks, np.int32(m), np.int32(n))  # fmt: skip
     shared = decode_units.down_shared_bytes(m, n)
     down_args = (masks.view(cp.uint32), h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
     g_us = graph_ms_cupy(lambda: gate((n // (16 * ut),), (256,), gate_args), reps=50) * 1e3
-    cols, threads = decode_units.DOWN_COLUMNS, decode_units.DOWN_THREADS
     grid = (-(-k // cols), -(-m // (8 * nt_down)))
     d_us = (
         graph_ms_cupy(lambda: down(grid, (threads,), down_args, shared_mem=shared), reps=50) * 1e3
@@ -125,7 +126,7 @@ def main() -> None:
     for workload, gated, ms in plan:
         for m in ms:
             records += run(workload, m, 2048, 5632, gated)
-    for m in (1, 16, 64):
+    for m in (1, 16, 32, 64):
         records += run("uniform", m, 4096, 14336, True)
     if args.out:
         with open(args.out, "w") as f:

@@ -114,17 +114,32 @@ def test_a_token_with_more_units_than_a_list_pass(m: int) -> None:
 @pytest.mark.parametrize("m", [1, 13, 40, 64])
 def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(m: int, ut: int) -> None:
     """Each gate CTA width (16, 32, 64 units) at each token count, and the down kernel's
-    tokens per CTA (8, 16, all): the down split by tokens sums every row in the same
-    order, so its bits do not depend on the group size."""
+    tokens and columns per CTA: every (token, 8 columns) is summed in the same order
+    whatever the CTA's share, so the bits do not depend on it."""
     n, k = 1024, 264
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + ut)
     x = p.x.astype(np.float32)
     x[m - 1, 3] = np.nan
     got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut)
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
-    for tokens in (16, 64):
-        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, down_tokens=tokens)
+    for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (24, 24)):
+        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, down_tokens=tokens,
+                          columns=columns)  # fmt: skip
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m", [1, 9, 33, 64])
+def test_gate_from_cublas_matches_dense(m: int, gated: bool) -> None:
+    """The gate kernel reading a cuBLAS pre-activation instead of computing its own (the
+    larger token counts), with heavy rows and a NaN row."""
+    n, k = 2048, 264
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=3 * m)
+    x = p.x.astype(np.float32)
+    x[m // 2, 5] = np.nan
+    w_gate = p.w_gate if gated else None
+    got = run_units(x, w_gate, p.w_up, p.w_down, mma_gate=False)
+    check_against_dense(got, x, w_gate, p.w_up, p.w_down)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(16, 65536, 136), (64, 8192, 136), (4, 2048, 4096)])

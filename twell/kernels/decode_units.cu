@@ -33,7 +33,7 @@
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
-// twell_units_down — one CTA per 16 columns of y and 8 NT tokens (grid ceil(K / 16) x
+// twell_units_down — one CTA per DC columns of y and 8 NT tokens (grid ceil(K / DC) x
 // ceil(M / (8 NT)), 8 warps; the launcher takes NT for at most 8 tokens, so a CTA's
 // serial steps stay short): the masks of its tokens into shared memory (as uint32: 32
 // units per word); each token's kept
@@ -63,9 +63,9 @@
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles: the
 // gate's tokens, the down kernel's tokens per CTA; 1, 2, 4 or 8), TWELL_UT (unit tiles
-// per gate CTA: 1, 2 or 4); constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
-// TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_COLUMNS (16),
-// TWELL_DOWN_LANES (4), TWELL_LIST (512).
+// per gate CTA: 1, 2 or 4), TWELL_DC (columns of y per down CTA, a multiple of 8);
+// constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
+// TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_LANES (4), TWELL_LIST (512).
 
 namespace units {
 
@@ -73,6 +73,7 @@ constexpr int K = TWELL_KDIM;
 constexpr bool GATED = TWELL_GATED != 0;
 constexpr int NT = TWELL_NT;
 constexpr int TOKENS = 8 * NT;                    // most tokens of a launch
+constexpr bool PRE = TWELL_PRE != 0;              // the gate given (cuBLAS), not computed
 constexpr int UT = TWELL_UT;                      // m16 unit tiles per CTA of the gate kernel
 constexpr int U = TWELL_UNITS * UT;               // units per CTA of the gate kernel
 constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps
@@ -82,7 +83,7 @@ constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token m
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int UPV = (K + 255) / 256;              // 16-byte pieces per lane of a row
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
-constexpr int DCOLS = TWELL_DOWN_COLUMNS;         // columns of y per down CTA
+constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA
 constexpr int DCHUNKS = DCOLS / 8;                // 8-column pieces of a slice
 constexpr int LIST = TWELL_LIST;                  // list entries per token per pass
 constexpr int JW = TWELL_DOWN_LANES;              // lanes of a down work unit
@@ -98,7 +99,7 @@ static_assert(U * TOKENS % TWELL_GATE_THREADS == 0 || U * TOKENS < TWELL_GATE_TH
               "(unit, token) pairs in whole passes of the CTA");
 static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
 static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0 && 32 % JW == 0, "down kernel geometry");
-static_assert(DCHUNKS * TOKENS <= DTHREADS && LIST % CHP == 0, "down kernel geometry");
+static_assert(LIST % CHP == 0, "down kernel geometry");
 
 __device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -115,11 +116,13 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     const uint16_t* __restrict__ w_first,   // [N, K]
                     const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
                     const uint16_t* __restrict__ w_down_t,  // [N, K] (prefetched into L2)
+                    const uint16_t* __restrict__ pre,       // [M, N] gate (TWELL_PRE only)
                     float* __restrict__ h,                  // [M, N] out (kept pairs)
                     uint16_t* __restrict__ masks,           // [M, N / 16] out
                     int M, int N) {
   using namespace units;
-  __shared__ float s_red[WARPS][NT][32][4];
+  __shared__ float s_red[PRE ? 1 : WARPS][NT][32][4];
+  (void)pre;
   __shared__ uint16_t s_g[U][TOKENS];  // the gate, bf16 bits
   __shared__ uint32_t s_tok[U][TW];  // bit t % 32 of word t / 32: unit kept for token t
   (void)w_up;
@@ -140,39 +143,41 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   }
 
   // ---- 1. gate: UT tiles of 16 units x TOKENS tokens; the WPT warps of a tile take its
-  // 32-wide chunks of K in turn (kw, kw + WPT, ...)
-  float acc[NT][4];
+  // 32-wide chunks of K in turn (kw, kw + WPT, ...). TWELL_PRE: read from pre instead.
+  if constexpr (!PRE) {
+    float acc[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int c0 = kw; c0 < CHUNKS; c0 += WPT * BATCH) {
-    uint4 a[BATCH], b[BATCH], xx[BATCH][NT];
+      for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int c0 = kw; c0 < CHUNKS; c0 += WPT * BATCH) {
+      uint4 a[BATCH], b[BATCH], xx[BATCH][NT];
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      const int k0 = (c0 + i * WPT) * 32 + tig * 8;
-      const bool ok = k0 < K;  // K % 8 == 0: a lane's 8 columns are all in or all out
-      a[i] = ok ? ldg16(ra + k0) : zero;
-      b[i] = ok ? ldg16(rb + k0) : zero;
+      for (int i = 0; i < BATCH; ++i) {
+        const int k0 = (c0 + i * WPT) * 32 + tig * 8;
+        const bool ok = k0 < K;  // K % 8 == 0: a lane's 8 columns are all in or all out
+        a[i] = ok ? ldg16(ra + k0) : zero;
+        b[i] = ok ? ldg16(rb + k0) : zero;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) xx[i][nt] = ok && xv[nt] ? ldg16(xr[nt] + k0) : zero;
-    }
+        for (int nt = 0; nt < NT; ++nt) xx[i][nt] = ok && xv[nt] ? ldg16(xr[nt] + k0) : zero;
+      }
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
+      for (int i = 0; i < BATCH; ++i) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        // logical k 2tig, 2tig+1, 2tig+8, 2tig+9 <-> columns k0 .. k0+3, then k0+4 .. k0+7
-        twell_mma_bf16(acc[nt], a[i].x, b[i].x, a[i].y, b[i].y, xx[i][nt].x, xx[i][nt].y);
-        twell_mma_bf16(acc[nt], a[i].z, b[i].z, a[i].w, b[i].w, xx[i][nt].z, xx[i][nt].w);
+        for (int nt = 0; nt < NT; ++nt) {
+          // logical k 2tig, 2tig+1, 2tig+8, 2tig+9 <-> columns k0 .. k0+3, then k0+4 .. k0+7
+          twell_mma_bf16(acc[nt], a[i].x, b[i].x, a[i].y, b[i].y, xx[i][nt].x, xx[i][nt].y);
+          twell_mma_bf16(acc[nt], a[i].z, b[i].z, a[i].w, b[i].w, xx[i][nt].z, xx[i][nt].w);
+        }
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s_red[warp][nt][lane][j] = acc[nt][j];
+    __syncthreads();
   }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s_red[warp][nt][lane][j] = acc[nt][j];
-  __syncthreads();
 
   // one thread per (unit u, token t): the sums of u's tile's warps in K order, rounded to
   // bf16; 32 consecutive (u, t) per warp and pass, so a ballot gives whole words of s_tok
@@ -180,15 +185,20 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     const int u = i / TOKENS, t = i % TOKENS;
     const int nt = t >> 3, tt = t & 7, uu = u & 15;
     const int src = (uu & 7) * 4 + (tt >> 1), j = (uu >> 3) * 2 + (tt & 1);
-    float s = 0.f;
+    uint32_t bits;
+    if constexpr (PRE) {
+      bits = t < M ? pre[(long long)t * N + n0 + u] : 0u;
+    } else {
+      float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < WPT; ++w) s += s_red[w * UT + u / 16][nt][src][j];
-    const uint32_t bits = twell_pack_bf16x2(s, 0.f) & 0xffffu;
+      for (int w = 0; w < WPT; ++w) s += s_red[w * UT + u / 16][nt][src][j];
+      bits = twell_pack_bf16x2(s, 0.f) & 0xffffu;
+    }
     const float g = twell_bf16_to_float((uint16_t)bits);
     const bool kept = t < M && (twell_relu_keeps(bits) || twell_non_finite(bits));
     s_g[u][t] = (uint16_t)bits;
     const uint32_t ballot = __ballot_sync(0xffffffffu, kept);
-    if (TOKENS >= 32) {
+    if constexpr (TOKENS >= 32) {
       if (lane == 0) s_tok[u][t >> 5] = ballot;
     } else if (t == 0) {
       s_tok[u][0] = (ballot >> (lane - lane % TOKENS)) & ((1u << (TOKENS - 1) << 1) - 1u);
@@ -373,10 +383,11 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
       }
     }
     __syncthreads();
-    if (tid < M * DCHUNKS) {  // this pass's chunks into the accumulators, in chunk order
-      const int t = tid / DCHUNKS, c = tid % DCHUNKS;
+    // this pass's chunks into the accumulators, in chunk order
+    for (int q = tid; q < M * DCHUNKS; q += DTHREADS) {
+      const int t = q / DCHUNKS, c = q % DCHUNKS;
       const int chunks = (s_wuoff[t + 1] - s_wuoff[t]) / DCHUNKS;
-      float* acc = s_acc + tid * 8;
+      float* acc = s_acc + q * 8;
       for (int j = 0; j < chunks; ++j) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] += s_part[(s_wuoff[t] + j * DCHUNKS + c) * 8 + i];
@@ -384,11 +395,11 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
     }
     __syncthreads();  // lists, work units and partials are rebuilt by the next pass
   }
-  if (tid < M * DCHUNKS) {
-    const int t = tid / DCHUNKS;
-    const int col = blockIdx.x * DCOLS + (tid % DCHUNKS) * 8;
+  for (int q = tid; q < M * DCHUNKS; q += DTHREADS) {
+    const int t = q / DCHUNKS;
+    const int col = blockIdx.x * DCOLS + (q % DCHUNKS) * 8;
     if (col < K) {
-      const float* a = s_acc + tid * 8;
+      const float* a = s_acc + q * 8;
       uint4 o;
       o.x = twell_pack_bf16x2(a[0], a[1]);
       o.y = twell_pack_bf16x2(a[2], a[3]);

@@ -20,6 +20,7 @@ import numpy as np
 
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
+from twell.kernels.cublas import gemm_nt
 from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. The
@@ -38,7 +39,6 @@ MAX_TOKENS = 64
 UNITS = 16
 GATE_THREADS = 256
 DOWN_THREADS = 256
-DOWN_COLUMNS = 16
 DOWN_LANES = 4
 LIST = 512
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
@@ -46,6 +46,12 @@ LIST = 512
 UNIT_TILES = ((16, 1), (64, 2))
 #: Most tokens per down CTA (a second grid dimension covers the rest).
 DOWN_TOKENS = 8
+#: Columns of y per down CTA by token count: (most tokens, columns). Wider slices for
+#: more tokens: a CTA's list building is paid once for more work.
+DOWN_COLUMNS = ((32, 32), (64, 64))
+#: Most tokens whose gate the gate kernel computes itself (tensor cores, every CTA reading
+#: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads.
+MMA_GATE_TOKENS = 64
 #: The down kernel copies its tokens' masks (N / 16 uint16 per token) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
@@ -53,17 +59,18 @@ MASK_BYTES = 64 * 1024
 SOURCE = declare(
     Source(
         "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT", "UT"),
+        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_COLUMNS": DOWN_COLUMNS, "DOWN_LANES": DOWN_LANES, "LIST": LIST,
+            "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut}
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
             for k in (8, 264, 2048, 4096) for g in (0, 1)
-            for nt, ut in ((1, 1), (2, 1), (4, 2), (8, 4))
+            for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
+                                    (8, 1, 64, 1), (2, 1, 32, 1))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut}
+            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ),
     )
@@ -99,49 +106,69 @@ def unit_tiles(m: int, n: int) -> int:
     return ut
 
 
-def down_shared_bytes(m: int, n: int, *, down_tokens: int = DOWN_TOKENS) -> int:
+def down_columns(m: int) -> int:
+    """The down kernel's columns of y per CTA for ``m`` tokens (:data:`DOWN_COLUMNS`)."""
+    return next(c for most, c in DOWN_COLUMNS if m <= most)
+
+
+def down_shared_bytes(
+    m: int, n: int, *, down_tokens: int = DOWN_TOKENS, columns: int | None = None
+) -> int:
     """Dynamic shared memory of the down kernel (its layout in decode_units.cu) for a call
-    of ``m`` tokens with at most ``down_tokens`` per CTA."""
+    of ``m`` tokens with at most ``down_tokens`` per CTA and ``columns`` of y per CTA
+    (:func:`down_columns` unless given)."""
     tokens = 8 * token_tiles(min(m, down_tokens))
     rows = min(m, tokens)
-    chunks = DOWN_COLUMNS // 8
+    chunks = (down_columns(m) if columns is None else columns) // 8
     work_units = tokens * (LIST // (8 * DOWN_LANES)) * chunks
     return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + rows * (n // 32) * 4
 
 
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
-    ut: int | None = None, down_tokens: int = DOWN_TOKENS,
+    ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
+    mma_gate: bool | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    ``ut`` and ``down_tokens`` override the geometry (benchmarks; :func:`unit_tiles`,
-    :data:`DOWN_TOKENS`). Returns the scratch buffers it used (keep them alive while a
+    ``ut``, ``down_tokens``, ``columns`` and ``mma_gate`` override the geometry
+    (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
+    :data:`MMA_GATE_TOKENS`). Returns the scratch buffers it used (keep them alive while a
     captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
-    ut = unit_tiles(m, n) if ut is None else ut
-    if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
-        raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
+    mma = m <= MMA_GATE_TOKENS if mma_gate is None else mma_gate
+    ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
+    columns = down_columns(m) if columns is None else columns
+    if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1 or columns < 8 or columns % 8:
+        raise ValueError(
+            f"decode_units: ut={ut}, down_tokens={down_tokens}, columns={columns} do not fit N={n}"
+        )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
-    gate = SOURCE.kernel("twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut)
+    pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
+    gate = SOURCE.kernel(
+        "twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut, DC=16,
+        PRE=int(not mma),
+    )  # fmt: skip
     gate(
         (n // (UNITS * ut),), (GATE_THREADS,),
-        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t), h, masks,
-         np.int32(m), np.int32(n)),
+        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
+         _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
     nt = token_tiles(min(m, down_tokens))
-    down = SOURCE.kernel("twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1)
-    shared = down_shared_bytes(m, n, down_tokens=down_tokens)
+    down = SOURCE.kernel(
+        "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
+    )
+    shared = down_shared_bytes(m, n, down_tokens=down_tokens, columns=columns)
     if down.max_dynamic_shared_size_bytes < shared:
         down.max_dynamic_shared_size_bytes = shared
     down(
-        (-(-k // DOWN_COLUMNS), -(-m // (8 * nt))), (DOWN_THREADS,),
+        (-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,),
         (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         shared_mem=shared,
     )  # fmt: skip
-    return [h, masks]
+    return [h, masks] if pre is None else [h, masks, pre]
