@@ -1,5 +1,5 @@
 """The by-unit decode route (decode_units.cu) against the per-token route it replaces at
-M <= 16 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
+M <= 64 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
 with the weights L2-warm (one set) and rotated over sets that exceed L2, plus each of
 its two kernels alone. Checks every variant against float64 dense math first.
 

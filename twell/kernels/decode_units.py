@@ -3,11 +3,13 @@ tokens, with the work divided among the SMs by hidden unit (each active unit's w
 rows read once for all the tokens that use it) instead of by token.
 
 :func:`forward` writes every row of ``y`` in two launches on CuPy's current stream: the
-gate of 16 units per CTA on tensor cores with the up dot products of the kept pairs, then
-the down projection by column slices. No heavy rows (a unit list has no capacity: rows
-with many active units, or a non-finite pre-activation, are summed over all their kept
-units), no allocation but the two scratch outputs, no host synchronisation: it can be
-captured in a CUDA graph. ``PreparedBlock.forward`` takes it for inference calls of the
+gate of 16, 32 or 64 units per CTA on tensor cores (or, above :data:`MMA_GATE_TOKENS`
+tokens, read from a cuBLAS GEMM before them) with the up dot products of the kept pairs,
+then the down projection by slices of columns and groups of at most
+:data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no capacity: rows with many
+active units, or a non-finite pre-activation, are summed over all their kept units), no
+allocation but the scratch outputs, no host synchronisation: it can be captured in a CUDA
+graph. ``PreparedBlock.forward`` takes it for inference calls of the
 ``"fused"`` path when :func:`fits` says so.
 """
 
@@ -23,14 +25,12 @@ from twell.kernels.compile import Source, declare
 from twell.kernels.cublas import gemm_nt
 from twell.options import MAX_COLUMNS
 
-#: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. The
-#: kernels take up to 64 (eight 8-token column tiles in the gate); on an H100 (K = 2048,
-#: N = 5632, uniform, weights read from DRAM) they beat the per-token kernels up to 32
-#: tokens (32.7 against 34.2 µs) and lose above (48: 40.6 against 37.4; 64: 47.6 against
-#: 41.0), where every gate CTA still reads all of x (docs/perf-log.md, 2026-11-23, fifth
-#: session). The routes sum in different orders, so a row's output bits depend on which
-#: side of this bound M lies.
-MAX_ROWS = 32
+#: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. On an
+#: H100 (K = 2048, N = 5632, uniform, weights read from DRAM) the route beats the
+#: per-token kernels at every M up to the kernels' bound (M = 64: 31.9 against 41.0 µs;
+#: docs/perf-log.md, 2026-11-23, fifth session). The routes sum in different orders, so a
+#: row's output bits depend on which side of this bound M lies.
+MAX_ROWS = 64
 #: Most tokens the kernels take.
 MAX_TOKENS = 64
 #: Units of an m16 tile of the gate kernel and its threads; the down kernel's
@@ -50,8 +50,9 @@ DOWN_TOKENS = 8
 #: more tokens: a CTA's list building is paid once for more work.
 DOWN_COLUMNS = ((32, 32), (64, 64))
 #: Most tokens whose gate the gate kernel computes itself (tensor cores, every CTA reading
-#: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads.
-MMA_GATE_TOKENS = 64
+#: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads (H100,
+#: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
+MMA_GATE_TOKENS = 24
 #: The down kernel copies its tokens' masks (N / 16 uint16 per token) into shared memory;
 #: calls whose masks exceed this take the per-token kernels.
 MASK_BYTES = 64 * 1024
