@@ -66,7 +66,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         return call
 
     variants = [("units", units), ("per_token", old), ("dense", dense)]
-    if m >= 8 and k * n >= 2048 * 5632:
+    if 8 <= m <= 64 and k * n >= 2048 * 5632:
         variants += [("units_mma_gate", geometry(mma_gate=True)),
                      ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
     if m >= 32 and workload == "uniform" and gated and k == 2048:
@@ -85,7 +85,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
                     "variant": name, "warm_us": warm, "rotated_us": rotated,
                     "rel_err": err, "deterministic": same})  # fmt: skip
     # the two kernels alone (L2-warm)
-    if not decode_units.fits(m, n, most=decode_units.MAX_TOKENS):
+    if not decode_units.fits(m, n, most=decode_units.MAX_TOKENS) or m > 64:
         return out
     b = blocks[0]
     h = alloc((m, n), np.float32)
@@ -117,16 +117,16 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--M", nargs="+", type=int, default=[1, 8, 16, 24, 32, 48, 64])
+    ap.add_argument("--M", nargs="+", type=int, default=[1, 8, 16, 32, 64, 96, 128, 192, 256])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     records = []
     plan = [("uniform", True, args.M), ("uniform", False, [1, 16]),
-            ("paperlike", True, [1, 16, 32, 64]), ("density=0.1", True, [1, 16])]  # fmt: skip
+            ("paperlike", True, [1, 16, 64, 128]), ("density=0.1", True, [1, 16])]  # fmt: skip
     for workload, gated, ms in plan:
         for m in ms:
             records += run(workload, m, 2048, 5632, gated)
-    for m in (1, 16, 32, 64):
+    for m in (1, 16, 64, 128):
         records += run("uniform", m, 4096, 14336, True)
     if args.out:
         with open(args.out, "w") as f:

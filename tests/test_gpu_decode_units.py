@@ -129,7 +129,7 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(m: int, ut:
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize("m", [1, 9, 33, 64])
+@pytest.mark.parametrize("m", [1, 9, 33, 64, 65, 200, 256])
 def test_gate_from_cublas_matches_dense(m: int, gated: bool) -> None:
     """The gate kernel reading a cuBLAS pre-activation instead of computing its own (the
     larger token counts), with heavy rows and a NaN row."""
@@ -254,6 +254,9 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
         x = cp.zeros((most + 1, 64), cp.uint16)
         w = cp.zeros((64, 64), cp.uint16)
         decode_units.forward(x, w, None, w, x)
+    with pytest.raises(ValueError, match="tensor-core gate"):
+        x = cp.zeros((65, 64), cp.uint16)
+        decode_units.forward(x, w, None, w, x, mma_gate=True)
 
 
 @settings(max_examples=30, deadline=None,

@@ -1,4 +1,4 @@
-// decode_units.cu — the whole FFN block for a few tokens (decode, M <= 64),
+// decode_units.cu — the whole FFN block for a few tokens (decode, M <= 256),
 // with the work divided among the GPU's SMs by hidden unit rather than by token:
 // every weight row of an active unit is read once for all the tokens that use it.
 //
@@ -17,7 +17,9 @@
 // outputs of the first):
 //
 // twell_units_gate_up — one CTA per UT tiles of 16 units (grid N / (16 UT), 8 warps; all
-// M <= 8 NT tokens, so x is read once per CTA: UT > 1 for larger M):
+// M <= 8 NT tokens, so x is read once per CTA: UT > 1 for larger M; with TWELL_PRE the
+// gate comes from a bf16 pre-activation [M, N] a cuBLAS GEMM wrote, its CTA's columns
+// staged in shared memory, and step 1 is skipped):
 //  1. the gate of its units for all M tokens on tensor cores (mma.sync m16n8k16, the
 //     units as rows, the tokens as columns): the WPT = 8 / UT warps of a unit tile take
 //     its 32-wide k-chunks in turn (kw, kw + WPT, ...), each lane loading 16 contiguous
@@ -57,7 +59,7 @@
 // the masks' base too (the down kernel copies them in 16-byte pieces).
 // Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536 (the
 // down kernel's lists hold 16-bit unit ids);
-// gate: 1 <= M <= 8 * TWELL_NT; the down kernel's dynamic shared memory holds its
+// gate: 1 <= M <= 8 * TWELL_NT (NT <= 8 for the tensor-core gate); the down kernel's dynamic shared memory holds its
 // partials, accumulators and lists, then 8 NT * (N / 32) * 4 bytes of masks
 // (decode_units.down_shared_bytes).
 //
@@ -93,8 +95,8 @@ constexpr int WU_MAX = TOKENS * (LIST / CHP) * DCHUNKS;  // work units of a pass
 
 static_assert(TWELL_UNITS == 16, "a unit tile is one m16 tile of mma");
 static_assert(UT == 1 || UT == 2 || UT == 4, "TWELL_UT: 1, 2 or 4 unit tiles per CTA");
-static_assert(TWELL_GATE_THREADS - U >= TOKENS, "mask threads and prefetch threads apart");
-static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8, "TWELL_NT: 1, 2, 4 or 8 tiles of 8 tokens");
+static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8 || (PRE && (NT == 16 || NT == 32)),
+              "TWELL_NT: 1, 2, 4 or 8 tiles of 8 tokens (16 or 32 with TWELL_PRE)");
 static_assert(U * TOKENS % TWELL_GATE_THREADS == 0 || U * TOKENS < TWELL_GATE_THREADS,
               "(unit, token) pairs in whole passes of the CTA");
 static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
@@ -179,15 +181,39 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     __syncthreads();
   }
 
+  if constexpr (PRE) {
+    // the CTA's U columns of pre for every token into s_g, every 16-byte load in flight
+    constexpr int PIECES = U / 8;  // 16-byte pieces of a token's columns
+    constexpr int STEPS = (TOKENS * PIECES + TWELL_GATE_THREADS - 1) / TWELL_GATE_THREADS;
+    uint4 v[STEPS];
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+      const int i = tid + j * TWELL_GATE_THREADS, t = i / PIECES;
+      v[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (t < M) v[j] = ldg16(pre + (long long)t * N + n0 + (i % PIECES) * 8);
+    }
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+      const int i = tid + j * TWELL_GATE_THREADS, t = i / PIECES, p = i % PIECES;
+      if (t < TOKENS) {
+        const uint32_t w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s_g[p * 8 + e][t] = (uint16_t)(w[e / 2] >> (16 * (e % 2)));
+      }
+    }
+    __syncthreads();
+  }
+
   // one thread per (unit u, token t): the sums of u's tile's warps in K order, rounded to
-  // bf16; 32 consecutive (u, t) per warp and pass, so a ballot gives whole words of s_tok
+  // bf16 (TWELL_PRE: the staged pre-activation); 32 consecutive (u, t) per warp and pass,
+  // so a ballot gives whole words of s_tok
   for (int i = tid; i < U * TOKENS; i += TWELL_GATE_THREADS) {  // warp-uniform trip count
     const int u = i / TOKENS, t = i % TOKENS;
     const int nt = t >> 3, tt = t & 7, uu = u & 15;
     const int src = (uu & 7) * 4 + (tt >> 1), j = (uu >> 3) * 2 + (tt & 1);
     uint32_t bits;
     if constexpr (PRE) {
-      bits = t < M ? pre[(long long)t * N + n0 + u] : 0u;
+      bits = s_g[u][t];
     } else {
       float s = 0.f;
 #pragma unroll
@@ -201,7 +227,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     if constexpr (TOKENS >= 32) {
       if (lane == 0) s_tok[u][t >> 5] = ballot;
     } else if (t == 0) {
-      s_tok[u][0] = (ballot >> (lane - lane % TOKENS)) & ((1u << (TOKENS - 1) << 1) - 1u);
+      s_tok[u][0] = (ballot >> (lane - lane % TOKENS)) & (0xffffffffu >> (32 - (TOKENS < 32 ? TOKENS : 32)));
     }
     if (!GATED && kept) h[(long long)t * N + n0 + u] = relu_nan(g);
   }
@@ -209,15 +235,16 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
 
   // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
   // w_down_t rows start moving into L2 for the down kernel
-  if (tid < M) {
+  for (int t = tid; t < M; t += TWELL_GATE_THREADS) {
 #pragma unroll
     for (int b = 0; b < UT; ++b) {
       uint32_t m = 0;
 #pragma unroll
-      for (int u = 0; u < 16; ++u) m |= ((s_tok[b * 16 + u][tid >> 5] >> (tid & 31)) & 1u) << u;
-      masks[(long long)tid * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
+      for (int u = 0; u < 16; ++u) m |= ((s_tok[b * 16 + u][t >> 5] >> (t & 31)) & 1u) << u;
+      masks[(long long)t * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
     }
-  } else if (tid >= TWELL_GATE_THREADS - U) {
+  }
+  if (tid >= TWELL_GATE_THREADS - U) {
     const int u = tid - (TWELL_GATE_THREADS - U);
     uint32_t any = 0;
 #pragma unroll

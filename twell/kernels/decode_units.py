@@ -31,8 +31,8 @@ from twell.options import MAX_COLUMNS
 #: docs/perf-log.md, 2026-11-23, fifth session). The routes sum in different orders, so a
 #: row's output bits depend on which side of this bound M lies.
 MAX_ROWS = 64
-#: Most tokens the kernels take.
-MAX_TOKENS = 64
+#: Most tokens the kernels take (the tensor-core gate: 64).
+MAX_TOKENS = 256
 #: Units of an m16 tile of the gate kernel and its threads; the down kernel's
 #: threads, columns of y per CTA, lanes per work unit (each lane sums up to 8 pairs of
 #: one token, all loads in flight at once) and list entries per token and pass.
@@ -48,7 +48,7 @@ UNIT_TILES = ((16, 1), (64, 2))
 DOWN_TOKENS = 8
 #: Columns of y per down CTA by token count: (most tokens, columns). Wider slices for
 #: more tokens: a CTA's list building is paid once for more work.
-DOWN_COLUMNS = ((32, 32), (64, 64))
+DOWN_COLUMNS = ((32, 32), (MAX_TOKENS, 64))
 #: Most tokens whose gate the gate kernel computes itself (tensor cores, every CTA reading
 #: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads (H100,
 #: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
@@ -69,10 +69,12 @@ SOURCE = declare(
             {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
             for k in (8, 264, 2048, 4096) for g in (0, 1)
             for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
-                                    (8, 1, 64, 1), (2, 1, 32, 1))
+                                    (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
         ) + tuple(
             {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
+        ) + tuple(
+            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 64, "PRE": 1} for g in (0, 1)
         ),
     )
 )  # fmt: skip
@@ -94,7 +96,7 @@ def fits(m: int, n: int, *, most: int | None = None) -> bool:
 
 
 def token_tiles(m: int) -> int:
-    """The kernels' ``NT`` for ``m`` tokens: 8-token tiles, a power of two (1 to 8)."""
+    """The kernels' ``NT`` for ``m`` tokens: 8-token tiles, a power of two (1 to 32)."""
     return 1 << max(0, math.ceil(math.log2(max(1, -(-m // 8)))))
 
 
@@ -142,6 +144,8 @@ def forward(
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
     mma = m <= MMA_GATE_TOKENS if mma_gate is None else mma_gate
+    if mma and token_tiles(m) > 8:
+        raise ValueError(f"decode_units: the tensor-core gate takes at most 64 tokens, got {m}")
     ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
     columns = down_columns(m) if columns is None else columns
     if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1 or columns < 8 or columns % 8:
