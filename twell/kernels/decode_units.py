@@ -27,10 +27,11 @@ from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. On an
 #: H100 (K = 2048, N = 5632, uniform, weights read from DRAM) the route beats the
-#: per-token kernels at every M up to the kernels' bound (M = 64: 31.9 against 41.0 µs;
-#: docs/perf-log.md, 2026-11-23, fifth session). The routes sum in different orders, so a
-#: row's output bits depend on which side of this bound M lies.
-MAX_ROWS = 64
+#: per-token kernels up to 192 tokens (M = 64: 31.8 against 41.0 µs; 128: 44.6 against
+#: 48.4; 192: 51.5 against 52.3) and loses at 256 (61.7 against 55.4); docs/perf-log.md,
+#: 2026-11-23, fifth session. The routes sum in different orders, so a row's output bits
+#: depend on which side of this bound M lies.
+MAX_ROWS = 192
 #: Most tokens the kernels take (the tensor-core gate: 64).
 MAX_TOKENS = 256
 #: Units of an m16 tile of the gate kernel and its threads; the down kernel's
