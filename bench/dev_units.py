@@ -69,8 +69,13 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     if 8 <= m <= 64 and k * n >= 2048 * 5632:
         variants += [("units_mma_gate", geometry(mma_gate=True)),
                      ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
-    if m >= 32 and workload == "uniform" and gated and k == 2048:
+    if 32 <= m <= 64 and workload == "uniform" and gated and k == 2048:
         variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (32, 64)]
+    if m > 64 and workload == "uniform" and gated and k == 2048:
+        variants += [
+            (f"units_dc{dc}_dt{dt}", geometry(columns=dc, down_tokens=dt))
+            for dc in (64, 128) for dt in (8, 16)
+        ]  # fmt: skip
     out = []
     for name, fn in variants:
         y = fn(blocks[0])
@@ -119,14 +124,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--M", nargs="+", type=int, default=[1, 8, 16, 32, 64, 96, 128, 192, 256])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--uniform-only", action="store_true", help="gated uniform, K=2048 only")
     args = ap.parse_args()
     records = []
     plan = [("uniform", True, args.M), ("uniform", False, [1, 16]),
             ("paperlike", True, [1, 16, 64, 128]), ("density=0.1", True, [1, 16])]  # fmt: skip
+    if args.uniform_only:
+        plan = plan[:1]
     for workload, gated, ms in plan:
         for m in ms:
             records += run(workload, m, 2048, 5632, gated)
-    for m in (1, 16, 64, 128):
+    for m in () if args.uniform_only else (1, 16, 64, 128):
         records += run("uniform", m, 4096, 14336, True)
     if args.out:
         with open(args.out, "w") as f:
