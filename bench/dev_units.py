@@ -18,6 +18,7 @@ import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
 from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
 from twell.kernels import decode_units, pipeline
 from twell.kernels.buffers import alloc, empty_bf16
+from twell.kernels.compile import device_info
 from twell.options import Options
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
@@ -98,7 +99,8 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     nt, ut = decode_units.token_tiles(m), decode_units.unit_tiles(m, n)
     nt_down = decode_units.token_tiles(min(m, decode_units.DOWN_TOKENS))
     source = decode_units.SOURCE
-    cols, threads = decode_units.down_columns(m), decode_units.DOWN_THREADS
+    sms = device_info().multiprocessors
+    cols, threads = decode_units.down_columns(m, k, n, sms), decode_units.DOWN_THREADS
     kw = {"KDIM": k, "GATED": int(gated), "PRE": 0}
     gate = source.kernel("twell_units_gate_up", NT=nt, UT=ut, DC=16, **kw)
     down = source.kernel("twell_units_down", NT=nt_down, UT=1, DC=cols, **kw)
@@ -106,7 +108,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     u16 = lambda a: a.view(cp.uint16)  # noqa: E731
     gate_args = (u16(x), u16(b.w_first), u16(b.w_up) if gated else np.uint64(0),
                  u16(b.w_down_t), np.uint64(0), h, masks, np.int32(m), np.int32(n))  # fmt: skip
-    shared = decode_units.down_shared_bytes(m, n)
+    shared = decode_units.down_shared_bytes(m, n, cols)
     down_args = (masks.view(cp.uint32), h, u16(b.w_down_t), u16(y), np.int32(m), np.int32(n))
     g_us = graph_ms_cupy(lambda: gate((n // (16 * ut),), (256,), gate_args), reps=50) * 1e3
     grid = (-(-k // cols), -(-m // (8 * nt_down)))

@@ -122,7 +122,7 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(m: int, ut:
     x[m - 1, 3] = np.nan
     got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut)
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
-    for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (24, 24)):
+    for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (8, 128), (24, 24)):
         other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, down_tokens=tokens,
                           columns=columns)  # fmt: skip
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))

@@ -116,7 +116,13 @@ def test_decode_units_route_limits() -> None:
     assert decode_units.fits(decode_units.MAX_TOKENS, 8192, most=decode_units.MAX_TOKENS)
     # the down kernel holds the masks of at most DOWN_TOKENS tokens: any N the ids allow
     assert decode_units.fits(64, 65536, most=64)
-    assert decode_units.down_shared_bytes(64, 65536) <= 227 * 1024 // 2  # two CTAs per SM
+    # one wave of two CTAs per SM (132 SMs): the narrowest slices that fit
+    widths = [decode_units.down_columns(m, 2048, 5632, 132) for m in (1, 32, 48, 64, 128, 144)]
+    assert widths == [32, 32, 64, 64, 128, 64]
+    # the widest model: slices whose shared memory still lets two CTAs share an SM
+    widest = decode_units.down_columns(128, 2048, 65536, 132)
+    assert widest == 64
+    assert decode_units.down_shared_bytes(128, 65536, widest) <= decode_units.SHARED_PER_SM // 2
     assert [decode_units.unit_tiles(m, 5632) for m in (1, 16, 17, 64)] == [1, 1, 2, 2]
     assert decode_units.unit_tiles(64, 96) == 2 and decode_units.unit_tiles(32, 64) == 2
     assert not decode_units.fits(1, 48)  # 32-unit mask words

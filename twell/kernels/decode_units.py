@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import alloc, u16
-from twell.kernels.compile import Source, declare
+from twell.kernels.compile import Source, declare, device_info
 from twell.kernels.cublas import gemm_nt
 from twell.options import MAX_COLUMNS
 
@@ -47,9 +47,11 @@ LIST = 512
 UNIT_TILES = ((16, 1), (64, 2))
 #: Most tokens per down CTA (a second grid dimension covers the rest).
 DOWN_TOKENS = 8
-#: Columns of y per down CTA by token count: (most tokens, columns). Wider slices for
-#: more tokens: a CTA's list building is paid once for more work.
-DOWN_COLUMNS = ((32, 32), (MAX_TOKENS, 64))
+#: Columns of y per down CTA, narrowest first (see :func:`down_columns`): wider slices
+#: pay a CTA's list building once for more work.
+DOWN_COLUMNS = (32, 64, 128)
+#: Shared memory of an SM that CTAs can use (sm_90).
+SHARED_PER_SM = 227 * 1024
 #: Most tokens whose gate the gate kernel computes itself (tensor cores, every CTA reading
 #: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads (H100,
 #: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
@@ -75,7 +77,7 @@ SOURCE = declare(
             {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 64, "PRE": 1} for g in (0, 1)
+            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1} for g in (0, 1)
         ),
     )
 )  # fmt: skip
@@ -110,22 +112,28 @@ def unit_tiles(m: int, n: int) -> int:
     return ut
 
 
-def down_columns(m: int) -> int:
-    """The down kernel's columns of y per CTA for ``m`` tokens (:data:`DOWN_COLUMNS`)."""
-    return next(c for most, c in DOWN_COLUMNS if m <= most)
-
-
-def down_shared_bytes(
-    m: int, n: int, *, down_tokens: int = DOWN_TOKENS, columns: int | None = None
-) -> int:
+def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
     """Dynamic shared memory of the down kernel (its layout in decode_units.cu) for a call
-    of ``m`` tokens with at most ``down_tokens`` per CTA and ``columns`` of y per CTA
-    (:func:`down_columns` unless given)."""
+    of ``m`` tokens with at most ``down_tokens`` and ``columns`` of y per CTA."""
     tokens = 8 * token_tiles(min(m, down_tokens))
     rows = min(m, tokens)
-    chunks = (down_columns(m) if columns is None else columns) // 8
+    chunks = columns // 8
     work_units = tokens * (LIST // (8 * DOWN_LANES)) * chunks
     return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + rows * (n // 32) * 4
+
+
+def down_columns(m: int, k: int, n: int, multiprocessors: int) -> int:
+    """The down kernel's columns of y per CTA for ``m`` tokens (width ``k``, ``n`` units):
+    the narrowest of :data:`DOWN_COLUMNS` whose grid (column slices x groups of
+    :data:`DOWN_TOKENS` tokens) fits one wave of two CTAs per SM, else 64. On an H100 a
+    second wave cost more than wider slices (M=128: 44.4 µs with 64 columns, 39.8 with
+    128; M=64: 35.9 with 32, 31.5 with 64)."""
+    groups = -(-m // DOWN_TOKENS)
+    for columns in DOWN_COLUMNS:
+        two = down_shared_bytes(m, n, columns) <= SHARED_PER_SM // 2
+        if two and -(-k // columns) * groups <= 2 * multiprocessors:
+            return columns
+    return 64
 
 
 def forward(
@@ -148,7 +156,8 @@ def forward(
     if mma and token_tiles(m) > 8:
         raise ValueError(f"decode_units: the tensor-core gate takes at most 64 tokens, got {m}")
     ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
-    columns = down_columns(m) if columns is None else columns
+    if columns is None:
+        columns = down_columns(m, k, n, device_info().multiprocessors)
     if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1 or columns < 8 or columns % 8:
         raise ValueError(
             f"decode_units: ut={ut}, down_tokens={down_tokens}, columns={columns} do not fit N={n}"
@@ -169,7 +178,7 @@ def forward(
     down = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
-    shared = down_shared_bytes(m, n, down_tokens=down_tokens, columns=columns)
+    shared = down_shared_bytes(m, n, columns, down_tokens=down_tokens)
     if down.max_dynamic_shared_size_bytes < shared:
         down.max_dynamic_shared_size_bytes = shared
     down(
