@@ -27,11 +27,11 @@
 //     the dot products are exact reorderings of the plain ones; warps of different tiles
 //     load the same x pieces, the later ones from L1); a tile's warp fragments are summed
 //     in K order in shared memory and rounded to bf16;
-//  2. gated: for every active unit (warps take them in turn), the lanes read w_up[n]
-//     (16 bytes per lane per 256 columns; from L1 for the unit's second token on) and
-//     take the dot product with each token that keeps the unit (fp32, the lane's chunks
-//     in order, then an xor butterfly):
-//     h[t, n] = r(g) * (x[t]·w_up[n]); non-gated: h[t, n] = r(g);
+//  2. gated: the kept (token, unit) pairs listed, then their up dot products cut into
+//     (pair, 256-wide slice of K) items spread over all warps, several items' loads in
+//     flight per warp (fp32; per item a lane's 8 products, then an xor butterfly; a
+//     pair's slices summed in K order): h[t, n] = r(g) * (x[t]·w_up[n]);
+//     non-gated: h[t, n] = r(g);
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
@@ -83,7 +83,9 @@ constexpr int WPT = WARPS / UT;                   // warps per unit tile (they s
 constexpr int CHUNKS = (K + 31) / 32;             // 32-wide k-chunks of a row
 constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token mask
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
-constexpr int UPV = (K + 255) / 256;              // 16-byte pieces per lane of a row
+constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a lane: 8)
+constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
+constexpr int UP_LOADS = 4;                       // work items a warp loads at once
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA
 constexpr int DCHUNKS = DCOLS / 8;                // 8-column pieces of a slice
@@ -123,7 +125,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     uint16_t* __restrict__ masks,           // [M, N / 16] out
                     int M, int N) {
   using namespace units;
-  __shared__ float s_red[PRE ? 1 : WARPS][NT][32][4];
+  __shared__ float s_red[PRE ? UT : WARPS][NT][32][4];
   (void)pre;
   __shared__ uint16_t s_g[U][TOKENS];  // the gate, bf16 bits
   __shared__ uint32_t s_tok[U][TW];  // bit t % 32 of word t / 32: unit kept for token t
@@ -255,32 +257,80 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     }
   }
 
-  // ---- 2. gated: up dot products of the kept pairs, warps taking active units in turn
-  if (GATED) {
-    int rank = 0;
-    for (int u = 0; u < U; ++u) {
-      uint32_t any = 0;
+  // ---- 2. gated: up dot products of the kept pairs. Warp 0 lists the pairs (unit-major,
+  // tokens ascending; in s_red, dead by now). They are taken UP_PAIRS at a time, cut into
+  // work items of (pair, 256-wide slice of K): one 16-byte load of x and of w_up per lane,
+  // UP_LOADS items per warp with every load in flight, so a round costs one trip to
+  // memory whatever the pairs' spread over units and tokens; a pair's slices are summed
+  // in K order by one thread.
+  if constexpr (GATED) {
+    uint16_t* s_pairs = reinterpret_cast<uint16_t*>(&s_red[0][0][0][0]);  // u << 8 | t
+    static_assert(U * TOKENS * 2 <= sizeof(s_red), "the pair list fits in s_red");
+    __shared__ int s_npairs;
+    __shared__ float s_dot[UP_PAIRS][SLICES];
+    if (warp == 0) {
+      int base = 0;
+      for (int u0 = 0; u0 < U; u0 += 32) {
+        const int u = u0 + lane;
+        int c = 0;
+        if (u < U) {
 #pragma unroll
-      for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
-      if (!any) continue;
-      if (rank++ % WARPS != warp) continue;
-      const uint16_t* wr = w_up + (long long)(n0 + u) * K;
-#pragma unroll 1
-      for (int w = 0; w < TW; ++w) {
-        for (uint32_t rest = s_tok[u][w]; rest; rest &= rest - 1) {  // w_up[n]: L1 after the first
-          const int t = w * 32 + __ffs(rest) - 1;
-          const uint16_t* xt = x + (long long)t * K;
-          float s = 0.f;
-#pragma unroll 4
-          for (int i = 0; i < UPV; ++i) {
-            const int k = (i * 32 + lane) * 8;
-            if (k < K) s = twell_dot8(ldg16(xt + k), ldg16(wr + k), s);
+          for (int w = 0; w < TW; ++w) c += __popc(s_tok[u][w]);
+        }
+        int incl = c;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int o = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += o;
+        }
+        int pos = base + incl - c;
+        if (u < U) {
+          for (int w = 0; w < TW; ++w) {
+            for (uint32_t rest = s_tok[u][w]; rest; rest &= rest - 1)
+              s_pairs[pos++] = (uint16_t)((u << 8) | (w * 32 + __ffs(rest) - 1));
           }
+        }
+        base += __shfl_sync(0xffffffffu, incl, 31);
+      }
+      if (lane == 0) s_npairs = base;
+    }
+    __syncthreads();
+    const int npairs = s_npairs;
+    const uint4 none = make_uint4(0u, 0u, 0u, 0u);
+    for (int p0 = 0; p0 < npairs; p0 += UP_PAIRS) {
+      const int here = min(UP_PAIRS, npairs - p0), items = here * SLICES;
+      for (int i0 = warp; i0 < items; i0 += WARPS * UP_LOADS) {
+        uint4 xa[UP_LOADS], wa[UP_LOADS];
 #pragma unroll
-          for (int d = 16; d >= 1; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-          if (lane == 0) h[(long long)t * N + n0 + u] = relu_nan(twell_bf16_to_float(s_g[u][t])) * s;
+        for (int j = 0; j < UP_LOADS; ++j) {
+          const int it = i0 + j * WARPS, k = (it % SLICES) * 256 + lane * 8;
+          xa[j] = none;
+          wa[j] = none;
+          if (it < items && k < K) {
+            const uint32_t pr = s_pairs[p0 + it / SLICES];
+            xa[j] = ldg16(x + (long long)(pr & 255u) * K + k);
+            wa[j] = ldg16(w_up + (long long)(n0 + (int)(pr >> 8)) * K + k);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < UP_LOADS; ++j) {
+          float v = twell_dot8(xa[j], wa[j], 0.f);
+#pragma unroll
+          for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+          const int it = i0 + j * WARPS;
+          if (lane == 0 && it < items) s_dot[it / SLICES][it % SLICES] = v;
         }
       }
+      __syncthreads();
+      for (int p = tid; p < here; p += TWELL_GATE_THREADS) {
+        float v = 0.f;
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) v += s_dot[p][sl];
+        const uint32_t pr = s_pairs[p0 + p];
+        const int u = (int)(pr >> 8), t = (int)(pr & 255u);
+        h[(long long)t * N + n0 + u] = relu_nan(twell_bf16_to_float(s_g[u][t])) * v;
+      }
+      __syncthreads();
     }
   }
 }
