@@ -1,7 +1,8 @@
 """The by-unit decode route (decode_units.cu) against the per-token route it replaces at
-M <= 64 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
+M <= 192 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
 with the weights L2-warm (one set) and rotated over sets that exceed L2, plus each of
-its two kernels alone. Checks every variant against float64 dense math first.
+its two kernels alone (up to MMA_GATE_TOKENS tokens, where there are two). Checks every
+variant against float64 dense math first.
 
     PYTHONPATH=. python bench/dev_units.py [--M 1 8 16] [--out dev_units.json]
 """
@@ -90,8 +91,8 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
                     "variant": name, "warm_us": warm, "rotated_us": rotated,
                     "rel_err": err, "deterministic": same})  # fmt: skip
-    # the two kernels alone (L2-warm)
-    if not decode_units.fits(m, n, most=decode_units.MAX_TOKENS) or m > 64:
+    # the two kernels alone (L2-warm), where the gate kernel computes the gate
+    if m > decode_units.MMA_GATE_TOKENS or not decode_units.fits(m, n, most=m):
         return out
     b = blocks[0]
     h = alloc((m, n), np.float32)

@@ -48,8 +48,8 @@ def poisoned_outputs() -> Iterator[None]:
 
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
               w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
-    """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``);
-    float64 result."""
+    """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``,
+    ``columns``, ``mma_gate``); float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
@@ -110,27 +110,44 @@ def test_a_token_with_more_units_than_a_list_pass(m: int) -> None:
     check_against_dense(got, x, w_gate, w_up, w_down)
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma_gate", "cublas_gate"])
 @pytest.mark.parametrize("ut", [1, 2, 4])
-@pytest.mark.parametrize("m", [1, 13, 40, 64])
-def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(m: int, ut: int) -> None:
-    """Each gate CTA width (16, 32, 64 units) at each token count, and the down kernel's
-    tokens and columns per CTA: every (token, 8 columns) is summed in the same order
-    whatever the CTA's share, so the bits do not depend on it."""
+@pytest.mark.parametrize("m", [1, 13, 24, 64])
+def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
+    m: int, ut: int, mma: bool
+) -> None:
+    """Each gate CTA width (16, 32, 64 units) at each token count (8 to 64 tokens per gate
+    CTA), with either gate, and the down kernel's tokens and columns per CTA: every
+    (token, 8 columns) is summed in the same order whatever the CTA's share, so the bits
+    do not depend on it."""
     n, k = 1024, 264
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + ut)
     x = p.x.astype(np.float32)
     x[m - 1, 3] = np.nan
-    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut)
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma)
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
     for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (8, 128), (24, 24)):
-        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, down_tokens=tokens,
-                          columns=columns)  # fmt: skip
+        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma,
+                          down_tokens=tokens, columns=columns)  # fmt: skip
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
+def test_geometry_the_kernels_cannot_take_is_refused() -> None:
+    x = cp.zeros((200, 64), cp.uint16)
+    w = cp.zeros((1024, 64), cp.uint16)
+    y = cp.zeros((200, 64), cp.uint16)
+    with pytest.raises(ValueError, match="shared memory"):
+        decode_units.forward(x, w, w, w, y, mma_gate=False, ut=4)  # 64 units x 256 tokens
+    with pytest.raises(ValueError, match="down_tokens"):
+        decode_units.forward(x, w, w, w, y, down_tokens=128)
+    with pytest.raises(ValueError, match="down_tokens"):
+        decode_units.forward(x, w, w, w, y, columns=4096)
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize("m", [1, 9, 33, 64, 65, 200, 256])
-def test_gate_from_cublas_matches_dense(m: int, gated: bool) -> None:
+@pytest.mark.parametrize(("m", "ut"), [(1, 1), (9, 1), (33, 1), (64, 1), (65, 1), (200, 1),
+                                       (256, 1), (200, 2), (128, 4)])  # fmt: skip
+def test_gate_from_cublas_matches_dense(m: int, ut: int, gated: bool) -> None:
     """The gate kernel reading a cuBLAS pre-activation instead of computing its own (the
     larger token counts), with heavy rows and a NaN row."""
     n, k = 2048, 264
@@ -138,7 +155,7 @@ def test_gate_from_cublas_matches_dense(m: int, gated: bool) -> None:
     x = p.x.astype(np.float32)
     x[m // 2, 5] = np.nan
     w_gate = p.w_gate if gated else None
-    got = run_units(x, w_gate, p.w_up, p.w_down, mma_gate=False)
+    got = run_units(x, w_gate, p.w_up, p.w_down, mma_gate=False, ut=ut)
     check_against_dense(got, x, w_gate, p.w_up, p.w_down)
 
 
@@ -194,6 +211,33 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
         graph.launch(stream)
         stream.synchronize()
     assert cp.array_equal(first, eager) and cp.array_equal(y.view(cp.uint16), eager)
+
+
+def test_capture_with_the_cublas_gate_replays_its_bits() -> None:
+    """Above MMA_GATE_TOKENS a call captured from CuPy runs the gate GEMM through torch
+    (CuPy refuses cuBLAS during capture; eager calls use CuPy's, whose bits may differ):
+    every replay gives the first replay's bits, and they match dense math."""
+    pytest.importorskip("torch")
+    m, n, k = decode_units.MMA_GATE_TOKENS + 16, 2048, 1024
+    p = workloads.uniform(m, k, n, p=0.01, seed=3)
+    block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)),
+                          Options(path="fused", density_switch=False))  # fmt: skip
+    x = to_gpu(p.x)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        block(x)
+        stream.synchronize()
+        stream.begin_capture()
+        y = block(x)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        first = y.copy()
+        y.view(cp.uint16).fill(0xFFFF)
+        graph.launch(stream)
+        stream.synchronize()
+    assert cp.array_equal(first.view(cp.uint16), y.view(cp.uint16))
+    check_against_dense(as_host(first).astype(np.float64), p.x, p.w_gate, p.w_up, p.w_down)
 
 
 def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.MonkeyPatch):

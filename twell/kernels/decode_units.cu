@@ -26,7 +26,7 @@
 //     bytes of two weight rows and of x (the same permutation of k for both operands, so
 //     the dot products are exact reorderings of the plain ones; warps of different tiles
 //     load the same x pieces, the later ones from L1); a tile's warp fragments are summed
-//     in K order in shared memory and rounded to bf16;
+//     in warp order in shared memory and rounded to bf16;
 //  2. gated: the kept (token, unit) pairs listed, then their up dot products cut into
 //     (pair, 256-wide slice of K) items spread over all warps, several items' loads in
 //     flight per warp (fp32; per item a lane's 8 products, then an xor butterfly; a
@@ -49,7 +49,9 @@
 //
 // Determinism: every value is summed in an order fixed by M, K, N and the data (never by
 // timing or by the grid): identical bits run to run, and on any sm_90 device (the
-// tensor-core sums follow the hardware's order).
+// tensor-core sums follow the hardware's order). With TWELL_PRE the gate's bits are the
+// cuBLAS GEMM's, which depend on the kernel cuBLAS picks (library version, CuPy or
+// torch as the caller).
 //
 // Floor (uniform p = 0.005, K = 2048, N = 5632, gated): the gate reads w_first once
 // (23 MB: 6.9 µs at 3.35 TB/s); an active unit adds 8 KB (M = 8: ~220 units, 1.8 MB).
@@ -60,12 +62,14 @@
 // Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536 (the
 // down kernel's lists hold 16-bit unit ids);
 // gate: 1 <= M <= 8 * TWELL_NT (NT <= 8 for the tensor-core gate); the down kernel's dynamic shared memory holds its
-// partials, accumulators and lists, then 8 NT * (N / 32) * 4 bytes of masks
+// partials, accumulators and lists, then min(M, 8 NT) * (N / 32) * 4 bytes of masks
 // (decode_units.down_shared_bytes).
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles: the
-// gate's tokens, the down kernel's tokens per CTA; 1, 2, 4 or 8), TWELL_UT (unit tiles
-// per gate CTA: 1, 2 or 4), TWELL_DC (columns of y per down CTA, a multiple of 8);
+// gate's tokens, the down kernel's tokens per CTA; 1, 2, 4 or 8, and 16 or 32 for the
+// gate with TWELL_PRE), TWELL_UT (unit tiles per gate CTA: 1, 2 or 4; with TWELL_PRE,
+// UT * NT <= 64), TWELL_DC (columns of y per down CTA, a multiple of 8), TWELL_PRE (the
+// gate read from a pre-activation instead of computed);
 // constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
 // TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_LANES (4), TWELL_LIST (512).
 
@@ -125,10 +129,14 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     uint16_t* __restrict__ masks,           // [M, N / 16] out
                     int M, int N) {
   using namespace units;
-  __shared__ float s_red[PRE ? UT : WARPS][NT][32][4];
+  // the warps' gate fragments (TWELL_PRE: room for the pair list of step 2 only)
+  __shared__ float s_red[PRE ? (UT + 1) / 2 : WARPS][NT][32][4];
   (void)pre;
   __shared__ uint16_t s_g[U][TOKENS];  // the gate, bf16 bits
   __shared__ uint32_t s_tok[U][TW];  // bit t % 32 of word t / 32: unit kept for token t
+  static_assert(sizeof(s_red) + sizeof(s_g) + sizeof(s_tok) + 4 * UP_PAIRS * SLICES + 16 <=
+                    48 * 1024,
+                "static shared memory (TWELL_PRE: UT * NT <= 64)");
   (void)w_up;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -206,7 +214,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     __syncthreads();
   }
 
-  // one thread per (unit u, token t): the sums of u's tile's warps in K order, rounded to
+  // one thread per (unit u, token t): the sums of u's tile's warps in warp order, rounded to
   // bf16 (TWELL_PRE: the staged pre-activation); 32 consecutive (u, t) per warp and pass,
   // so a ballot gives whole words of s_tok
   for (int i = tid; i < U * TOKENS; i += TWELL_GATE_THREADS) {  // warp-uniform trip count

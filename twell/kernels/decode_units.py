@@ -3,13 +3,15 @@ tokens, with the work divided among the SMs by hidden unit (each active unit's w
 rows read once for all the tokens that use it) instead of by token.
 
 :func:`forward` writes every row of ``y`` in two launches on CuPy's current stream: the
-gate of 16, 32 or 64 units per CTA on tensor cores (or, above :data:`MMA_GATE_TOKENS`
+gate of 16 or 32 units per CTA on tensor cores (or, above :data:`MMA_GATE_TOKENS`
 tokens, read from a cuBLAS GEMM before them) with the up dot products of the kept pairs,
 then the down projection by slices of columns and groups of at most
 :data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no capacity: rows with many
 active units, or a non-finite pre-activation, are summed over all their kept units), no
 allocation but the scratch outputs, no host synchronisation: it can be captured in a CUDA
-graph. ``PreparedBlock.forward`` takes it for inference calls of the
+graph (above :data:`MMA_GATE_TOKENS` tokens torch must be imported: the gate GEMM then
+runs through it, and its bits may differ from CuPy's eager GEMM; see
+``cublas.gemm_nt``). ``PreparedBlock.forward`` takes it for inference calls of the
 ``"fused"`` path when :func:`fits` says so.
 """
 
@@ -27,10 +29,11 @@ from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. On an
 #: H100 (K = 2048, N = 5632, uniform, weights read from DRAM) the route beats the
-#: per-token kernels up to 192 tokens (M = 64: 31.8 against 41.0 µs; 128: 44.6 against
-#: 48.4; 192: 51.5 against 52.3) and loses at 256 (61.7 against 55.4); docs/perf-log.md,
-#: 2026-11-23, fifth session. The routes sum in different orders, so a row's output bits
-#: depend on which side of this bound M lies.
+#: per-token kernels up to 192 tokens (M = 64: 30.7 against 40.7 µs; 128: 37.5 against
+#: 48.9; 192: 49.5 against 53.0) and lost at 256 before its last two changes (61.7
+#: against 55.4; not measured since); docs/perf-log.md, 2026-11-23, fifth session. The
+#: routes sum in different orders, so a row's output bits depend on which side of this
+#: bound M lies.
 MAX_ROWS = 192
 #: Most tokens the kernels take (the tensor-core gate: 64).
 MAX_TOKENS = 256
@@ -50,15 +53,14 @@ DOWN_TOKENS = 8
 #: Columns of y per down CTA, narrowest first (see :func:`down_columns`): wider slices
 #: pay a CTA's list building once for more work.
 DOWN_COLUMNS = (32, 64, 128)
-#: Shared memory of an SM that CTAs can use (sm_90).
+#: Shared memory of an SM that CTAs can use (sm_90), and what a down CTA takes beyond
+#: its dynamic shared memory (static arrays, the driver's reserve), with room to spare.
 SHARED_PER_SM = 227 * 1024
+STATIC_RESERVE = 4 * 1024
 #: Most tokens whose gate the gate kernel computes itself (tensor cores, every CTA reading
 #: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads (H100,
 #: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
 MMA_GATE_TOKENS = 24
-#: The down kernel copies its tokens' masks (N / 16 uint16 per token) into shared memory;
-#: calls whose masks exceed this take the per-token kernels.
-MASK_BYTES = 64 * 1024
 
 SOURCE = declare(
     Source(
@@ -78,6 +80,9 @@ SOURCE = declare(
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ) + tuple(
             {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1} for g in (0, 1)
+        ) + tuple(
+            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1}
+            for nt, ut in ((32, 2), (16, 4))
         ),
     )
 )  # fmt: skip
@@ -89,12 +94,12 @@ def fits(m: int, n: int, *, most: int | None = None) -> bool:
     """Whether a call of ``m`` tokens on ``n`` units takes this route (``most``: the
     token bound, :data:`MAX_ROWS` unless given; the kernels take up to
     :data:`MAX_TOKENS`): N a multiple of 32 and at most 65536 (the lists hold 16-bit
-    unit ids), every token's masks within :data:`MASK_BYTES`."""
+    unit ids; the down kernel's masks of :data:`DOWN_TOKENS` tokens then take at most
+    64 KB of shared memory)."""
     return (
         1 <= m <= min(MAX_TOKENS, MAX_ROWS if most is None else most)
         and n % 32 == 0
         and n <= MAX_COLUMNS
-        and min(m, DOWN_TOKENS) * (n // UNITS) * 2 <= MASK_BYTES
     )
 
 
@@ -106,7 +111,7 @@ def token_tiles(m: int) -> int:
 def unit_tiles(m: int, n: int) -> int:
     """The gate kernel's ``UT`` for ``m`` tokens and ``n`` units (:data:`UNIT_TILES`,
     fewer where ``n`` is not a multiple of the CTA's units)."""
-    ut = next(t for most, t in UNIT_TILES if m <= most)
+    ut = next((t for most, t in UNIT_TILES if m <= most), 1)
     while n % (UNITS * ut):
         ut //= 2
     return ut
@@ -122,15 +127,18 @@ def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_T
     return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + rows * (n // 32) * 4
 
 
-def down_columns(m: int, k: int, n: int, multiprocessors: int) -> int:
+def down_columns(
+    m: int, k: int, n: int, multiprocessors: int, *, down_tokens: int = DOWN_TOKENS
+) -> int:
     """The down kernel's columns of y per CTA for ``m`` tokens (width ``k``, ``n`` units):
     the narrowest of :data:`DOWN_COLUMNS` whose grid (column slices x groups of
-    :data:`DOWN_TOKENS` tokens) fits one wave of two CTAs per SM, else 64. On an H100 a
+    ``down_tokens`` tokens) fits one wave of two CTAs per SM, else 64. On an H100 a
     second wave cost more than wider slices (M=128: 44.4 µs with 64 columns, 39.8 with
     128; M=64: 35.9 with 32, 31.5 with 64)."""
-    groups = -(-m // DOWN_TOKENS)
+    groups = -(-m // (8 * token_tiles(min(m, down_tokens))))
     for columns in DOWN_COLUMNS:
-        two = down_shared_bytes(m, n, columns) <= SHARED_PER_SM // 2
+        shared = down_shared_bytes(m, n, columns, down_tokens=down_tokens)
+        two = shared <= SHARED_PER_SM // 2 - STATIC_RESERVE
         if two and -(-k // columns) * groups <= 2 * multiprocessors:
             return columns
     return 64
@@ -145,8 +153,9 @@ def forward(
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``ut``, ``down_tokens``, ``columns`` and ``mma_gate`` override the geometry
     (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
-    :data:`MMA_GATE_TOKENS`). Returns the scratch buffers it used (keep them alive while a
-    captured graph runs)."""
+    :data:`MMA_GATE_TOKENS`); the down kernel's tokens per CTA are ``down_tokens``
+    rounded up to 8, 16, 32 or 64. Returns the scratch buffers it used (keep them alive
+    while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
@@ -156,11 +165,19 @@ def forward(
     if mma and token_tiles(m) > 8:
         raise ValueError(f"decode_units: the tensor-core gate takes at most 64 tokens, got {m}")
     ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
+    if not mma and ut * token_tiles(m) > 64:
+        raise ValueError(f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory")
+    if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
+        raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
     if columns is None:
-        columns = down_columns(m, k, n, device_info().multiprocessors)
-    if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1 or columns < 8 or columns % 8:
+        columns = down_columns(m, k, n, device_info().multiprocessors, down_tokens=down_tokens)
+    nt = token_tiles(min(m, down_tokens))
+    shared = down_shared_bytes(m, n, columns, down_tokens=down_tokens)
+    if columns < 8 or columns % 8 or nt > 8 or shared > SHARED_PER_SM - STATIC_RESERVE:
         raise ValueError(
-            f"decode_units: ut={ut}, down_tokens={down_tokens}, columns={columns} do not fit N={n}"
+            f"decode_units: down_tokens={down_tokens}, columns={columns}: the down kernel "
+            f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
+            f"memory per CTA ({shared} asked), columns a multiple of 8"
         )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
@@ -174,11 +191,9 @@ def forward(
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
-    nt = token_tiles(min(m, down_tokens))
     down = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
-    shared = down_shared_bytes(m, n, columns, down_tokens=down_tokens)
     if down.max_dynamic_shared_size_bytes < shared:
         down.max_dynamic_shared_size_bytes = shared
     down(
