@@ -34,7 +34,7 @@ from twell.kernels.pack import pack  # noqa: E402
 from twell.kernels.pipeline import PreparedBlock  # noqa: E402
 from twell.options import PATHS, Options  # noqa: E402
 from twell.testing.asserts import as_host  # noqa: E402
-from twell.testing.gpu import poisoned_buffers  # noqa: E402
+from twell.testing.gpu import captured_replays, poisoned_buffers  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -342,22 +342,12 @@ def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
     block = PreparedBlock(wg, wu, wd, Options(path=path, density_switch=False))
     eager = block(x)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        block(x)
-        stream.synchronize()
-        stream.begin_capture()
-        y = block(x)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        first = y.copy()
-        other = block(x)  # eager work between replays reuses freed pool memory
-        graph.launch(stream)
-        stream.synchronize()
+    others = []
+    first, y = captured_replays(lambda: block(x), between=lambda: others.append(block(x)))
     assert cp.array_equal(y.view(cp.uint16), first.view(cp.uint16)), "replays differ"
     assert_close(to_f64(y), to_f64(eager))
-    assert to_f64(other).shape == (200, 512)
+    assert to_f64(others[0]).shape == (200, 512)
+    stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
         try:

@@ -11,7 +11,7 @@ Example (pytest)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -36,3 +36,33 @@ def poisoned_buffers(byte: int = 0xFF) -> Iterator[None]:
         yield
     finally:
         buffers.cupy_empty = saved
+
+
+def captured_replays(
+    call: Callable[[], Any], between: Callable[[], Any] | None = None
+) -> tuple[Any, Any]:
+    """``call()`` (returning a CuPy array) captured into a CUDA graph and replayed twice:
+    one eager call first (CuPy's pool then holds its buffers for the capture to reuse), the
+    capture on a fresh non-blocking stream, then the output poisoned (0xFF bytes) and
+    ``between()`` run (eager work that reuses freed pool memory) before the second replay.
+    Returns a copy of the output after the first replay and the output after the second.
+    A capture of twell's gate GEMM needs torch imported (CuPy refuses cuBLAS while
+    capturing)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        call()
+        stream.synchronize()
+        stream.begin_capture()
+        out = call()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        first = out.copy()
+        out.view(cupy.uint8).fill(0xFF)
+        if between is not None:
+            between()
+        graph.launch(stream)
+        stream.synchronize()
+    return first, out
