@@ -17,6 +17,7 @@ runs through it, and its bits may differ from CuPy's eager GEMM; see
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -127,6 +128,7 @@ def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_T
     return 4 * (work_units * 8 + tokens * chunks * 8) + 2 * tokens * LIST + rows * (n // 32) * 4
 
 
+@functools.cache  # a few ints in, one out: computed once per shape, not per call
 def down_columns(
     m: int, k: int, n: int, multiprocessors: int, *, down_tokens: int = DOWN_TOKENS
 ) -> int:
