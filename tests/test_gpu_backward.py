@@ -250,6 +250,25 @@ def _dense_bf16_dx_error(
     return float(np.linalg.norm((got - ref_dx)[finite]) / np.linalg.norm(ref_dx[finite]))
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_weight_gradient_slices_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, gated: bool):
+    """The weight-gradient kernel by K slices (every slicing K=1024 allows, with extra
+    segments in use): the same bits as the whole rows, and right."""
+    monkeypatch.setattr(backward, "MIN_SEGMENT", 4)
+    p = problem("paperlike", 600, 1024, 512, seed=31)
+    w, dy = weights(p, gated), upstream(600, 1024, 32)
+    results = []
+    for slices in (1, 2, 4):
+        monkeypatch.setattr(backward, "grad_slices", lambda m, k, s=slices: s)
+        got, ref = run(w, p.x, dy, Options())
+        check(got, ref)
+        results.append(got)
+    for got in results[1:]:
+        for a, b in zip(results[0], got, strict=True):
+            if a is not None:
+                assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
+
+
 def test_backward_hot_units_split_into_segments():
     """paperlike has hot units (thousands of tokens): their lists are cut into segments."""
     p = problem("paperlike", 4096, 264, 1024, seed=2)

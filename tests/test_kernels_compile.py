@@ -106,6 +106,18 @@ def test_wide_warps_fill_one_wave() -> None:
     assert [light_rows.wide_warps(m, sms, 8) for m in (264, 265, 528, 529)] == [4, 2, 2, 1]
 
 
+def test_weight_gradient_slices_bound_the_slice_and_fit_the_width() -> None:
+    """The backward's weight-gradient K slices (CPU: the launcher's rule, no compile)."""
+    from twell.kernels import backward
+
+    assert backward.grad_slices(16, 2048) == 1  # x and dy fit whole
+    assert backward.grad_slices(4096, 2048) == 2  # 32 MB: 16 MB slices
+    assert backward.grad_slices(16384, 2048) == 8  # 128 MB: 16 MB slices
+    assert backward.grad_slices(10**6, 2048) == 8  # the narrowest: 256 columns, one warp
+    assert backward.grad_slices(10**6, 264) == 1  # 33 chunks: no whole warps to slice
+    assert backward.grad_slices(10**6, 4096) == 16
+
+
 def test_decode_units_route_limits() -> None:
     """The by-unit decode route's bounds (pure Python: no GPU needed)."""
     from twell.kernels import decode_units

@@ -611,38 +611,44 @@ struct GradShared {
 
 // out[v] rows (fp32, K wide): v < NV-1 sum vals[v]·x[t], v = NV-1 sum vals[v]·dy[t].
 // Items: unit n (segment 0, writes dw[v] row n) for item < N; extra segment e = item - N
-// (writes ws row e*NV + v) after that.
+// (writes ws row e*NV + v) after that. A block computes one item's columns of one K slice
+// (`slices` equal slices of KCH / slices 16-byte chunks, one per thread; slices == 1: the
+// whole row, GRAD_THREADS threads). Blocks are numbered slice-major, so the blocks running
+// at once read the same slice of x and dy: a slice of both for all tokens can stay in L2
+// where the whole rows cannot. Each value is summed in token order by one thread whatever
+// the slicing: the bits do not depend on it.
 extern "C" __global__ void __launch_bounds__(GRAD_THREADS)
 twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
                       const int* __restrict__ tokens, const int* __restrict__ pairs,
                       const float* __restrict__ vals, long long cap,
                       const int* __restrict__ unit_start, const int* __restrict__ seg_start,
-                      int N, int seg, int extra_cap, float* __restrict__ dw0,
+                      int N, int seg, int extra_cap, int slices, float* __restrict__ dw0,
                       float* __restrict__ dw1, float* __restrict__ dw2,
                       float* __restrict__ ws) {
   __shared__ GradShared sm;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, threads = blockDim.x;
   const int extras = min(seg_start[N], extra_cap);
-  const int items = N + extras;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    int n, begin, end;
-    float* out[NV];
+  const int items = N + extras, per = N + extra_cap;
+  const int cs = KCH / slices;  // chunks of a slice
+  for (int b = blockIdx.x; b < slices * per; b += gridDim.x) {
+    const int s = b / per, item = b - s * per;
+    if (item >= items) continue;  // block-uniform
+    int begin, end;
+    long long row;  // where the item's rows go: dw[v] row n, or ws row e*NV + v
     if (item < N) {
-      n = item;
-      begin = unit_start[n];
-      end = min(unit_start[n + 1], begin + seg);
-#pragma unroll
-      for (int v = 0; v < NV; ++v)  // pointers chosen by value (see the finish kernel)
-        out[v] = (v == 0 ? dw0 : (v == 1 ? dw1 : dw2)) + (long long)n * TWELL_KDIM;
+      begin = unit_start[item];
+      end = min(unit_start[item + 1], begin + seg);
+      row = (long long)item * TWELL_KDIM;
     } else {
       const int e = item - N;
-      n = find_unit(seg_start, N, e);
-      const int s = e - seg_start[n] + 1;
-      begin = unit_start[n] + s * seg;
+      const int n = find_unit(seg_start, N, e);
+      begin = unit_start[n] + (e - seg_start[n] + 1) * seg;
       end = min(unit_start[n + 1], begin + seg);
-#pragma unroll
-      for (int v = 0; v < NV; ++v) out[v] = ws + ((long long)e * NV + v) * TWELL_KDIM;
+      row = (long long)e * NV * TWELL_KDIM;
     }
+    float* const out0 = item < N ? dw0 + row : ws + row;
+    float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
+    float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
     float acc[NV][CPT][8];
 #pragma unroll
     for (int v = 0; v < NV; ++v)
@@ -654,7 +660,7 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
     for (int b0 = begin; b0 < end; b0 += TWELL_BW_GRAD_BATCH) {
       const int nb = min(TWELL_BW_GRAD_BATCH, end - b0);
       __syncthreads();  // the previous batch is consumed
-      for (int i = tid; i < nb; i += GRAD_THREADS) {
+      for (int i = tid; i < nb; i += threads) {
         const long long p = pairs[b0 + i];
         sm.tok[i] = tokens[b0 + i];
 #pragma unroll
@@ -671,8 +677,8 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
           const uint4* dr = reinterpret_cast<const uint4*>(dy + t * TWELL_KDIM);
 #pragma unroll
           for (int cc = 0; cc < CPT; ++cc) {
-            const int k = tid + cc * GRAD_THREADS;
-            const bool ok = live && k < KCH;
+            const int kl = tid + cc * threads, k = s * cs + kl;
+            const bool ok = live && kl < cs && k < KCH;
             xv[q][cc] = ok ? __ldg(xr + k) : make_uint4(0, 0, 0, 0);
             dv[q][cc] = ok ? __ldg(dr + k) : make_uint4(0, 0, 0, 0);
           }
@@ -692,11 +698,11 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
     }
 #pragma unroll
     for (int cc = 0; cc < CPT; ++cc) {
-      const int k = tid + cc * GRAD_THREADS;
-      if (k < KCH) {
+      const int kl = tid + cc * threads, k = s * cs + kl;
+      if (kl < cs && k < KCH) {
 #pragma unroll
-        for (int v = 0; v < NV; ++v) {
-          float4* o = reinterpret_cast<float4*>(out[v] + k * 8);
+        for (int v = 0; v < NV; ++v) {  // the output pointer chosen by value
+          float4* o = reinterpret_cast<float4*>((v == 0 ? out0 : (v == 1 ? out1 : out2)) + k * 8);
           o[0] = make_float4(acc[v][cc][0], acc[v][cc][1], acc[v][cc][2], acc[v][cc][3]);
           o[1] = make_float4(acc[v][cc][4], acc[v][cc][5], acc[v][cc][6], acc[v][cc][7]);
         }

@@ -53,6 +53,11 @@ UNIT_WARPS = 8
 GRAD_BATCH = 256
 #: Blocks per SM the light kernel's register budget is sized for (255 registers at most).
 LIGHT_MIN_BLOCKS = 8
+#: The weight-gradient kernel reads the x and dy rows of every pair: for all tokens at once
+#: (128 MB at M=16384, K=2048) they do not stay in L2, so the kernel works by K slices, all
+#: its running blocks in the same slice; a slice of x and dy takes at most this many bytes
+#: where the width allows (:func:`grad_slices`).
+GRAD_SLICE_BYTES = 24 << 20
 #: Shortest segment of a unit list (a unit with more pairs is split across blocks).
 MIN_SEGMENT = 256
 #: Heavy rows per chunk of step 4: M / HEAVY_CHUNKS (rounded up to 64), kept within
@@ -149,6 +154,19 @@ def grad_threads(k: int) -> int:
     """Threads of a weight-gradient block for width ``k`` (backward.cu's GRAD_THREADS)."""
     chunks = k // 8
     return 256 if chunks >= 256 else 32 * math.ceil(chunks / 32)
+
+
+def grad_slices(m: int, k: int) -> int:
+    """K slices of the weight-gradient kernel for ``m`` tokens of width ``k``: the fewest
+    (a power of two; a slice is a whole number of warps' 16-byte chunks, at most 256) whose
+    slice of ``x`` and ``dy`` fits :data:`GRAD_SLICE_BYTES`, else the most the width allows."""
+    chunks = k // 8
+    options = [1] + [s for s in (2, 4, 8, 16)
+                     if chunks % s == 0 and (chunks // s) % 32 == 0 and chunks // s <= 256]  # fmt: skip
+    for s in options:
+        if 2 * m * k * 2 // s <= GRAD_SLICE_BYTES:
+            return s
+    return options[-1]
 
 
 def segment_length(capacity: int, n: int) -> int:
@@ -314,12 +332,15 @@ def ffn_backward(
     # 3. Weight gradients of the light pairs (every row of dws written).
     ws = alloc((max(1, lists.extra_cap) * nv, k), np.float32)
     out = (*dws, *([_NULL] * (3 - nv)))
-    # One block per possible item (units, then extra segments): the hardware scheduler
-    # balances long and short lists; blocks past the device's item count return at once.
-    _launch("twell_bw_weight_grads", (n + lists.extra_cap,), (grad_threads(k),),
+    # One block per possible item (units, then extra segments) and K slice, slice-major:
+    # the hardware scheduler balances long and short lists; blocks past the device's item
+    # count return at once.
+    slices = grad_slices(m, k)
+    _launch("twell_bw_weight_grads", (slices * (n + lists.extra_cap),),
+            (grad_threads(k) if slices == 1 else k // 8 // slices,),
             (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride), lists.unit_start,
-             lists.seg_start, i32(n), i32(lists.seg), i32(lists.extra_cap), *out, ws),
-            params)  # fmt: skip
+             lists.seg_start, i32(n), i32(lists.seg), i32(lists.extra_cap), i32(slices),
+             *out, ws), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
