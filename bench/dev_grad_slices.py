@@ -35,51 +35,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
 
+    from twell.benchmark import gpu_name
+
+    result: dict[str, Any] = {"device": gpu_name(), "args": vars(args), "records": []}
+    for m in args.M:
+        result["records"] += measure(m, args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "dev_grad_slices.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+def measure(m: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     import cupy as cp
 
     from twell import workloads
-    from twell.benchmark import gpu_name, to_device
+    from twell.benchmark import to_device
     from twell.kernels import backward
     from twell.kernels.pipeline import PreparedBlock
     from twell.options import Options
 
     rule = backward.grad_slices
-    result: dict[str, Any] = {"device": gpu_name(), "args": vars(args), "records": []}
-    for m in args.M:
-        p = getattr(workloads, args.workload)(m, args.K, args.N, seed=1)
-        block = PreparedBlock(*(to_device(a) for a in (p.w_gate, p.w_up, p.w_down)), Options())
-        x = to_device(p.x)
-        dy = to_device(workloads.uniform(m, args.K, 8, seed=2).x)  # any bf16 [M, K]
-        _, saved = block.forward(x, save=True)
-        first = None
-        for s in args.slices:
-            backward.grad_slices = lambda m_, k_, s=s: s
-            try:
-                got = backward.ffn_backward(block, x, dy, saved)
-                same = None
-                if first is None:
-                    first = got
-                else:
-                    same = all(a is None or bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
-                               for a, b in zip(first, got, strict=True))  # fmt: skip
-                del got
-                step = events_ms(lambda i: backward.ffn_backward(block, x, dy, saved), 1, 2,
-                                 args.reps, calls=5)  # fmt: skip
-                kernel = statistics.median(
-                    stage_times(backward, lambda: backward.ffn_backward(block, x, dy, saved))
-                    ["twell_bw_weight_grads"] for _ in range(args.reps))  # fmt: skip
-            finally:
-                backward.grad_slices = rule
-            rec = {"M": m, "slices": s, "rule_slices": rule(m, args.K), "backward_ms": round(step, 4),
-                   "weight_grads_ms": round(kernel, 4), "bits_as_first": same}  # fmt: skip
-            result["records"].append(rec)
-            print(rec, flush=True)
-        del first, saved, block, x, dy
-        cp.get_default_memory_pool().free_all_blocks()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dev_grad_slices.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return 0
+    p = getattr(workloads, args.workload)(m, args.K, args.N, seed=1)
+    block = PreparedBlock(*(to_device(a) for a in (p.w_gate, p.w_up, p.w_down)), Options())
+    x = to_device(p.x)
+    dy = to_device(workloads.uniform(m, args.K, 8, seed=2).x)  # any bf16 [M, K]
+    _, saved = block.forward(x, save=True)
+
+    def step() -> Any:
+        return backward.ffn_backward(block, x, dy, saved)
+
+    first, records = None, []
+    for s in args.slices:
+        backward.grad_slices = lambda m_, k_, s=s: s
+        try:
+            got = step()
+            same = None
+            if first is None:
+                first = got
+            else:
+                same = all(a is None or bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
+                           for a, b in zip(first, got, strict=True))  # fmt: skip
+            del got
+            ms = events_ms(lambda i: step(), 1, 2, args.reps, calls=5)
+            kernel = statistics.median(stage_times(backward, step)["twell_bw_weight_grads"]
+                                       for _ in range(args.reps))  # fmt: skip
+        finally:
+            backward.grad_slices = rule
+        rec = {"M": m, "slices": s, "rule_slices": rule(m, args.K), "backward_ms": round(ms, 4),
+               "weight_grads_ms": round(kernel, 4), "bits_as_first": same}  # fmt: skip
+        records.append(rec)
+        print(rec, flush=True)
+    cp.get_default_memory_pool().free_all_blocks()
+    return records
 
 
 if __name__ == "__main__":

@@ -161,8 +161,8 @@ def grad_slices(m: int, k: int) -> int:
     (a power of two; a slice is a whole number of warps' 16-byte chunks, at most 256) whose
     slice of ``x`` and ``dy`` fits :data:`GRAD_SLICE_BYTES`, else the most the width allows."""
     chunks = k // 8
-    options = [1] + [s for s in (2, 4, 8, 16)
-                     if chunks % s == 0 and (chunks // s) % 32 == 0 and chunks // s <= 256]  # fmt: skip
+    whole = [s for s in (2, 4, 8, 16) if chunks % s == 0 and (chunks // s) % 32 == 0]
+    options = [1] + [s for s in whole if chunks // s <= 256]
     for s in options:
         if 2 * m * k * 2 // s <= GRAD_SLICE_BYTES:
             return s
