@@ -82,7 +82,8 @@ def measure(m: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                                        for _ in range(args.reps))  # fmt: skip
         finally:
             backward.grad_slices = rule
-        rec = {"M": m, "slices": s, "rule_slices": rule(m, args.K), "backward_ms": round(ms, 4),
+        rec = {"M": m, "slices": s, "rule_slices": rule(m, args.K),
+               "rows_per_launch": backward.grad_rows(m, args.K, s), "backward_ms": round(ms, 4),
                "weight_grads_ms": round(kernel, 4), "bits_as_first": same}  # fmt: skip
         records.append(rec)
         print(rec, flush=True)

@@ -250,11 +250,17 @@ def _dense_bf16_dx_error(
     return float(np.linalg.norm((got - ref_dx)[finite]) / np.linalg.norm(ref_dx[finite]))
 
 
+@pytest.mark.parametrize("rows", [None, 128], ids=["one-launch", "token-ranges"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-def test_weight_gradient_slices_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, gated: bool):
+def test_weight_gradient_slices_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, gated: bool, rows: int | None
+) -> None:
     """The weight-gradient kernel by K slices (every slicing K=1024 allows, with extra
-    segments in use): the same bits as the whole rows, and right."""
+    segments in use), in one launch or by token ranges of 128 (five launches, the later
+    ones adding to the rows): right, and the same bits for every slicing."""
     monkeypatch.setattr(backward, "MIN_SEGMENT", 4)
+    if rows is not None:
+        monkeypatch.setattr(backward, "grad_rows", lambda m, k, s: rows)
     p = problem("paperlike", 600, 1024, 512, seed=31)
     w, dy = weights(p, gated), upstream(600, 1024, 32)
     results = []

@@ -30,7 +30,9 @@
 //               dWu[n] += du x[t], dWd_t[n] += h dy[t]. Lists longer than `seg` entries are
 //               cut into segments computed by different blocks; segment 0 writes the
 //               output row, the others a workspace row, and the finish kernel adds them
-//               in segment order. Units nobody uses get zero rows.
+//               in segment order. Units nobody uses get zero rows. A block takes one K
+//               slice of its item, blocks numbered slice-major, and a token range per
+//               launch where needed, so the x and dy rows being read stay in L2.
 //  4 heavy      per chunk of heavy rows (ids[c0 : c0 + cap_rows] of the backward's row
 //               list), tensor cores (mma.sync m16n8k16, ldmatrix, cp.async ring):
 //               twell_bw_heavy_units  a, u, dy·wd for 64 rows x 64 units, then da, du, h
@@ -166,6 +168,16 @@ __device__ __forceinline__ int find_unit(const int* __restrict__ start, int N, i
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (start[mid] <= e) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// First index i in [lo, hi) with tokens[i] >= t (tokens ascending), hi if none.
+__device__ __forceinline__ int first_token_at_least(const int* __restrict__ tokens, int lo,
+                                                    int hi, int t) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (tokens[mid] < t) lo = mid + 1; else hi = mid;
   }
   return lo;
 }
@@ -616,13 +628,17 @@ struct GradShared {
 // whole row, GRAD_THREADS threads). Blocks are numbered slice-major, so the blocks running
 // at once read the same slice of x and dy: a slice of both for all tokens can stay in L2
 // where the whole rows cannot. Each value is summed in token order by one thread whatever
-// the slicing: the bits do not depend on it.
+// the slicing: the bits do not depend on it. Where even a slice of all tokens is too large,
+// the launcher runs the kernel once per token range [t0, t1), in order: the first launch
+// writes the rows, the later ones (accumulate = 1) add their range's sums to them (a
+// fixed order: the bits depend on the ranges, not on timing).
 extern "C" __global__ void __launch_bounds__(GRAD_THREADS)
 twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
                       const int* __restrict__ tokens, const int* __restrict__ pairs,
                       const float* __restrict__ vals, long long cap,
                       const int* __restrict__ unit_start, const int* __restrict__ seg_start,
-                      int N, int seg, int extra_cap, int slices, float* __restrict__ dw0,
+                      int N, int seg, int extra_cap, int slices, int t0, int t1,
+                      int accumulate, float* __restrict__ dw0,
                       float* __restrict__ dw1, float* __restrict__ dw2,
                       float* __restrict__ ws) {
   __shared__ GradShared sm;
@@ -646,6 +662,9 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
       end = min(unit_start[n + 1], begin + seg);
       row = (long long)e * NV * TWELL_KDIM;
     }
+    begin = first_token_at_least(tokens, begin, end, t0);  // the range's part of the list
+    end = first_token_at_least(tokens, begin, end, t1);
+    if (accumulate && begin == end) continue;  // nothing to add (block-uniform)
     float* const out0 = item < N ? dw0 + row : ws + row;
     float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
     float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
@@ -703,8 +722,15 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
 #pragma unroll
         for (int v = 0; v < NV; ++v) {  // the output pointer chosen by value
           float4* o = reinterpret_cast<float4*>((v == 0 ? out0 : (v == 1 ? out1 : out2)) + k * 8);
-          o[0] = make_float4(acc[v][cc][0], acc[v][cc][1], acc[v][cc][2], acc[v][cc][3]);
-          o[1] = make_float4(acc[v][cc][4], acc[v][cc][5], acc[v][cc][6], acc[v][cc][7]);
+          float4 lo = make_float4(acc[v][cc][0], acc[v][cc][1], acc[v][cc][2], acc[v][cc][3]);
+          float4 hi = make_float4(acc[v][cc][4], acc[v][cc][5], acc[v][cc][6], acc[v][cc][7]);
+          if (accumulate) {  // the earlier ranges' sums + this range's
+            const float4 a = o[0], b = o[1];
+            lo = make_float4(a.x + lo.x, a.y + lo.y, a.z + lo.z, a.w + lo.w);
+            hi = make_float4(b.x + hi.x, b.y + hi.y, b.z + hi.z, b.w + hi.w);
+          }
+          o[0] = lo;
+          o[1] = hi;
         }
       }
     }

@@ -55,8 +55,9 @@ GRAD_BATCH = 256
 LIGHT_MIN_BLOCKS = 8
 #: The weight-gradient kernel reads the x and dy rows of every pair: for all tokens at once
 #: (128 MB at M=16384, K=2048) they do not stay in L2, so the kernel works by K slices, all
-#: its running blocks in the same slice; a slice of x and dy takes at most this many bytes
-#: where the width allows (:func:`grad_slices`).
+#: its running blocks in the same slice, and, where a slice of all tokens is still too
+#: large, by token ranges (one launch each): a slice of a range's x and dy takes at most
+#: this many bytes (:func:`grad_slices`, :func:`grad_rows`).
 GRAD_SLICE_BYTES = 24 << 20
 #: Shortest segment of a unit list (a unit with more pairs is split across blocks).
 MIN_SEGMENT = 256
@@ -167,6 +168,13 @@ def grad_slices(m: int, k: int) -> int:
         if 2 * m * k * 2 // s <= GRAD_SLICE_BYTES:
             return s
     return options[-1]
+
+
+def grad_rows(m: int, k: int, slices: int) -> int:
+    """Tokens per launch of the weight-gradient kernel (all ``m`` when a slice of all of
+    them fits :data:`GRAD_SLICE_BYTES`, else ranges of equal length that do)."""
+    most = max(1, GRAD_SLICE_BYTES * slices // (4 * k))
+    return m if m <= most else math.ceil(m / math.ceil(m / most))
 
 
 def segment_length(capacity: int, n: int) -> int:
@@ -336,11 +344,14 @@ def ffn_backward(
     # the hardware scheduler balances long and short lists; blocks past the device's item
     # count return at once.
     slices = grad_slices(m, k)
-    _launch("twell_bw_weight_grads", (slices * (n + lists.extra_cap),),
-            (grad_threads(k) if slices == 1 else k // 8 // slices,),
-            (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride), lists.unit_start,
-             lists.seg_start, i32(n), i32(lists.seg), i32(lists.extra_cap), i32(slices),
-             *out, ws), params)  # fmt: skip
+    rows = grad_rows(m, k, slices)
+    for t0 in range(0, m, rows):
+        _launch("twell_bw_weight_grads", (slices * (n + lists.extra_cap),),
+                (grad_threads(k) if slices == 1 else k // 8 // slices,),
+                (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
+                 lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
+                 i32(lists.extra_cap), i32(slices), i32(t0), i32(min(m, t0 + rows)),
+                 i32(t0 > 0), *out, ws), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
