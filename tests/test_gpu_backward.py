@@ -379,7 +379,34 @@ def test_hypothesis_backward(
 
 def test_dataclass_fields_are_what_the_pipeline_passes():
     fields = [f.name for f in dataclasses.fields(backward.Activations)]
-    assert fields == ["packed", "heavy", "ids", "count", "row_l1"]
+    assert fields == ["packed", "heavy", "ids", "count", "row_l1", "up"]
+
+
+@pytest.mark.parametrize(("kind", "m", "k"), [("heavy", 300, 264), ("paperlike", 600, 4096)])
+def test_saved_up_products_give_the_recomputed_bits(kind: str, m: int, k: int) -> None:
+    """The forward's up products (Activations.up, every entry of every light row) are the
+    ones the backward computes without them, bit for bit: both give the same gradients."""
+    p = problem(kind, m, k, 512, seed=41)
+    block = PreparedBlock(*(to_gpu(a) for a in weights(p, True)), Options())
+    xg, dyg = to_gpu(p.x), to_gpu(upstream(m, k, 42))
+    _, saved = block.forward(xg, save=True)
+    r = backward.row_capacity(block.max_row_nnz, 512, 256, Options().slots, m)
+    assert saved.up is not None and saved.up.shape == (m, r)
+    with_up = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+    without = backward.ffn_backward(block, xg, dyg, dataclasses.replace(saved, up=None),
+                                    l1_coeff=1e-2)  # fmt: skip
+    for a, b in zip(with_up, without, strict=True):
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
+    check(with_up, reference.ffn_backward(p.x, *weights(p, True), upstream(m, k, 42), 1e-2))
+    with pytest.raises(ValueError, match="saved.up"):
+        backward.ffn_backward(block, xg, dyg, dataclasses.replace(saved, up=saved.up[:, :-1]))
+
+
+def test_nongated_forward_saves_no_up_products() -> None:
+    p = problem("uniform", 37, 264, 512, seed=43)
+    block = PreparedBlock(*(to_gpu(a) for a in weights(p, False)), Options())
+    _, saved = block.forward(to_gpu(p.x), save=True)
+    assert saved.up is None
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,14 @@
 // ------------------------------------------------------------------ the pipeline
 //  1 light      twell_bw_light: one warp per token (light_rows.cu's pattern). For each
 //               active unit n of the token's TwELL entries (g = the stored bf16 gate
-//               value): u = x[t]·w_up[n] (recomputed), dh = dy[t]·w_down_t[n] + l1 term,
-//               da, du; dx[t] = sum da·w_gate[n] + du·w_up[n] in fp32, in entry order.
-//               The pair values (da, du, h) go to `vals` at the pair's index. It also
+//               value): u = x[t]·w_up[n] (the forward's, kept in Activations.up, or
+//               recomputed with the same sum), dh = dy[t]·w_down_t[n] + l1 term, da, du.
+//               The pair values (da, du, h) go to `vals` and the unit to `units` at the
+//               pair's index, the row's pair count to row_nnz. Then twell_bw_light_dx:
+//               dx[t] = sum da·w_gate[n] + du·w_up[n] in fp32, in entry order, a warp per
+//               (256-column slice, token), slice-major, so the slices of w_gate and w_up
+//               being read stay in L2 (the three weight matrices together do not).
+//               twell_bw_light also
 //               decides the backward's routing: a row is heavy (left to step 4) when the
 //               forward said so, a weight holds Inf/NaN (every row: the host's flag, or
 //               twell_bw_any_nonfinite's on the device), a tile overflows, the row has
@@ -61,7 +66,9 @@
 // is the entry's rank in its row in TwELL order (tiles ascending, slots ascending):
 // r = tile_off[t, j] + slot - 1, tile_off [M, tiles] int32 = the exclusive prefix over
 // the row's tiles of their counts (written by step 1). Per-pair values: vals fp32
-// [NV, M*R] (structure of arrays): gated (da, du, h), non-gated (da, h).
+// [NV, M*R] (structure of arrays): gated (da, du, h), non-gated (da, h); units int32
+// [M*R], the pair's unit; row_nnz int32 [M], a light row's pair count. The forward's up
+// products (Activations.up, fp32 [M, R]) are indexed the same way.
 //
 // UNIT LISTS (the transposed view, reused by the prefill kernels): for unit n,
 //   entries unit_start[n] .. unit_start[n+1]-1 (int32 [N+1]) of
@@ -94,9 +101,10 @@
 #define CPT ((KCH + GRAD_THREADS - 1) / GRAD_THREADS)
 #define CW (TWELL_BW_CHUNK_ROWS / 32)
 #define FULL 0xffffffffu
-// The light kernel keeps a unit's up row in registers between its dot product and its
-// axpy up to K = 2048 (at 4096 the fp32 dx row alone takes 128 registers).
-#define KEEP_UP (NCH <= 8)
+// Entries whose weight rows the light kernel loads at once (K <= 2048: two), and units
+// whose two weight pieces a warp of the dx kernel loads at once.
+#define LIGHT_UNITS (NCH <= 8 ? 2 : 1)
+#define DX_UNITS 8
 
 // ---------------------------------------------------------------- PTX helpers
 __device__ __forceinline__ void bw_cp_async16(void* smem, const void* gmem, bool valid) {
@@ -189,30 +197,9 @@ struct LightShared {
   uint32_t list[TWELL_LIST_CAPACITY];
   uint4 dy[NCH * 32];
 #if TWELL_GATED
-  uint4 x[NCH * 32];
-#if !KEEP_UP
-  float coef[2][TWELL_LIST_CAPACITY];  // (da, du) of each entry
-#endif
+  uint4 x[NCH * 32];  // for the up products the forward did not keep
 #endif
 };
-
-// dx chunks c0 .. c0+C-1 of a row (bf16, streaming stores).
-template <int C>
-__device__ __forceinline__ void store_chunks(uint4* out, int lane, int c0,
-                                             const float (&acc)[C][8]) {
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int cc = c0 + c;
-    if (cc < NCH && chunk_valid(cc, lane)) {
-      uint4 v;
-      v.x = twell_pack_bf16x2(acc[c][0], acc[c][1]);
-      v.y = twell_pack_bf16x2(acc[c][2], acc[c][3]);
-      v.z = twell_pack_bf16x2(acc[c][4], acc[c][5]);
-      v.w = twell_pack_bf16x2(acc[c][6], acc[c][7]);
-      __stcs(out + cc * 32 + lane, v);
-    }
-  }
-}
 
 // Copies a K-wide bf16 row to shared memory (dst may be null: check only); returns,
 // for the whole warp, whether any value is Inf or NaN.
@@ -235,8 +222,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-extern "C" __global__ void __launch_bounds__(32, TWELL_BW_LIGHT_MIN_BLOCKS)
-twell_bw_light(const uint16_t* __restrict__ x,         // [M, K]
+// RECOMPUTE: the up products from x and w_up (gated, without the forward's); else read
+// from up_saved (gated) or not needed (non-gated).
+template <bool RECOMPUTE>
+__device__ __forceinline__ void
+light_pairs(const uint16_t* __restrict__ x,         // [M, K]
                const uint16_t* __restrict__ dy,        // [M, K]
                const uint32_t* __restrict__ packed,    // [M, N/TILE*SLOTS]
                const uint8_t* __restrict__ heavy_in,   // [M] the forward's heavy rows
@@ -245,10 +235,12 @@ twell_bw_light(const uint16_t* __restrict__ x,         // [M, K]
                const uint16_t* __restrict__ w_gate,    // [N, K] (gated only)
                const uint16_t* __restrict__ w_up,      // [N, K]
                const uint16_t* __restrict__ w_down_t,  // [N, K]
-               uint16_t* __restrict__ dx,              // [M, K] out (light rows)
+               const float* __restrict__ up_saved,     // [M, row_cap] the forward's, or null
                uint8_t* __restrict__ heavy_out,        // [M] out: the backward's heavy rows
                int* __restrict__ tile_off,             // [M, tiles] out
                float* __restrict__ vals,               // [NV, cap] out
+               int* __restrict__ units,                // [cap] out: each pair's unit
+               int* __restrict__ row_nnz,              // [M] out: a light row's pairs
                long long cap, int M, int N, int row_cap,
                const float* __restrict__ l1_dev,  // [1] L1 coefficient on the device, or null
                float l1_host) {                   // l1_dev ? the L1 scale : coefficient * scale
@@ -282,9 +274,10 @@ twell_bw_light(const uint16_t* __restrict__ x,         // [M, K]
     is_heavy = __any_sync(FULL, bad) || nnz > row_cap;
   }
   // x and dy rows (to shared memory): Inf or NaN sends the row to the dense path.
+  constexpr bool recompute = TWELL_GATED && RECOMPUTE;
   if (!is_heavy) {
 #if TWELL_GATED
-    bool bad = load_row(sm.x, x + row * TWELL_KDIM, lane);
+    bool bad = load_row(recompute ? sm.x : nullptr, x + row * TWELL_KDIM, lane);
 #else
     bool bad = load_row(nullptr, x + row * TWELL_KDIM, lane);
 #endif
@@ -318,136 +311,178 @@ twell_bw_light(const uint16_t* __restrict__ x,         // [M, K]
     }
     is_heavy = __any_sync(FULL, bad);
   }
-  if (lane == 0) heavy_out[row] = is_heavy ? 1 : 0;
+  if (lane == 0) {
+    heavy_out[row] = is_heavy ? 1 : 0;
+    row_nnz[row] = is_heavy ? 0 : total;
+  }
   if (is_heavy) return;
   __syncwarp();
 
   const long long p0 = row * (long long)row_cap;
-  uint4* out = reinterpret_cast<uint4*>(dx + row * TWELL_KDIM);
-#if TWELL_GATED && !KEEP_UP
-  // Wide rows (K > 2048): the pair values first, then dx in two column halves, so that
-  // no phase holds the whole fp32 dx row next to a unit's weight rows (the up row is
-  // read twice).
-  for (int e = 0; e < total; ++e) {
-    const uint32_t entry = sm.list[e];
-    const long long n = entry & 0xffffu;
-    const float g = twell_hi_bf16(entry);
-    const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
-    const uint4* down = reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM);
-    float pu = 0.f, pd = 0.f;
+  // The pair values, LIGHT_UNITS entries' rows in flight at a time (nothing waits on an
+  // earlier entry's result: no dx here).
+  for (int e0 = 0; e0 < total; e0 += LIGHT_UNITS) {
+    uint4 b[LIGHT_UNITS][NCH];
+#if TWELL_GATED
+    uint4 a[LIGHT_UNITS][NCH];
+#endif
 #pragma unroll
-    for (int c = 0; c < NCH; ++c) {
-      const bool ok = chunk_valid(c, lane);
-      const uint4 a = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-      const uint4 b = ok ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-      pu = twell_dot8(sm.x[c * 32 + lane], a, pu);
-      pd = twell_dot8(sm.dy[c * 32 + lane], b, pd);
-    }
-    const float u = warp_sum(pu), dhb = warp_sum(pd);
-    const float h = g * u;
-    const float dh = dhb + l1s * sign_of(h);
-    const float da = dh * u, du = dh * g;
-    if (lane == 0) {
-      vals[p0 + e] = da;
-      vals[cap + p0 + e] = du;
-      vals[2 * cap + p0 + e] = h;
-      sm.coef[0][e] = da;
-      sm.coef[1][e] = du;
-    }
-  }
-  __syncwarp();
-#define HALF_CH ((NCH + 1) / 2)
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float acc[HALF_CH][8];
-#pragma unroll
-    for (int c = 0; c < HALF_CH; ++c)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
-    for (int e = 0; e < total; ++e) {
+    for (int q = 0; q < LIGHT_UNITS; ++q) {
+      const int e = min(e0 + q, total - 1);  // past the end: a repeat, never stored
       const long long n = sm.list[e] & 0xffffu;
-      const float da = sm.coef[0][e], du = sm.coef[1][e];
-      const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
-      const uint4* gate = reinterpret_cast<const uint4*>(w_gate + n * TWELL_KDIM);
+      const uint4* down = reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM);
 #pragma unroll
-      for (int c = 0; c < HALF_CH; ++c) {
-        const int cc = half * HALF_CH + c;
-        const bool ok = cc < NCH && chunk_valid(cc, lane);
-        const uint4 gv = ok ? __ldg(gate + cc * 32 + lane) : make_uint4(0, 0, 0, 0);
-        const uint4 uv = ok ? __ldg(up + cc * 32 + lane) : make_uint4(0, 0, 0, 0);
-        twell_axpy8(da, gv, acc[c]);
-        twell_axpy8(du, uv, acc[c]);
+      for (int c = 0; c < NCH; ++c)
+        b[q][c] = chunk_valid(c, lane) ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+#if TWELL_GATED
+      if (recompute) {
+        const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
+#pragma unroll
+        for (int c = 0; c < NCH; ++c)
+          a[q][c] = chunk_valid(c, lane) ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      }
+#endif
+    }
+#pragma unroll
+    for (int q = 0; q < LIGHT_UNITS; ++q) {
+      const int e = e0 + q;
+      if (e >= total) break;
+      const uint32_t entry = sm.list[e];
+      const float g = twell_hi_bf16(entry);
+      float pd = 0.f;
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) pd = twell_dot8(sm.dy[c * 32 + lane], b[q][c], pd);
+      const float dhb = warp_sum(pd);
+#if TWELL_GATED
+      float u;
+      if (recompute) {  // the forward's sum: the same chunks, lanes and butterfly
+        float pu = 0.f;
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) pu = twell_dot8(sm.x[c * 32 + lane], a[q][c], pu);
+        u = warp_sum(pu);
+      } else {
+        u = up_saved[p0 + e];
+      }
+      const float h = g * u;
+      const float dh = dhb + l1s * sign_of(h);
+      const float da = dh * u, du = dh * g;
+#else
+      const float h = g;  // relu(a) > 0 here: sign(h) = 1
+      const float da = dhb + l1s * sign_of(h);
+#endif
+      if (lane == 0) {
+        vals[p0 + e] = da;
+#if TWELL_GATED
+        vals[cap + p0 + e] = du;
+        vals[2 * cap + p0 + e] = h;
+#else
+        vals[cap + p0 + e] = h;
+#endif
+        units[p0 + e] = (int)(entry & 0xffffu);
       }
     }
-    store_chunks(out, lane, half * HALF_CH, acc);
   }
-#else
-  float acc[NCH][8];
-#pragma unroll
-  for (int c = 0; c < NCH; ++c)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
+}
 
-  for (int e = 0; e < total; ++e) {
-    const uint32_t entry = sm.list[e];
-    const long long n = entry & 0xffffu;
-    const float g = twell_hi_bf16(entry);
-    const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
-    const uint4* down = reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM);
-    uint4 b[NCH];
+#define TWELL_BW_LIGHT_ARGS                                                                \
+  const uint16_t *__restrict__ x, const uint16_t *__restrict__ dy,                         \
+      const uint32_t *__restrict__ packed, const uint8_t *__restrict__ heavy_in,           \
+      int all_heavy, const int *__restrict__ all_heavy_dev,                                \
+      const uint16_t *__restrict__ w_gate, const uint16_t *__restrict__ w_up,              \
+      const uint16_t *__restrict__ w_down_t, const float *__restrict__ up_saved,           \
+      uint8_t *__restrict__ heavy_out, int *__restrict__ tile_off,                         \
+      float *__restrict__ vals, int *__restrict__ units, int *__restrict__ row_nnz,        \
+      long long cap, int M, int N, int row_cap, const float *__restrict__ l1_dev,          \
+      float l1_host
+#define TWELL_BW_LIGHT_PASS                                                                \
+  x, dy, packed, heavy_in, all_heavy, all_heavy_dev, w_gate, w_up, w_down_t, up_saved,     \
+      heavy_out, tile_off, vals, units, row_nnz, cap, M, N, row_cap, l1_dev, l1_host
+
+// The up products recomputed (gated) or not needed (non-gated): up_saved unused.
+extern "C" __global__ void __launch_bounds__(32, TWELL_BW_LIGHT_MIN_BLOCKS)
+twell_bw_light(TWELL_BW_LIGHT_ARGS) {
+  light_pairs<true>(TWELL_BW_LIGHT_PASS);
+}
+
 #if TWELL_GATED
-    const uint4* gate = reinterpret_cast<const uint4*>(w_gate + n * TWELL_KDIM);
-    uint4 a[NCH];
+// The forward's up products read from up_saved [M, row_cap].
+extern "C" __global__ void __launch_bounds__(32, TWELL_BW_LIGHT_MIN_BLOCKS)
+twell_bw_light_saved(TWELL_BW_LIGHT_ARGS) {
+  light_pairs<false>(TWELL_BW_LIGHT_PASS);
+}
+#endif
+
+// dx of the light rows by 256-column slices: a warp per (slice c, token t), numbered
+// slice-major (the warps running at once read the same slice of w_gate and w_up, which
+// stays in L2 where the whole matrices do not). In the pair order of twell_bw_light:
+// dx[t, slice] = sum over pairs (da w_gate[n, slice] + du w_up[n, slice]) (gated),
+// sum (da w_up[n, slice]) (non-gated), fp32, rounded once. Heavy rows are left alone.
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_light_dx(const uint8_t* __restrict__ heavy, const int* __restrict__ row_nnz,
+                  const int* __restrict__ units, const float* __restrict__ vals,
+                  long long cap, int M, int row_cap,
+                  const uint16_t* __restrict__ w_gate,  // [N, K] (gated only)
+                  const uint16_t* __restrict__ w_up,    // [N, K]
+                  uint16_t* __restrict__ dx) {          // [M, K] out (light rows)
+  const int lane = threadIdx.x & 31;
+  const long long item = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (item >= (long long)NCH * M) return;
+  const int c = (int)(item / M);
+  const long long t = item - (long long)c * M;
+  if (heavy[t]) return;
+  const int total = row_nnz[t];
+  const long long p0 = t * (long long)row_cap;
+  const bool ok = chunk_valid(c, lane);
+  const int col = c * 256 + lane * 8;
+  float acc[8];
 #pragma unroll
-    for (int c = 0; c < NCH; ++c) {
-      const bool ok = chunk_valid(c, lane);
-      a[c] = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-      b[c] = ok ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-    }
-    float pu = 0.f, pd = 0.f;
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int e0 = 0; e0 < total; e0 += 32) {
+    const int mine = min(32, total - e0);
+    const int n_l = lane < mine ? units[p0 + e0 + lane] : 0;
+    const float da_l = lane < mine ? vals[p0 + e0 + lane] : 0.f;
+#if TWELL_GATED
+    const float du_l = lane < mine ? vals[cap + p0 + e0 + lane] : 0.f;
+#endif
+    for (int j0 = 0; j0 < mine; j0 += DX_UNITS) {
+      uint4 a[DX_UNITS];
+#if TWELL_GATED
+      uint4 gv[DX_UNITS];
+#endif
 #pragma unroll
-    for (int c = 0; c < NCH; ++c) {
-      pu = twell_dot8(sm.x[c * 32 + lane], a[c], pu);
-      pd = twell_dot8(sm.dy[c * 32 + lane], b[c], pd);
-    }
-    const float u = warp_sum(pu), dhb = warp_sum(pd);
-    const float h = g * u;
-    const float dh = dhb + l1s * sign_of(h);
-    const float da = dh * u, du = dh * g;
+      for (int q = 0; q < DX_UNITS; ++q) {
+        const long long n = __shfl_sync(FULL, n_l, min(j0 + q, mine - 1));
+        const bool live = ok && j0 + q < mine;
+        a[q] = live ? __ldg(reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM + col))
+                    : make_uint4(0, 0, 0, 0);
+#if TWELL_GATED
+        gv[q] = live ? __ldg(reinterpret_cast<const uint4*>(w_gate + n * TWELL_KDIM + col))
+                     : make_uint4(0, 0, 0, 0);
+#endif
+      }
 #pragma unroll
-    for (int c = 0; c < NCH; ++c) {
-      const uint4 gv = chunk_valid(c, lane) ? __ldg(gate + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-      twell_axpy8(da, gv, acc[c]);
-      twell_axpy8(du, a[c], acc[c]);
-    }
-    if (lane == 0) {
-      vals[p0 + e] = da;
-      vals[cap + p0 + e] = du;
-      vals[2 * cap + p0 + e] = h;
-    }
+      for (int q = 0; q < DX_UNITS; ++q) {
+        const float da = __shfl_sync(FULL, da_l, min(j0 + q, mine - 1));
+#if TWELL_GATED
+        const float du = __shfl_sync(FULL, du_l, min(j0 + q, mine - 1));
+        if (j0 + q < mine) {
+          twell_axpy8(da, gv[q], acc);
+          twell_axpy8(du, a[q], acc);
+        }
 #else
-#pragma unroll
-    for (int c = 0; c < NCH; ++c)
-      b[c] = chunk_valid(c, lane) ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-    float pd = 0.f;
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) pd = twell_dot8(sm.dy[c * 32 + lane], b[c], pd);
-    const float dhb = warp_sum(pd);
-    const float h = g;  // relu(a) > 0 here: sign(h) = 1
-    const float da = dhb + l1s * sign_of(h);
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) {
-      const uint4 uv = chunk_valid(c, lane) ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
-      twell_axpy8(da, uv, acc[c]);
-    }
-    if (lane == 0) {
-      vals[p0 + e] = da;
-      vals[cap + p0 + e] = h;
-    }
+        if (j0 + q < mine) twell_axpy8(da, a[q], acc);
 #endif
+      }
+    }
   }
-  store_chunks(out, lane, 0, acc);
-#endif
+  if (ok) {
+    uint4 v;
+    v.x = twell_pack_bf16x2(acc[0], acc[1]);
+    v.y = twell_pack_bf16x2(acc[2], acc[3]);
+    v.z = twell_pack_bf16x2(acc[4], acc[5]);
+    v.w = twell_pack_bf16x2(acc[6], acc[7]);
+    __stcs(reinterpret_cast<uint4*>(dx + t * TWELL_KDIM + col), v);
+  }
 }
 
 // flag[0] = 1 if any of the n8 * 8 bf16 of w is Inf or NaN (flag zeroed before; every

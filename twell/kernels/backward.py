@@ -104,6 +104,10 @@ class Activations:
         count: int32 ``[1]``, the number of heavy rows.
         row_l1: float32 ``[M]``, each row's sum of ``|h|`` (the L1 term before its
             reduction; the backward does not read it), or None.
+        up: float32 ``[M, R]`` (gated), the light rows' up products ``x[t]·w_up[n]`` by
+            pair (``R = row_capacity(...)``, the backward's row capacity; see
+            :class:`UnitLists`), or None: the backward then recomputes them (the same
+            bits, one more weight row read per pair).
     """
 
     packed: Any
@@ -111,6 +115,7 @@ class Activations:
     ids: Any
     count: Any
     row_l1: Any | None = None
+    up: Any | None = None
 
 
 @dataclass
@@ -322,17 +327,25 @@ def ffn_backward(
     w_up, w_down_t = u16(block.w_up), u16(block.w_down_t)
     x16, dy16 = u16(xb), u16(dyb)
 
-    # 1. Light rows: dx, pair values, the backward's heavy rows.
+    up = _saved_up(saved, gated, m, row_cap)
+
+    # 1. Light rows: pair values, the backward's heavy rows; then their dx by slices.
     heavy = alloc((m,), np.uint8)
     tile_off = alloc((m, tiles), np.int32)
     stride = max(1, capacity)
     vals = alloc((nv, stride), np.float32)
+    units = alloc((stride,), np.int32)
+    row_nnz = alloc((m,), np.int32)
     # A non-finite weight: every row takes dense math (which spreads NaN everywhere).
     all_heavy, all_heavy_dev = _weights_flag(block, sms, params)
-    _launch("twell_bw_light", (m,), (32,),
+    _launch("twell_bw_light" if up is None else "twell_bw_light_saved", (m,), (32,),
             (x16, dy16, saved.packed, saved.heavy, i32(all_heavy), all_heavy_dev, w_gate, w_up,
-             w_down_t, u16(dx), heavy, tile_off, vals, np.int64(stride), i32(m), i32(n),
-             i32(row_cap), *l1), params)  # fmt: skip
+             w_down_t, _NULL if up is None else up, heavy, tile_off, vals, units, row_nnz,
+             np.int64(stride), i32(m), i32(n), i32(row_cap), *l1), params)  # fmt: skip
+    _launch("twell_bw_light_dx", (math.ceil(math.ceil(k / 256) * m / 8),), (256,),
+            (heavy, row_nnz, units, vals, np.int64(stride), i32(m), i32(row_cap), w_gate,
+             w_up, u16(dx)), params)  # fmt: skip
+    del units, row_nnz
 
     # 2. Unit lists of the light pairs.
     lists = build_unit_lists(saved.packed, heavy, tile_off, n, row_cap, params)
@@ -453,6 +466,18 @@ def _heavy_rows(
         _launch("twell_bw_heavy_weights", (max(1, min(weight_items, target)),), (128,),
                 (u16(dadu), i32(ld), u16(hbuf), x16, dy16, ids, count, i32(c0), i32(cap_rows),
                  i32(n), *out), params)  # fmt: skip
+
+
+def _saved_up(saved: Activations, gated: bool, m: int, row_cap: int) -> Any | None:
+    """The forward's up products when the backward can read them, else None."""
+    if saved.up is None or not gated:
+        return None
+    if tuple(saved.up.shape) != (m, row_cap) or np.dtype(saved.up.dtype) != np.float32:
+        raise ValueError(
+            f"saved.up: expected a float32 array of shape {(m, row_cap)}, got "
+            f"{saved.up.dtype} {tuple(saved.up.shape)}"
+        )
+    return saved.up
 
 
 def _weights_flag(block: Any, sms: int, params: dict[str, int]) -> tuple[bool, Any]:

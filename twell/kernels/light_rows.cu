@@ -7,7 +7,10 @@
 // Kernels (they share the gather phase):
 // - twell_light_rows_from_twell reads the active units from a TwELL buffer (gated_down,
 //   down, and the "epilogue" and "pack" routes of the block); given row_l1, it also
-//   writes each light row's sum of |h| over its entries (the training forward's L1 term).
+//   writes each light row's sum of |h| over its entries (the training forward's L1 term),
+//   and given up (gated), each entry's up product x·w_up[n] in fp32 at [row, rank] (rank:
+//   the entry's place in the row's TwELL order; the backward reads it instead of
+//   recomputing it: the same bits, as twell_bw_light computed them).
 // - twell_light_rows_from_pre reads them straight from the dense bf16 gate
 //   pre-activation (the "fused" route): relu, and the routing rule of common.cuh (a tile
 //   over SLOTS-1 nonzeros, a non-finite value, or more than max_row_nnz active units),
@@ -89,8 +92,9 @@ __device__ __forceinline__ void load_unit(const uint32_t* list, int e, int lane,
   }
 }
 
-__device__ __forceinline__ void use_unit(const UnitRows& rows, int lane, const uint4* xs,
-                                         float (&acc)[NCH][8], float& l1) {
+// Returns the up product x·w_up[n] (gated; 0 otherwise), the same bits on every lane.
+__device__ __forceinline__ float use_unit(const UnitRows& rows, int lane, const uint4* xs,
+                                          float (&acc)[NCH][8], float& l1) {
 #if TWELL_GATED
   float part = 0.f;
 #pragma unroll
@@ -99,27 +103,36 @@ __device__ __forceinline__ void use_unit(const UnitRows& rows, int lane, const u
   for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
   const float h = rows.value * part;
 #else
+  const float part = 0.f;
   const float h = rows.value;
 #endif
   l1 += fabsf(h);  // the row's L1 term (training forward); dead code elsewhere
 #pragma unroll
   for (int c = 0; c < NCH; ++c) twell_axpy8(h, rows.b[c], acc[c]);
+  return part;
 }
 
-__device__ __forceinline__ void gather_unit(const uint32_t* list, int e, int lane, int N,
-                                            const uint4* xs, const uint16_t* __restrict__ w_up,
-                                            const uint16_t* __restrict__ w_down_t,
-                                            float (&acc)[NCH][8], float& l1) {
+__device__ __forceinline__ float gather_unit(const uint32_t* list, int e, int lane, int N,
+                                             const uint4* xs, const uint16_t* __restrict__ w_up,
+                                             const uint16_t* __restrict__ w_down_t,
+                                             float (&acc)[NCH][8], float& l1) {
   UnitRows rows;
   load_unit(list, e, lane, N, w_up, w_down_t, rows);
-  use_unit(rows, lane, xs, acc, l1);
+  return use_unit(rows, lane, xs, acc, l1);
 }
 
+// The list's entries in order. With up (the training forward): up[first + e] = the up
+// product of entry e, for first + e < up_cap.
 __device__ __forceinline__ void gather_list(const uint32_t* list, int count, int lane, int N,
                                             const uint4* xs, const uint16_t* __restrict__ w_up,
                                             const uint16_t* __restrict__ w_down_t,
-                                            float (&acc)[NCH][8], float& l1) {
-  for (int e = 0; e < count; ++e) gather_unit(list, e, lane, N, xs, w_up, w_down_t, acc, l1);
+                                            float (&acc)[NCH][8], float& l1,
+                                            float* __restrict__ up = nullptr, int first = 0,
+                                            int up_cap = 0) {
+  for (int e = 0; e < count; ++e) {
+    const float u = gather_unit(list, e, lane, N, xs, w_up, w_down_t, acc, l1);
+    if (up != nullptr && lane == 0 && first + e < up_cap) up[first + e] = u;
+  }
 }
 
 __device__ __forceinline__ void store_row(uint16_t* __restrict__ y, long long row, int lane,
@@ -344,7 +357,9 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (light rows)
                  int M, int N, int max_row_nnz,
-                 float* __restrict__ row_l1) {           // [M] out (light rows) or null
+                 float* __restrict__ row_l1,             // [M] out (light rows) or null
+                 float* __restrict__ up,                 // [M, up_cap] out (gated) or null
+                 int up_cap) {
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * TWELL_ROW_WARPS + warp;
@@ -367,7 +382,8 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
   float l1 = 0.f;  // sum of |h| over the row's entries, in list order
 
   // Phase 1: the count words of 32 tiles at a time (one per lane), then the entries.
-  int total = 0;
+  int total = 0, done = 0;  // done: entries gathered by earlier flushes of a full list
+  float* const up_row = up == nullptr ? nullptr : up + row * (long long)up_cap;
   for (int j0 = 0; j0 < tiles; j0 += 32) {
     const int mine = j0 + lane < tiles
         ? min((int)__ldcs(words + (j0 + lane) * TWELL_SLOTS), TWELL_SLOTS - 1) : 0;
@@ -376,8 +392,9 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
       const int count = __shfl_sync(0xffffffffu, mine, b);
       if (total + count > LIST_CAP) {  // list full: gather what it holds first
         __syncwarp();
-        gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1);
+        gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1, up_row, done, up_cap);
         __syncwarp();
+        done += total;
         total = 0;
       }
       const uint32_t* tile_words = words + (j0 + b) * TWELL_SLOTS;
@@ -390,7 +407,7 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
     }
   }
   __syncwarp();
-  gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1);
+  gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1, up_row, done, up_cap);
   store_row(y, row, lane, acc);
   if (row_l1 != nullptr && lane == 0) row_l1[row] = l1;
 }

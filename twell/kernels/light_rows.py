@@ -142,15 +142,22 @@ def from_pre(
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     tile: int, slots: int, max_row_nnz: int | None = None, row_l1: Any | None = None,
+    up: Any | None = None,
 ) -> None:  # fmt: skip
     """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped). With
     ``max_row_nnz``, rows holding more entries get ``heavy[m] = 1`` instead. With
     ``row_l1`` (float32 ``[M]``), each light row's sum of ``|h|`` over its entries is
-    written there (in the row's entry order; heavy rows' elements are left alone)."""
+    written there (in the row's entry order; heavy rows' elements are left alone). With
+    ``up`` (float32 ``[M, R]``, gated only), entry ``r`` of a light row's TwELL order gets
+    its up product ``x[m]·w_up[n]`` at ``up[m, r]`` for ``r < R`` (other elements left
+    alone)."""
     m = y.shape[0]
     if m == 0:
         return
+    if up is not None and (w_up is None or up.ndim != 2 or up.shape[0] != m):
+        raise ValueError("up: a float32 [M, R] array, and only for the gated block")
     limit = 2**31 - 1 if max_row_nnz is None else max_row_nnz
     _launch("twell_light_rows_from_twell", math.ceil(m / ROW_WARPS), 32 * ROW_WARPS, x, packed,
             heavy, w_up, w_down_t, y, tile, slots, limit,
-            (_NULL if row_l1 is None else row_l1,))  # fmt: skip
+            (_NULL if row_l1 is None else row_l1, _NULL if up is None else up,
+             np.int32(0 if up is None else up.shape[1])))  # fmt: skip

@@ -6,8 +6,9 @@ pass has two stages (docs/design.md draws them):
 
 1. **Light rows** — a *route* from :data:`ROUTES` (the ``path`` option): it computes the
    gate, decides which rows are heavy (the routing rule), and writes the light rows of
-   ``y``. Every route has the signature ``route(block, x, y, row_l1) -> LightRows``
-   (``row_l1``: where the training forward wants the light rows' sums of ``|h|``, or None):
+   ``y``. Every route has the signature ``route(block, x, y, save) -> LightRows``
+   (``save``: where the training forward wants the light rows' sums of ``|h|`` and up
+   products, a :class:`SaveTargets`, or None):
 
    - ``"fused"``: cuBLAS gate GEMM into a dense bf16 pre-activation, then one kernel
      scans it and gathers (light_rows.from_pre);
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows
-from twell.kernels.backward import Activations
+from twell.kernels.backward import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16
 from twell.kernels.convert import as_bf16, from_bf16, transpose
 from twell.kernels.cublas import gemm_nt
@@ -166,7 +167,12 @@ class PreparedBlock:
         # The training forward's L1 term, per row: light rows by the route, heavy rows by
         # the heavy-row stage (every row written).
         row_l1 = alloc((m,), np.float32) if save else None
-        light = ROUTES[path](self, xb, y, row_l1) if m else LightRows(alloc((0,), np.uint8))
+        up = None
+        if save and self.gated:  # the backward reads the up products instead of recomputing
+            r = row_capacity(self.max_row_nnz, self.n, self.options.tile, self.options.slots, m)
+            up = alloc((m, r), np.float32)
+        targets = SaveTargets(row_l1, up) if save else None
+        light = ROUTES[path](self, xb, y, targets) if m else LightRows(alloc((0,), np.uint8))
         if not save and m <= heavy_rows.FLAG_ROWS and not self.options.capacity_rows(m):
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
@@ -176,11 +182,11 @@ class PreparedBlock:
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots)
         if in_capture:
-            self._graph_scratch.append([xb, y, light.pre, light.packed, row_l1, *scratch])
+            self._graph_scratch.append([xb, y, light.pre, light.packed, row_l1, up, *scratch])
         out = from_bf16(y, x.dtype)
         if not save:
             return out
-        return out, Activations(light.packed, light.heavy, ids, count, row_l1)
+        return out, Activations(light.packed, light.heavy, ids, count, row_l1, up)
 
 
 def capturing() -> bool:
@@ -318,13 +324,27 @@ def sample_rows(m: int, rows: int) -> slice:
 
 
 # ---------------------------------------------------------------------- routes
-#: ``route(block, x, y, row_l1)``; ``row_l1`` (float32 ``[M]`` or None) receives the light
-#: rows' sums of ``|h|`` (a route that packs TwELL takes it: the save path uses those).
-Route = Callable[[PreparedBlock, Any, Any, Any | None], LightRows]
+@dataclass
+class SaveTargets:
+    """Where a training forward's route writes what the backward reads besides TwELL.
+
+    Attributes:
+        row_l1: float32 ``[M]``, the light rows' sums of ``|h|``.
+        up: float32 ``[M, R]`` (gated; else None), the light rows' up products by pair
+            (``Activations.up``).
+    """
+
+    row_l1: Any
+    up: Any | None
 
 
-def _route_fused(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> LightRows:
-    if row_l1 is not None:
+#: ``route(block, x, y, save)``; ``save`` (:class:`SaveTargets` or None) says where the
+#: training forward wants its extra outputs (a route that packs TwELL takes it).
+Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
+
+
+def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
+    if save is not None:
         raise ValueError("the fused route writes no TwELL and no row_l1 (use epilogue or pack)")
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
@@ -337,25 +357,26 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> Li
 
 
 def _from_twell(
-    block: PreparedBlock, x: Any, y: Any, light: LightRows, row_l1: Any | None
+    block: PreparedBlock, x: Any, y: Any, light: LightRows, save: SaveTargets | None
 ) -> LightRows:
     light_rows.from_twell(
         x if block.gated else None, light.packed, light.heavy,
         block.w_up if block.gated else None, block.w_down_t, y, tile=block.options.tile,
-        slots=block.options.slots, max_row_nnz=block.max_row_nnz, row_l1=row_l1,
+        slots=block.options.slots, max_row_nnz=block.max_row_nnz,
+        row_l1=None if save is None else save.row_l1, up=None if save is None else save.up,
     )  # fmt: skip
     return light
 
 
-def _route_epilogue(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> LightRows:
+def _route_epilogue(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
     packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
-    return _from_twell(block, x, y, LightRows(heavy, packed=packed), row_l1)
+    return _from_twell(block, x, y, LightRows(heavy, packed=packed), save)
 
 
-def _route_pack(block: PreparedBlock, x: Any, y: Any, row_l1: Any | None) -> LightRows:
+def _route_pack(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
     pre = gemm_nt(x, block.w_first)
     packed, heavy = pack(pre, block.options.tile, block.options.slots)
-    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed), row_l1)
+    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed), save)
 
 
 #: The light-row stage of each ``path``.
