@@ -87,6 +87,17 @@ def measure(m: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                "weight_grads_ms": round(kernel, 4), "bits_as_first": same}  # fmt: skip
         records.append(rec)
         print(rec, flush=True)
+    # The light stage with the forward's up products and without them (recomputed).
+    import dataclasses
+
+    plain = dataclasses.replace(saved, up=None)
+    for name, state in (("saved_up", saved), ("recomputed_up", plain)):
+        ms = events_ms(lambda i, st=state: backward.ffn_backward(block, x, dy, st), 1, 2,
+                       args.reps, calls=5)  # fmt: skip
+        stages = stage_times(backward, lambda st=state: backward.ffn_backward(block, x, dy, st))
+        rec = {"M": m, "up_products": name, "backward_ms": round(ms, 4), "stages_ms": stages}
+        records.append(rec)
+        print(rec, flush=True)
     cp.get_default_memory_pool().free_all_blocks()
     return records
 
