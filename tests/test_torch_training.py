@@ -98,22 +98,24 @@ def test_opcheck_forward_and_backward(dtype: torch.dtype, gated: bool) -> None:
     settings = (64, 16, -1, 0.0)
     torch.library.opcheck(ffn_train_forward, (x, w_gate, w_up, w_down, *settings, "mean"))
     with torch.no_grad():
-        y, l1, packed, heavy, ids, count = ffn_train_forward(
+        y, l1, packed, heavy, ids, count, up = ffn_train_forward(
             x, w_gate, w_up, w_down, *settings, "per_token"
         )
     assert packed.dtype == torch.int32 and packed.shape == (40, 256 // 64 * 16)
     assert heavy.dtype == torch.uint8 and ids.shape == (40,) and count.shape == (1,)
     assert l1.dtype == torch.float32 and l1.shape == ()
+    # the backward's row capacity: max_row_nnz's default for N=256, 16 (gated only)
+    assert up.dtype == torch.float32 and up.shape == (40, 16 if gated else 0)
     detached = [None if w is None else w.detach() for w in (x, w_gate, w_up, w_down)]
     dy = torch.randn_like(y)
     for dl1 in (torch.tensor(0.25), None):
         torch.library.opcheck(
             ffn_train_backward,
-            (dy, dl1, *detached, packed, heavy, ids, count, *settings, "per_token"),
+            (dy, dl1, *detached, packed, heavy, ids, count, up, *settings, "per_token"),
         )
     torch.library.opcheck(
         ffn_train_backward,
-        (None, torch.tensor(2.0), *detached, packed, heavy, ids, count, *settings, "mean"),
+        (None, torch.tensor(2.0), *detached, packed, heavy, ids, count, up, *settings, "mean"),
     )
 
 

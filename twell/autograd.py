@@ -4,7 +4,7 @@ Two operators in the ``twell`` namespace, made with ``torch.library.custom_op`` 
 implementations for ``torch.compile``, autograd through ``register_autograd``):
 
 ``twell::ffn_train_forward(x, w_gate?, w_up, w_down, tile, slots, max_row_nnz,
-dense_capacity, reduction, graphs=False) -> (y, l1, packed, heavy, ids, count)``
+dense_capacity, reduction, graphs=False) -> (y, l1, packed, heavy, ids, count, up)``
 
 - ``x [M, K]``, ``w_gate``/``w_up`` ``[N, K]``, ``w_down [K, N]`` (``nn.Linear``
   layouts; ``w_gate=None`` is the non-gated block). ``y [M, K]`` in ``x``'s dtype.
@@ -16,10 +16,15 @@ dense_capacity, reduction, graphs=False) -> (y, l1, packed, heavy, ids, count)``
   TwELL words of ``relu(x @ w_gate.T)`` (``relu(x @ w_up.T)`` non-gated) as int32
   ``[M, N/tile*slots]`` (a view of the uint32 words of docs/format.md), ``heavy`` uint8
   ``[M]`` (1: the row took the dense path), ``ids`` int32 ``[M]`` (the heavy rows' ids,
-  ascending, in ``ids[:count]``; the rest unspecified) and ``count`` int32 ``[1]``.
+  ascending, in ``ids[:count]``; the rest unspecified) and ``count`` int32 ``[1]``;
+  ``up`` float32 ``[M, R]``: on CUDA, the gated block's up products ``x[t]·w_up[n]`` of
+  the light rows' active units by rank in the row (``Activations.up``: the backward
+  reads them instead of recomputing them; elements past a row's entries and heavy rows'
+  are unspecified); ``R`` is the backward's row capacity (:func:`_up_width`), 0 for the
+  non-gated block; zeros on CPU (the reference backward does not read it).
 
 ``twell::ffn_train_backward(dy?, dl1?, x, w_gate?, w_up, w_down, packed, heavy, ids,
-count, tile, slots, max_row_nnz, dense_capacity, reduction, graphs=False) -> (dx,
+count, up, tile, slots, max_row_nnz, dense_capacity, reduction, graphs=False) -> (dx,
 dw_gate, dw_up, dw_down)``: the gradients of ``<dy, y> + dl1 · l1``. ``dx`` has ``x``'s
 dtype, each weight gradient its weight's dtype; ``dw_gate`` is an empty tensor for the
 non-gated block. A missing ``dy`` or ``dl1`` (None) counts as zero.
@@ -116,6 +121,15 @@ def _unview(t: torch.Tensor) -> torch.Tensor:
     return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
+def _up_width(m: int, n: int, gated: bool, options: Options) -> int:
+    """Columns of the forward's ``up`` output: the backward's row capacity (gated), 0."""
+    from twell.kernels.backward import row_capacity
+
+    if not gated:
+        return 0
+    return row_capacity(options.row_limit(n), n, options.tile, options.slots, m)
+
+
 def _l1_scale(reduction: str, m: int, n: int) -> float:
     return 1.0 / max(1, m * n) if reduction == "mean" else 1.0 / max(1, m)
 
@@ -133,8 +147,10 @@ def ffn_train_forward(
     dense_capacity: float,
     reduction: str,
     graphs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y, l1, packed, heavy, ids, count)`` of the block (see the module docstring)."""
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """``(y, l1, packed, heavy, ids, count, up)`` of the block (module docstring)."""
     _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
     if x.device.type == "cuda":
         args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
@@ -143,7 +159,8 @@ def ffn_train_forward(
         return _forward_cuda(*args)
     if x.device.type != "cpu":
         raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
-    return _forward_cpu(x, w_gate, w_up, w_down, tile, slots, reduction)
+    options = _options(tile, slots, max_row_nnz, dense_capacity)
+    return _forward_cpu(x, w_gate, w_up, w_down, options, reduction)
 
 
 @ffn_train_forward.register_fake
@@ -153,6 +170,7 @@ def _forward_fake(
     _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
     m = x.shape[0]
     n = w_up.shape[0]
+    r = _up_width(m, n, w_gate is not None, _options(tile, slots, max_row_nnz, dense_capacity))
     return (
         x.new_empty(x.shape),
         x.new_empty((), dtype=torch.float32),
@@ -160,6 +178,7 @@ def _forward_fake(
         x.new_empty((m,), dtype=torch.uint8),
         x.new_empty((m,), dtype=torch.int32),
         x.new_empty((1,), dtype=torch.int32),
+        x.new_empty((m, r), dtype=torch.float32),
     )
 
 
@@ -176,6 +195,7 @@ def ffn_train_backward(
     heavy: torch.Tensor,
     ids: torch.Tensor,
     count: torch.Tensor,
+    up: torch.Tensor,
     tile: int,
     slots: int,
     max_row_nnz: int,
@@ -192,7 +212,7 @@ def ffn_train_backward(
     if x.shape[0] == 0 or (dy is None and dl1 is None):
         return _zero_grads(x, w_gate, w_up, w_down)
     if x.device.type == "cuda":
-        args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, tile, slots,
+        args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, tile, slots,
                 max_row_nnz, dense_capacity, reduction)  # fmt: skip
         if graphs:
             return _BACKWARD_GRAPHS(_backward_cuda, args, pinned=_BACKWARD_WEIGHTS)
@@ -212,6 +232,7 @@ def _backward_fake(
     heavy,
     ids,
     count,
+    up,
     tile,
     slots,
     max_row_nnz,
@@ -239,8 +260,9 @@ def _zero_grads(x, w_gate, w_up, w_down):
 # ---------------------------------------------------------------------- autograd
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction, *rest = inputs
-    _, _, packed, heavy, ids, count = output
-    ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count)
+    _, _, packed, heavy, ids, count, up = output
+    ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count, up)
+    ctx.mark_non_differentiable(up)
     ctx.settings = (tile, slots, max_row_nnz, dense_capacity, reduction, bool(rest and rest[0]))
     ctx.gated = w_gate is not None
     # Unused outputs give None (not zeros): no L1 work, no host read of a zero dl1.
@@ -248,14 +270,14 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _backward(ctx: Any, dy, dl1, *_unused):
-    x, w_gate, w_up, w_down, packed, heavy, ids, count = ctx.saved_tensors
+    x, w_gate, w_up, w_down, packed, heavy, ids, count, up = ctx.saved_tensors
     if dy is None and dl1 is None:
         return (None,) * 10
     if not ctx.gated:
         w_gate = None
     dx, dw_gate, dw_up, dw_down = ffn_train_backward(
         None if dy is None else dy.contiguous(), dl1, x, w_gate, w_up, w_down, packed, heavy,
-        ids, count, *ctx.settings,
+        ids, count, up, *ctx.settings,
     )  # fmt: skip
     needs = ctx.needs_input_grad
     return (
@@ -299,7 +321,7 @@ def ffn_train(
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y, l1, packed, _, _, _ = ffn_train_forward(
+    y, l1, packed, *_ = ffn_train_forward(
         x2, w_gate, w_up, w_down, options.tile, options.slots,
         -1 if options.max_row_nnz is None else options.max_row_nnz, options.dense_capacity,
         reduction, graphs,
@@ -317,9 +339,10 @@ def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
-def _forward_cpu(x, w_gate, w_up, w_down, tile, slots, reduction):
+def _forward_cpu(x, w_gate, w_up, w_down, options, reduction):
     from twell import reference
 
+    tile, slots = options.tile, options.slots
     xf, wg, wu, wd = (_numpy(t) for t in (x, w_gate, w_up, w_down))
     m, n = x.shape[0], w_up.shape[0]
     g = reference.gate(xf, wu if wg is None else wg, tile=tile, slots=slots)
@@ -345,6 +368,7 @@ def _forward_cpu(x, w_gate, w_up, w_down, tile, slots, reduction):
         torch.from_numpy(heavy),
         torch.from_numpy(ids),
         torch.tensor([rows.size], dtype=torch.int32),
+        torch.zeros((m, _up_width(m, n, wg is not None, options)), dtype=torch.float32),
     )
 
 
@@ -403,6 +427,7 @@ def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capac
 
     _check_cuda(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
     m, n = x.shape[0], w_up.shape[0]
+    options = _options(tile, slots, max_row_nnz, dense_capacity)
     if m == 0:
         return (
             torch.empty_like(x),
@@ -411,8 +436,12 @@ def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capac
             torch.zeros((0,), dtype=torch.uint8, device=x.device),
             torch.zeros((0,), dtype=torch.int32, device=x.device),
             torch.zeros((1,), dtype=torch.int32, device=x.device),
+            torch.zeros(
+                (0, _up_width(0, n, w_gate is not None, options)),
+                dtype=torch.float32,
+                device=x.device,
+            ),  # fmt: skip
         )
-    options = _options(tile, slots, max_row_nnz, dense_capacity)
     arrays = {"x": x.contiguous(), "w_gate": _contiguous(w_gate), "w_up": w_up.contiguous(),
               "w_down": w_down.contiguous()}  # fmt: skip
     with on_gpu("torch", arrays) as (v, to_caller):
@@ -423,9 +452,13 @@ def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capac
             for a in (y, saved.packed.view(np.int32), saved.heavy, saved.ids[:m], saved.count)
         ]
         row_l1 = to_caller(saved.row_l1)
-    y, packed, heavy, ids, count = (_unview(t) for t in outputs)
+        if saved.up is not None:
+            outputs.append(to_caller(saved.up))
+    y, packed, heavy, ids, count, *up = (_unview(t) for t in outputs)
+    if not up:  # the non-gated block keeps none
+        up = [torch.zeros((m, 0), dtype=torch.float32, device=x.device)]
     l1 = row_l1.sum() * _l1_scale(reduction, m, n)
-    return y, l1, packed, heavy, ids, count
+    return y, l1, packed, heavy, ids, count, up[0]
 
 
 def _l1_coefficient(dl1: torch.Tensor | None, backward_module: Any) -> Any:
@@ -459,6 +492,7 @@ def _backward_cuda(
     heavy,
     ids,
     count,
+    up,
     tile,
     slots,
     max_row_nnz,
@@ -474,7 +508,8 @@ def _backward_cuda(
         raise RuntimeError(
             "twell: the GPU backward (twell.kernels.backward.ffn_backward) is not built yet"
         )
-    _check_cuda(dy=dy, dl1=dl1, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, packed=packed)
+    _check_cuda(dy=dy, dl1=dl1, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, packed=packed,
+                up=up)  # fmt: skip
     if dy is None:
         dy = torch.zeros_like(x)
     coeff = _l1_coefficient(dl1, kernels_backward)
@@ -484,9 +519,12 @@ def _backward_cuda(
         "w_up": w_up.contiguous(), "w_down": w_down.contiguous(), "packed": packed.contiguous(),
         "heavy": heavy.contiguous(), "ids": ids.contiguous(), "count": count.contiguous(),
     }  # fmt: skip
+    if w_gate is not None:  # the non-gated block keeps no up products
+        arrays["up"] = up.contiguous()
     with on_gpu("torch", arrays) as (v, to_caller):
         block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
-        saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"])
+        saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"],
+                            up=v.get("up"))  # fmt: skip
         # bf16 weights get bf16 gradients straight from the kernels (half the memory of
         # fp32 ones and no second copy); others get fp32, cast below.
         bf16 = all(w is None or w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down))
