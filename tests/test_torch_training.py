@@ -680,9 +680,10 @@ def test_gpu_eval_after_a_fused_optimizer_step_sees_the_new_weights() -> None:
 
 def assert_same_training_outputs(want: tuple, got: tuple, slots: int) -> None:
     """The forward op's outputs equal where they are specified: ``y``, ``l1``, ``heavy``,
-    ``count``, the heavy ids ``ids[:count]``, and the TwELL words of light rows up to each
-    tile's count (a tile's unused slots and the ids past the count are unspecified)."""
-    y, l1, packed, heavy, ids, count = want
+    ``count``, the heavy ids ``ids[:count]``, the TwELL words of light rows up to each
+    tile's count, and the up products of light rows up to their entry count (a tile's
+    unused slots, the ids past the count and the rest of ``up`` are unspecified)."""
+    y, l1, packed, heavy, ids, count, up = want
     for a, b in zip((y, l1, heavy, count), (got[0], got[1], got[3], got[5]), strict=True):
         assert torch.equal(a, b)
     n = int(count[0])
@@ -695,6 +696,10 @@ def assert_same_training_outputs(want: tuple, got: tuple, slots: int) -> None:
     valid = slot[None, None, :] <= words[:, :, :1].clamp(max=slots - 1)
     valid &= light[:, None, None]
     assert torch.equal(words[valid], other[valid])
+    entries = words[:, :, 0].clamp(max=slots - 1).sum(dim=1)
+    rank = torch.arange(up.shape[1], device=up.device)
+    kept = light[:, None] & (rank[None, :] < entries[:, None])
+    assert bool(kept.any()) and torch.equal(up[kept], got[6][kept])
 
 
 @pytest.mark.gpu
