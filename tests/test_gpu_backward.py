@@ -252,19 +252,21 @@ def _dense_bf16_dx_error(
 
 @pytest.mark.parametrize("rows", [None, 128], ids=["one-launch", "token-ranges"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("k", "slicings"), [(1024, (1, 2, 4)), (4096, (1, 2, 16))])
 def test_weight_gradient_slices_give_the_same_bits(
-    monkeypatch: pytest.MonkeyPatch, gated: bool, rows: int | None
+    monkeypatch: pytest.MonkeyPatch, gated: bool, rows: int | None, k: int, slicings: tuple
 ) -> None:
-    """The weight-gradient kernel by K slices (every slicing K=1024 allows, with extra
-    segments in use), in one launch or by token ranges of 128 (five launches, the later
-    ones adding to the rows): right, and the same bits for every slicing."""
+    """The weight-gradient kernel by K slices (with extra segments in use; at K=4096 the
+    whole rows take two chunks per thread, a slice one), in one launch or by token ranges
+    of 128 (five launches, the later ones adding to the rows): right, and the same bits
+    for every slicing."""
     monkeypatch.setattr(backward, "MIN_SEGMENT", 4)
     if rows is not None:
         monkeypatch.setattr(backward, "grad_rows", lambda m, k, s: rows)
-    p = problem("paperlike", 600, 1024, 512, seed=31)
-    w, dy = weights(p, gated), upstream(600, 1024, 32)
+    p = problem("paperlike", 600, k, 512, seed=31)
+    w, dy = weights(p, gated), upstream(600, k, 32)
     results = []
-    for slices in (1, 2, 4):
+    for slices in slicings:
         monkeypatch.setattr(backward, "grad_slices", lambda m, k, s=slices: s)
         got, ref = run(w, p.x, dy, Options())
         check(got, ref)
@@ -398,8 +400,21 @@ def test_saved_up_products_give_the_recomputed_bits(kind: str, m: int, k: int) -
     for a, b in zip(with_up, without, strict=True):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
     check(with_up, reference.ffn_backward(p.x, *weights(p, True), upstream(m, k, 42), 1e-2))
-    with pytest.raises(ValueError, match="saved.up"):
-        backward.ffn_backward(block, xg, dyg, dataclasses.replace(saved, up=saved.up[:, :-1]))
+    # the saved products are what the backward reads: doubled, the gradients change
+    doubled = dataclasses.replace(saved, up=saved.up * 2)
+    changed = backward.ffn_backward(block, xg, dyg, doubled, l1_coeff=1e-2)
+    for a, b in zip(with_up, changed, strict=True):
+        assert not cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
+    for bad in (saved.up[:, :-1], saved.up.astype(cp.float16), cp.asfortranarray(saved.up)):
+        with pytest.raises(ValueError, match="saved.up"):
+            backward.ffn_backward(block, xg, dyg, dataclasses.replace(saved, up=bad))
+    from twell.kernels import light_rows
+
+    y = cp.empty_like(xg)
+    for bad in (saved.up.astype(cp.float16), cp.asfortranarray(saved.up), saved.up[:-1]):
+        with pytest.raises(ValueError, match="up"):
+            light_rows.from_twell(xg, saved.packed, saved.heavy, block.w_up, block.w_down_t, y,
+                                  tile=256, slots=Options().slots, up=bad)  # fmt: skip
 
 
 def test_nongated_forward_saves_no_up_products() -> None:

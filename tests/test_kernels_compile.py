@@ -119,9 +119,10 @@ def test_weight_gradient_slices_bound_the_slice_and_fit_the_width() -> None:
     # token ranges where a slice of all tokens is too large: equal, within the bound
     assert backward.grad_rows(16384, 2048, 8) == 16384
     assert backward.grad_rows(65536, 2048, 8) == 21846  # three launches
+    most = backward.GRAD_SLICE_BYTES * 8 // (4 * 2048)  # tokens whose slices fit
     for m in (24577, 131109, 10**6):
         rows = backward.grad_rows(m, 2048, 8)
-        assert 4 * 2048 * rows // 8 <= backward.GRAD_SLICE_BYTES and -(-m // rows) * rows < m + rows
+        assert rows <= most and -(-m // rows) == -(-m // most)  # the fewest launches
 
 
 def test_decode_units_route_limits() -> None:

@@ -450,6 +450,33 @@ def _gpu_reason() -> str | None:
 needs_gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [40, 0])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_gpu_ops_match_their_fake_implementations(gated: bool, m: int) -> None:
+    """On CUDA too, the ops' outputs have the shapes, dtypes and strides their fake
+    implementations promise (``up``: [M, R] gated, [M, 0] not; M = 0 included). Only
+    these checks: some outputs have unspecified elements (``ids`` past the count, ``up``
+    past a row's entries), which opcheck's eager-against-compiled comparison would read."""
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    x, w_gate, w_up, w_down = (
+        None if t is None else t.detach().cuda().bfloat16().requires_grad_()
+        for t in _op_args(torch.float32, gated, m=m, k=64, n=256)
+    )
+    settings = (64, 16, -1, 0.0, "mean")
+    torch.library.opcheck(ffn_train_forward, (x, w_gate, w_up, w_down, *settings), test_utils=utils)
+    with torch.no_grad():
+        out = ffn_train_forward(x, w_gate, w_up, w_down, *settings)
+    assert out[6].shape == (m, 16 if gated else 0) and out[6].dtype == torch.float32
+    detached = [None if t is None else t.detach() for t in (x, w_gate, w_up, w_down)]
+    dy = torch.randn_like(detached[0])
+    torch.library.opcheck(
+        ffn_train_backward, (dy, torch.tensor(0.5, device="cuda"), *detached, *out[2:], *settings),
+        test_utils=("test_schema", "test_faketensor"),
+    )  # fmt: skip
+
+
 def _cuda_mlp(problem: workloads.Problem, dtype: torch.dtype, reduction: str) -> SparseMLP:
     return SparseMLP.from_module(_mlp(problem, torch.float32).cuda().to(dtype), reduction=reduction)
 

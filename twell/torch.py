@@ -21,7 +21,8 @@ What runs where:
   ``twell::ffn_train_forward`` / ``twell::ffn_train_backward`` (:mod:`twell.autograd`):
   the GPU kernels for CUDA tensors, the float64 NumPy reference for CPU tensors. They
   work with autograd, ``torch.compile(fullgraph=True)`` and CUDA graphs, and keep only
-  the compressed activations (TwELL words, heavy-row ids) for the backward.
+  the compressed activations (TwELL words, heavy-row ids, and the gated block's up
+  products of the active units, 4 bytes each) for the backward.
   ``train_kernels=False``: dense torch math.
 
 Training with the L1 penalty: every forward that records gradients leaves the layer's

@@ -9,7 +9,8 @@
 //   non-gated: a = x wuᵀ, h = relu(a); da = dh [a > 0]; dx = da wu; dWu = daᵀ x; dWd = dyᵀ h
 //
 // ------------------------------------------------------------------ the pipeline
-//  1 light      twell_bw_light: one warp per token (light_rows.cu's pattern). For each
+//  1 light      twell_bw_light (twell_bw_light_saved when the forward kept the up
+//               products): one warp per token (light_rows.cu's pattern). For each
 //               active unit n of the token's TwELL entries (g = the stored bf16 gate
 //               value): u = x[t]·w_up[n] (the forward's, kept in Activations.up, or
 //               recomputed with the same sum), dh = dy[t]·w_down_t[n] + l1 term, da, du.
@@ -193,12 +194,16 @@ __device__ __forceinline__ int first_token_at_least(const int* __restrict__ toke
 // =======================================================================================
 // 1. Light rows: one warp per token.
 // =======================================================================================
+template <bool WITH_X>
 struct LightShared {
   uint32_t list[TWELL_LIST_CAPACITY];
   uint4 dy[NCH * 32];
-#if TWELL_GATED
   uint4 x[NCH * 32];  // for the up products the forward did not keep
-#endif
+};
+template <>
+struct LightShared<false> {
+  uint32_t list[TWELL_LIST_CAPACITY];
+  uint4 dy[NCH * 32];
 };
 
 // Copies a K-wide bf16 row to shared memory (dst may be null: check only); returns,
@@ -244,7 +249,8 @@ light_pairs(const uint16_t* __restrict__ x,         // [M, K]
                long long cap, int M, int N, int row_cap,
                const float* __restrict__ l1_dev,  // [1] L1 coefficient on the device, or null
                float l1_host) {                   // l1_dev ? the L1 scale : coefficient * scale
-  __shared__ LightShared sm;
+  constexpr bool recompute = TWELL_GATED && RECOMPUTE;
+  __shared__ LightShared<recompute> sm;
   const float l1s = l1_dev != nullptr ? l1_dev[0] * l1_host : l1_host;
   const int lane = threadIdx.x;
   const long long row = blockIdx.x;
@@ -274,10 +280,11 @@ light_pairs(const uint16_t* __restrict__ x,         // [M, K]
     is_heavy = __any_sync(FULL, bad) || nnz > row_cap;
   }
   // x and dy rows (to shared memory): Inf or NaN sends the row to the dense path.
-  constexpr bool recompute = TWELL_GATED && RECOMPUTE;
   if (!is_heavy) {
 #if TWELL_GATED
-    bool bad = load_row(recompute ? sm.x : nullptr, x + row * TWELL_KDIM, lane);
+    bool bad;
+    if constexpr (recompute) bad = load_row(sm.x, x + row * TWELL_KDIM, lane);
+    else bad = load_row(nullptr, x + row * TWELL_KDIM, lane);  // checked, not kept
 #else
     bool bad = load_row(nullptr, x + row * TWELL_KDIM, lane);
 #endif
@@ -335,7 +342,7 @@ light_pairs(const uint16_t* __restrict__ x,         // [M, K]
       for (int c = 0; c < NCH; ++c)
         b[q][c] = chunk_valid(c, lane) ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
 #if TWELL_GATED
-      if (recompute) {
+      if constexpr (recompute) {
         const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
 #pragma unroll
         for (int c = 0; c < NCH; ++c)
@@ -355,7 +362,7 @@ light_pairs(const uint16_t* __restrict__ x,         // [M, K]
       const float dhb = warp_sum(pd);
 #if TWELL_GATED
       float u;
-      if (recompute) {  // the forward's sum: the same chunks, lanes and butterfly
+      if constexpr (recompute) {  // the forward's sum: the same chunks, lanes and butterfly
         float pu = 0.f;
 #pragma unroll
         for (int c = 0; c < NCH; ++c) pu = twell_dot8(sm.x[c * 32 + lane], a[q][c], pu);
@@ -667,15 +674,20 @@ struct GradShared {
 // the launcher runs the kernel once per token range [t0, t1), in order: the first launch
 // writes the rows, the later ones (accumulate = 1) add their range's sums to them (a
 // fixed order: the bits depend on the ranges, not on timing).
-extern "C" __global__ void __launch_bounds__(GRAD_THREADS)
-twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
-                      const int* __restrict__ tokens, const int* __restrict__ pairs,
-                      const float* __restrict__ vals, long long cap,
-                      const int* __restrict__ unit_start, const int* __restrict__ seg_start,
-                      int N, int seg, int extra_cap, int slices, int t0, int t1,
-                      int accumulate, float* __restrict__ dw0,
-                      float* __restrict__ dw1, float* __restrict__ dw2,
-                      float* __restrict__ ws) {
+// C: 16-byte chunks per thread (CPT for the whole row; 1 for a slice, which has one per
+// thread).
+#define TWELL_GRAD_ARGS                                                                    \
+  const uint16_t *__restrict__ x, const uint16_t *__restrict__ dy,                         \
+      const int *__restrict__ tokens, const int *__restrict__ pairs,                       \
+      const float *__restrict__ vals, long long cap, const int *__restrict__ unit_start,   \
+      const int *__restrict__ seg_start, int N, int seg, int extra_cap, int slices, int t0, \
+      int t1, int accumulate, float *__restrict__ dw0, float *__restrict__ dw1,            \
+      float *__restrict__ dw2, float *__restrict__ ws
+#define TWELL_GRAD_PASS                                                                    \
+  x, dy, tokens, pairs, vals, cap, unit_start, seg_start, N, seg, extra_cap, slices, t0, t1, \
+      accumulate, dw0, dw1, dw2, ws
+template <int C>
+__device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
   __shared__ GradShared sm;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int extras = min(seg_start[N], extra_cap);
@@ -703,11 +715,11 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
     float* const out0 = item < N ? dw0 + row : ws + row;
     float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
     float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
-    float acc[NV][CPT][8];
+    float acc[NV][C][8];
 #pragma unroll
     for (int v = 0; v < NV; ++v)
 #pragma unroll
-      for (int cc = 0; cc < CPT; ++cc)
+      for (int cc = 0; cc < C; ++cc)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[v][cc][i] = 0.f;
 
@@ -722,7 +734,7 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
       }
       __syncthreads();
       for (int i = 0; i < nb; i += GRAD_UNROLL) {
-        uint4 xv[GRAD_UNROLL][CPT], dv[GRAD_UNROLL][CPT];
+        uint4 xv[GRAD_UNROLL][C], dv[GRAD_UNROLL][C];
 #pragma unroll
         for (int q = 0; q < GRAD_UNROLL; ++q) {
           const bool live = i + q < nb;
@@ -730,7 +742,7 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
           const uint4* xr = reinterpret_cast<const uint4*>(x + t * TWELL_KDIM);
           const uint4* dr = reinterpret_cast<const uint4*>(dy + t * TWELL_KDIM);
 #pragma unroll
-          for (int cc = 0; cc < CPT; ++cc) {
+          for (int cc = 0; cc < C; ++cc) {
             const int kl = tid + cc * threads, k = s * cs + kl;
             const bool ok = live && kl < cs && k < KCH;
             xv[q][cc] = ok ? __ldg(xr + k) : make_uint4(0, 0, 0, 0);
@@ -741,7 +753,7 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
         for (int q = 0; q < GRAD_UNROLL; ++q) {
           if (i + q < nb) {
 #pragma unroll
-            for (int cc = 0; cc < CPT; ++cc) {
+            for (int cc = 0; cc < C; ++cc) {
 #pragma unroll
               for (int v = 0; v < NV - 1; ++v) twell_axpy8(sm.v[v][i + q], xv[q][cc], acc[v][cc]);
               twell_axpy8(sm.v[NV - 1][i + q], dv[q][cc], acc[NV - 1][cc]);
@@ -751,7 +763,7 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
       }
     }
 #pragma unroll
-    for (int cc = 0; cc < CPT; ++cc) {
+    for (int cc = 0; cc < C; ++cc) {
       const int kl = tid + cc * threads, k = s * cs + kl;
       if (kl < cs && k < KCH) {
 #pragma unroll
@@ -770,6 +782,16 @@ twell_bw_weight_grads(const uint16_t* __restrict__ x, const uint16_t* __restrict
       }
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(GRAD_THREADS)
+twell_bw_weight_grads(TWELL_GRAD_ARGS) {  // whole rows: slices == 1, GRAD_THREADS threads
+  weight_grads<CPT>(TWELL_GRAD_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_weight_grads_sliced(TWELL_GRAD_ARGS) {  // slices > 1: one chunk per thread
+  weight_grads<1>(TWELL_GRAD_PASS);
 }
 
 // Adds the extra segments of each unit to its rows, in segment order (segment 0 is

@@ -8,15 +8,21 @@ host. Its NumPy oracle is :func:`twell.reference.ffn_backward`. The steps (backw
 header has the details):
 
 1. **Light rows**, one warp per token: for each active unit of the token's TwELL entries,
-   ``u = x·w_up[n]`` is recomputed, ``dh = dy·w_down_t[n]`` (+ the L1 term), ``da``,
-   ``du``; ``dx`` is accumulated in fp32 registers, and the pair values (``da, du, h``) are
-   stored at the pair's index. The step also routes the backward's heavy rows: the
-   forward's, plus rows whose ``x`` or ``dy`` holds Inf/NaN (dense math spreads those to
-   every unit, so only the dense path reproduces it) and rows over the pair capacity.
+   ``u = x·w_up[n]`` (the forward's, ``Activations.up``, or recomputed with the same
+   sum), ``dh = dy·w_down_t[n]`` (+ the L1 term), ``da``, ``du``; the pair values
+   (``da, du, h``) and the pair's unit are stored at the pair's index. Then ``dx`` of the
+   light rows in fp32, a warp per (256-column slice, token), slice-major (the slices of
+   ``w_gate`` and ``w_up`` being read stay in L2). The step also routes the backward's
+   heavy rows: the forward's, plus rows whose ``x`` or ``dy`` holds Inf/NaN (dense math
+   spreads those to every unit, so only the dense path reproduces it) and rows over the
+   pair capacity.
 2. **Unit lists** (:class:`UnitLists`): the transposed view of the light pairs, built on
    the device by a counting sort.
-3. **Weight gradients of the light pairs**, a block per unit (long lists in segments),
-   summed in ascending token order in fp32.
+3. **Weight gradients of the light pairs**, a block per (unit, K slice) (long lists in
+   segments), summed in ascending token order in fp32; blocks numbered slice-major, and
+   one launch per token range where a slice of ``x`` and ``dy`` for all tokens would not
+   stay in L2 (:func:`grad_slices`, :func:`grad_rows`: the bits depend on the ranges,
+   never on the slices).
 4. **Heavy rows**: with ``dense_capacity``, the first ``options.capacity_rows(M)`` of them
    through cuBLAS GEMMs of exactly that many rows (:func:`_capacity_rows`, as the forward's
    capacity GEMMs); the rest in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles
@@ -359,7 +365,8 @@ def ffn_backward(
     slices = grad_slices(m, k)
     rows = grad_rows(m, k, slices)
     for t0 in range(0, m, rows):
-        _launch("twell_bw_weight_grads", (slices * (n + lists.extra_cap),),
+        _launch("twell_bw_weight_grads" if slices == 1 else "twell_bw_weight_grads_sliced",
+                (slices * (n + lists.extra_cap),),
                 (grad_threads(k) if slices == 1 else k // 8 // slices,),
                 (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
                  lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
@@ -472,11 +479,14 @@ def _saved_up(saved: Activations, gated: bool, m: int, row_cap: int) -> Any | No
     """The forward's up products when the backward can read them, else None."""
     if saved.up is None or not gated:
         return None
-    if tuple(saved.up.shape) != (m, row_cap) or np.dtype(saved.up.dtype) != np.float32:
+    up = saved.up
+    if tuple(up.shape) != (m, row_cap) or np.dtype(up.dtype) != np.float32:
         raise ValueError(
             f"saved.up: expected a float32 array of shape {(m, row_cap)}, got "
-            f"{saved.up.dtype} {tuple(saved.up.shape)}"
+            f"{up.dtype} {tuple(up.shape)}"
         )
+    if not up.flags.c_contiguous:
+        raise ValueError("saved.up: expected a C-contiguous array")
     return saved.up
 
 

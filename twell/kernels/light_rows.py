@@ -154,8 +154,11 @@ def from_twell(
     m = y.shape[0]
     if m == 0:
         return
-    if up is not None and (w_up is None or up.ndim != 2 or up.shape[0] != m):
-        raise ValueError("up: a float32 [M, R] array, and only for the gated block")
+    if up is not None and (
+        w_up is None or up.ndim != 2 or up.shape[0] != m or np.dtype(up.dtype) != np.float32
+        or not up.flags.c_contiguous
+    ):  # fmt: skip
+        raise ValueError("up: a C-contiguous float32 [M, R] array, and only for the gated block")
     limit = 2**31 - 1 if max_row_nnz is None else max_row_nnz
     _launch("twell_light_rows_from_twell", math.ceil(m / ROW_WARPS), 32 * ROW_WARPS, x, packed,
             heavy, w_up, w_down_t, y, tile, slots, limit,

@@ -345,7 +345,9 @@ Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 
 def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
     if save is not None:
-        raise ValueError("the fused route writes no TwELL and no row_l1 (use epilogue or pack)")
+        raise ValueError(
+            "the fused route writes no TwELL, row_l1 or up products (use epilogue or pack)"
+        )
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
     light_rows.from_pre(
