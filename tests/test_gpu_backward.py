@@ -404,7 +404,8 @@ def test_saved_up_products_give_the_recomputed_bits(kind: str, m: int, k: int) -
     # depends on u changes (da = dh·u, h = g·u); du = dh·g and so dw_up do not
     doubled = dataclasses.replace(saved, up=saved.up * 2)
     changed = backward.ffn_backward(block, xg, dyg, doubled, l1_coeff=1e-2)
-    same = [cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)) for a, b in zip(with_up, changed)]
+    same = [bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)))
+            for a, b in zip(with_up, changed, strict=True)]  # fmt: skip
     assert same == [False, False, True, False]  # dx, dw_gate, dw_up, dw_down
     for bad in (saved.up[:, :-1], saved.up.astype(cp.float16), cp.asfortranarray(saved.up)):
         with pytest.raises(ValueError, match="saved.up"):
