@@ -180,7 +180,7 @@ def test_down_of_a_float32_hybrid_from_dense():
     assert_close(y, reference.down(to_host(hg), w_down))
 
 
-@pytest.mark.parametrize("path", ["epilogue", "pack"])
+@pytest.mark.parametrize("path", ["epilogue", "pack", "sliced"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize(("kind", "m", "k", "n", "slots"), PACK_CASES)
 def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool, path: str):
@@ -188,6 +188,23 @@ def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool,
     w_gate = p.w_gate if gated else None
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
     block = PreparedBlock(wg, wu, wd, Options(slots=slots, path=path, density_switch=False))
+    y = block(x)
+    assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
+    assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(
+    ("kind", "m", "k", "n"),
+    [("heavy", 300, 4096, 512), ("uniform", 37, 8, 512), ("paperlike", 513, 1000, 1024)],
+)
+def test_sliced_route_at_widths_its_slices_cut(kind: str, m: int, k: int, n: int, gated: bool):
+    """The sliced route where K is 16 whole slices, less than one, and not a multiple of
+    256 (the last slice partly past K)."""
+    p = with_special_rows(problem(kind, m, k, n, seed=m + k))
+    w_gate = p.w_gate if gated else None
+    x, wg, wu, wd = (to_gpu(a) for a in (p.x, w_gate, p.w_up, p.w_down))
+    block = PreparedBlock(wg, wu, wd, Options(path="sliced", density_switch=False))
     y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
     assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
@@ -211,7 +228,7 @@ def test_other_input_dtypes_round_trip(dtype: type):
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
 
 
-@pytest.mark.parametrize("path", ["fused", "epilogue"])
+@pytest.mark.parametrize("path", ["fused", "epilogue", "sliced"])
 def test_large_m_not_multiple_of_anything(path: str):
     m, k, n = 131072 + 37, 256, 512
     rng = np.random.default_rng(2)
@@ -331,7 +348,7 @@ def test_heavy_rows_from_flags_match_the_compacted_list(m: int):
         )
 
 
-@pytest.mark.parametrize("path", ["fused", "epilogue"])
+@pytest.mark.parametrize("path", ["fused", "epilogue", "sliced"])
 def test_ffn_can_be_captured_in_a_cuda_graph(path: str):
     """No host synchronisation on the ffn path: capture, replay, same bits as eager.
 

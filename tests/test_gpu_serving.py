@@ -53,7 +53,7 @@ def heavy_problem(m: int, k: int = 512, n: int = 1024) -> workloads.Problem:
     return dataclasses.replace(p, x=x.astype(p.x.dtype))
 
 
-@pytest.mark.parametrize("path", ["fused", "epilogue", "pack"])
+@pytest.mark.parametrize("path", ["fused", "epilogue", "pack", "sliced"])
 @pytest.mark.parametrize("m", [1, 8, 64, 300])
 def test_torch_graph_capture_in_default_mode(m: int, path: str) -> None:
     """torch.cuda.graph in its default (global) capture mode; replays give eager's bits."""

@@ -25,7 +25,7 @@ MAX_K = 4096
 #: a row with more goes to the dense path, so ``max_row_nnz`` is at most this.
 LIST_CAPACITY = 1024
 #: The GPU pipelines of a prepared block; see docs/design.md.
-PATHS = ("fused", "epilogue", "pack")
+PATHS = ("fused", "epilogue", "pack", "sliced")
 #: How ``gate`` packs on the GPU: in the GEMM's epilogue, or by a packing kernel.
 GATE_PATHS = ("epilogue", "pack")
 

@@ -14,7 +14,9 @@ pass has two stages (docs/design.md draws them):
      scans it and gathers (light_rows.from_pre);
    - ``"epilogue"``: the gate GEMM packs TwELL in its epilogue (gate_gemm.cu), then the
      gather reads TwELL; no dense pre-activation exists, so heavy rows recompute theirs;
-   - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL.
+   - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL;
+   - ``"sliced"``: the gate as in ``"epilogue"``, then the gather by 256-column slices of
+     the weights (light_rows_sliced.cu): for weights far larger than L2.
 
 2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
    device (by a kernel of their own, or, for inference batches of at most
@@ -48,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows
+from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.backward import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16
 from twell.kernels.convert import as_bf16, from_bf16, transpose
@@ -162,7 +164,7 @@ class PreparedBlock:
                 self.density.observe_masks(scratch[1])
             return from_bf16(y, x.dtype)
         path = self.options.path
-        if save and path == "fused":
+        if save and path in ("fused", "sliced"):  # routes that keep no training outputs
             path = "epilogue"
         # The training forward's L1 term, per row: light rows by the route, heavy rows by
         # the heavy-row stage (every row written).
@@ -381,11 +383,24 @@ def _route_pack(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) 
     return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed), save)
 
 
+def _route_sliced(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
+    if save is not None:
+        raise ValueError("the sliced route writes no row_l1 or up products (use epilogue)")
+    packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
+    light_rows_sliced.from_twell(
+        x if block.gated else None, packed, heavy, block.w_up if block.gated else None,
+        block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
+        max_row_nnz=block.max_row_nnz,
+    )  # fmt: skip
+    return LightRows(heavy, packed=packed)
+
+
 #: The light-row stage of each ``path``.
 ROUTES: dict[str, Route] = {
     "fused": _route_fused,
     "epilogue": _route_epilogue,
     "pack": _route_pack,
+    "sliced": _route_sliced,
 }
 
 

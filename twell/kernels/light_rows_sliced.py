@@ -1,0 +1,80 @@
+"""Launcher of ``light_rows_sliced.cu``: the light rows of the "sliced" route, the gathered
+up and down projections read by 256-column slices of the weights so that the slice being
+read stays in L2 (for weights far larger than L2; docs/design.md).
+
+:func:`from_twell` has the contract of :func:`twell.kernels.light_rows.from_twell`
+without its training outputs: from a TwELL buffer and the heavy flags the packer set, it
+flags the rows over ``max_row_nnz`` (``heavy[m] = 1``) and writes the light rows of
+``y``; heavy rows of ``y`` are left to the heavy-row stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from twell.kernels.buffers import alloc, u16
+from twell.kernels.compile import Source, declare
+
+#: Entries whose weight pieces a warp loads at once.
+SLICE_UNITS = 8
+#: Rows (warps) per block of every kernel here.
+ROWS_PER_BLOCK = 8
+
+SOURCE = declare(
+    Source(
+        "light_rows_sliced.cu",
+        parameters=("KDIM", "TILE", "SLOTS", "GATED"),
+        constants={"SLICE_UNITS": SLICE_UNITS},
+        examples=tuple(
+            {"KDIM": k, "TILE": 256, "SLOTS": 32, "GATED": g}
+            for k in (8, 264, 2048, 4096) for g in (0, 1)
+        ) + ({"KDIM": 136, "TILE": 32, "SLOTS": 2, "GATED": 1},),
+    )
+)  # fmt: skip
+
+
+def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int:
+    """Most entries a light row keeps here: the routing rule's limit, what the TwELL
+    geometry holds, and int32 indices of ``[M, row_cap]`` arrays."""
+    return max(0, min(max_row_nnz, (n // tile) * (slots - 1), (2**31 - 1) // max(1, m)))
+
+
+def from_twell(
+    x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
+    tile: int, slots: int, max_row_nnz: int,
+) -> None:  # fmt: skip
+    """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped; rows
+    with more than ``max_row_nnz`` entries get ``heavy[m] = 1``). Gated if ``w_up`` is
+    given. Scratch: the rows' entries (uint32) and, gated, their fp32 up products, both
+    ``[M, R]`` with ``R = row_capacity(...)``."""
+    m, k = y.shape
+    if m == 0:
+        return
+    n = w_down_t.shape[0]
+    gated = w_up is not None
+    cap = row_capacity(max_row_nnz, n, tile, slots, m)
+    params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
+    entries = alloc((m, max(1, cap)), np.uint32)
+    row_nnz = alloc((m,), np.int32)
+    rows = math.ceil(m / ROWS_PER_BLOCK)
+    threads = 32 * ROWS_PER_BLOCK
+    i32 = np.int32
+    SOURCE.kernel("twell_sliced_lists", **params)(
+        (rows,), (threads,), (packed, heavy, entries, row_nnz, i32(m), i32(n), i32(cap))
+    )
+    slices = math.ceil(k / 256)
+    h = None
+    if gated:
+        h = alloc((m, max(1, cap)), np.float32)
+        up = SOURCE.kernel("twell_sliced_up", **params)
+        for s in range(slices):  # in order: a pair's slice sums are added in slice order
+            up((rows,), (threads,), (u16(x), u16(w_up), entries, row_nnz, h, i32(m), i32(cap),
+                                     i32(s), i32(s == slices - 1)))  # fmt: skip
+    SOURCE.kernel("twell_sliced_down", **params)(
+        (math.ceil(slices * m / ROWS_PER_BLOCK),), (threads,),
+        (heavy, entries, row_nnz, np.uint64(0) if h is None else h, u16(w_down_t), u16(y),
+         i32(m), i32(cap)),
+    )  # fmt: skip
