@@ -196,7 +196,7 @@ def test_other_paths(kind: str, m: int, k: int, n: int, slots: int, gated: bool,
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize(
     ("kind", "m", "k", "n"),
-    [("heavy", 300, 4096, 512), ("uniform", 37, 8, 512), ("paperlike", 513, 1000, 1024)],
+    [("heavy", 300, 4096, 512), ("uniform", 37, 8, 512), ("uniform", 513, 1000, 1024)],
 )
 def test_sliced_route_at_widths_its_slices_cut(kind: str, m: int, k: int, n: int, gated: bool):
     """The sliced route where K is 16 whole slices, less than one, and not a multiple of
@@ -208,6 +208,22 @@ def test_sliced_route_at_widths_its_slices_cut(kind: str, m: int, k: int, n: int
     y = block(x)
     assert_close(to_f64(y), reference.forward.ffn_dense(p.x, w_gate, p.w_up, p.w_down))
     assert cp.array_equal(y.view(cp.uint16), block(x).view(cp.uint16)), "not deterministic"
+
+
+def test_fused_route_takes_the_slices_where_they_pay(monkeypatch: pytest.MonkeyPatch):
+    """Where light_rows_sliced.pays says so, the fused route is the sliced one (bits)."""
+    from twell.kernels import light_rows_sliced
+
+    p = with_special_rows(problem("heavy", 300, 512, 1024, seed=3))
+    x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
+    sliced = PreparedBlock(wg, wu, wd, Options(path="sliced", density_switch=False))(x)
+    fused = PreparedBlock(wg, wu, wd, Options(density_switch=False))
+    before = fused(x)
+    monkeypatch.setattr(light_rows_sliced, "MIN_ROWS", 300)
+    monkeypatch.setattr(light_rows_sliced, "WEIGHT_BYTES", 2 * 1024 * 512 * 2)
+    after = fused(x)
+    assert cp.array_equal(after.view(cp.uint16), sliced.view(cp.uint16))
+    assert not cp.array_equal(before.view(cp.uint16), after.view(cp.uint16))
 
 
 def test_prepared_block_equals_functional_ffn():

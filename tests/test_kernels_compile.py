@@ -125,6 +125,14 @@ def test_weight_gradient_slices_bound_the_slice_and_fit_the_width() -> None:
         assert rows <= most and -(-m // rows) == -(-m // most)  # the fewest launches
 
 
+def test_sliced_light_rows_pay_for_large_weights_and_batches() -> None:
+    from twell.kernels import light_rows_sliced as sliced
+
+    assert sliced.pays(16384, 4096, 14336) and sliced.pays(4096, 4096, 14336)
+    assert not sliced.pays(4095, 4096, 14336)  # a smaller batch
+    assert not sliced.pays(16384, 2048, 5632)  # 46 MB of weights: L2 holds most of them
+
+
 def test_decode_units_route_limits() -> None:
     """The by-unit decode route's bounds (pure Python: no GPU needed)."""
     from twell.kernels import decode_units

@@ -18,6 +18,14 @@ import numpy as np
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
+#: When the "fused" route takes this stage (:func:`pays`): weights (``w_up`` and
+#: ``w_down_t``) of at least this many bytes, about twice an H100's L2, and at least
+#: this many tokens. Measured on an H100 (M=16384, ms): at K=4096, N=14336 (234 MB) the
+#: sliced stage beat the per-token gather (p = 0.003: 5.56 against 6.14 with the
+#: gate_gemm.cu gate; p = 0.005: 6.69 against 8.13); at K=2048, N=5632 (46 MB) it lost
+#: (1.34 against 1.19). docs/perf-log.md, 2026-11-23, sixth session.
+WEIGHT_BYTES = 96 << 20
+MIN_ROWS = 4096
 #: Entries whose weight pieces a warp loads at once.
 SLICE_UNITS = 8
 #: Rows (warps) per block of every kernel here.
@@ -34,6 +42,11 @@ SOURCE = declare(
         ) + ({"KDIM": 136, "TILE": 32, "SLOTS": 2, "GATED": 1},),
     )
 )  # fmt: skip
+
+
+def pays(m: int, k: int, n: int) -> bool:
+    """Whether the "fused" route reads its light rows by slices here (see WEIGHT_BYTES)."""
+    return m >= MIN_ROWS and 2 * n * k * 2 >= WEIGHT_BYTES
 
 
 def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int:

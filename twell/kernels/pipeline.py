@@ -15,8 +15,10 @@ pass has two stages (docs/design.md draws them):
    - ``"epilogue"``: the gate GEMM packs TwELL in its epilogue (gate_gemm.cu), then the
      gather reads TwELL; no dense pre-activation exists, so heavy rows recompute theirs;
    - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL;
-   - ``"sliced"``: the gate as in ``"epilogue"``, then the gather by 256-column slices of
-     the weights (light_rows_sliced.cu): for weights far larger than L2.
+   - ``"sliced"``: the gate as in ``"pack"``, then the gather by 256-column slices of the
+     weights (light_rows_sliced.cu), so that the slice being read stays in L2; ``"fused"``
+     takes it for large batches of weights far larger than L2
+     (``light_rows_sliced.pays``).
 
 2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
    device (by a kernel of their own, or, for inference batches of at most
@@ -350,6 +352,8 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None)
         raise ValueError(
             "the fused route writes no TwELL, row_l1 or up products (use epilogue or pack)"
         )
+    if light_rows_sliced.pays(x.shape[0], block.k, block.n):
+        return _route_sliced(block, x, y, save)
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
     light_rows.from_pre(
@@ -386,13 +390,14 @@ def _route_pack(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) 
 def _route_sliced(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
     if save is not None:
         raise ValueError("the sliced route writes no row_l1 or up products (use epilogue)")
-    packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
+    pre = gemm_nt(x, block.w_first)
+    packed, heavy = pack(pre, block.options.tile, block.options.slots)
     light_rows_sliced.from_twell(
         x if block.gated else None, packed, heavy, block.w_up if block.gated else None,
         block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
         max_row_nnz=block.max_row_nnz,
     )  # fmt: skip
-    return LightRows(heavy, packed=packed)
+    return LightRows(heavy, pre=pre, packed=packed)
 
 
 #: The light-row stage of each ``path``.
