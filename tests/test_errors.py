@@ -348,9 +348,10 @@ def test_hybrid_constructor_rejects_torch_parts():
 
 def test_sparse_ffn_path_must_be_known():
     a = arrays()
-    with pytest.raises(ValueError, match=r"path: expected one of \('fused', 'epilogue', 'pack'\)"):
+    known = r"path: expected one of \('fused', 'epilogue', 'pack', 'sliced'\)"
+    with pytest.raises(ValueError, match=known):
         twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], tile=TILE, slots=SLOTS, path="x")
-    for path in ("fused", "epilogue", "pack"):  # NumPy weights: every path is the reference
+    for path in ("fused", "epilogue", "pack", "sliced"):  # NumPy weights: all the reference
         block = twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], tile=TILE, slots=SLOTS,
                                 path=path)  # fmt: skip
         assert block.options.path == path

@@ -451,45 +451,15 @@ twell_bw_light_dx(const uint8_t* __restrict__ heavy, const int* __restrict__ row
 #if TWELL_GATED
     const float du_l = lane < mine ? vals[cap + p0 + e0 + lane] : 0.f;
 #endif
-    for (int j0 = 0; j0 < mine; j0 += DX_UNITS) {
-      uint4 a[DX_UNITS];
-#if TWELL_GATED
-      uint4 gv[DX_UNITS];
-#endif
-#pragma unroll
-      for (int q = 0; q < DX_UNITS; ++q) {
-        const long long n = __shfl_sync(FULL, n_l, min(j0 + q, mine - 1));
-        const bool live = ok && j0 + q < mine;
-        a[q] = live ? __ldg(reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM + col))
-                    : make_uint4(0, 0, 0, 0);
-#if TWELL_GATED
-        gv[q] = live ? __ldg(reinterpret_cast<const uint4*>(w_gate + n * TWELL_KDIM + col))
-                     : make_uint4(0, 0, 0, 0);
-#endif
-      }
-#pragma unroll
-      for (int q = 0; q < DX_UNITS; ++q) {
-        const float da = __shfl_sync(FULL, da_l, min(j0 + q, mine - 1));
-#if TWELL_GATED
-        const float du = __shfl_sync(FULL, du_l, min(j0 + q, mine - 1));
-        if (j0 + q < mine) {
-          twell_axpy8(da, gv[q], acc);
-          twell_axpy8(du, a[q], acc);
-        }
+#if TWELL_GATED  // the old kernel's order per entry: da·w_gate, then du·w_up
+    twell_slice_gather<true, DX_UNITS>(n_l, da_l, du_l, mine, ok, col, TWELL_KDIM, w_gate, w_up,
+                                       acc);
 #else
-        if (j0 + q < mine) twell_axpy8(da, a[q], acc);
+    twell_slice_gather<false, DX_UNITS>(n_l, da_l, 0.f, mine, ok, col, TWELL_KDIM, w_up, w_up,
+                                        acc);
 #endif
-      }
-    }
   }
-  if (ok) {
-    uint4 v;
-    v.x = twell_pack_bf16x2(acc[0], acc[1]);
-    v.y = twell_pack_bf16x2(acc[2], acc[3]);
-    v.z = twell_pack_bf16x2(acc[4], acc[5]);
-    v.w = twell_pack_bf16x2(acc[6], acc[7]);
-    __stcs(reinterpret_cast<uint4*>(dx + t * TWELL_KDIM + col), v);
-  }
+  if (ok) twell_store_bf16x8(dx + t * TWELL_KDIM + col, acc);
 }
 
 // flag[0] = 1 if any of the n8 * 8 bf16 of w is Inf or NaN (flag zeroed before; every

@@ -102,6 +102,48 @@ TWELL_DEVICE void twell_axpy8(float h, uint4 b, float* acc) {
   acc[7] = fmaf(h, twell_hi_bf16(b.w), acc[7]);
 }
 
+// One warp's share of a sliced gather: lane j of the warp holds entry j's unit n_l and
+// coefficients a_l, b_l (j < mine <= 32); every lane adds, for each entry in order,
+// a·A[n, col..col+8) and then (TWO) b·B[n, col..col+8) to its 8 fp32 sums (rows of K
+// bf16; ok: the lane's columns exist). UNITS entries' pieces are loaded at once.
+template <bool TWO, int UNITS>
+TWELL_DEVICE void twell_slice_gather(int n_l, float a_l, float b_l, int mine, bool ok,
+                                     long long col, int k, const uint16_t* __restrict__ A,
+                                     const uint16_t* __restrict__ B, float* acc) {
+  for (int j0 = 0; j0 < mine; j0 += UNITS) {
+    uint4 av[UNITS], bv[UNITS];
+#pragma unroll
+    for (int q = 0; q < UNITS; ++q) {
+      const long long n = __shfl_sync(0xffffffffu, n_l, min(j0 + q, mine - 1));
+      const bool live = ok && j0 + q < mine;
+      av[q] = live ? __ldg(reinterpret_cast<const uint4*>(A + n * k + col)) : make_uint4(0, 0, 0, 0);
+      if (TWO)
+        bv[q] = live ? __ldg(reinterpret_cast<const uint4*>(B + n * k + col))
+                     : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int q = 0; q < UNITS; ++q) {
+      const float a = __shfl_sync(0xffffffffu, a_l, min(j0 + q, mine - 1));
+      const float b = TWO ? __shfl_sync(0xffffffffu, b_l, min(j0 + q, mine - 1)) : 0.f;
+      if (j0 + q < mine) {
+        twell_axpy8(a, av[q], acc);
+        if (TWO) twell_axpy8(b, bv[q], acc);
+      }
+    }
+    __syncwarp();  // (without it NVRTC 13 spilled in a one-matrix build)
+  }
+}
+
+// 8 fp32 sums rounded once to bf16 and stored (16 bytes, streaming).
+TWELL_DEVICE void twell_store_bf16x8(uint16_t* dst, const float* acc) {
+  uint4 v;
+  v.x = twell_pack_bf16x2(acc[0], acc[1]);
+  v.y = twell_pack_bf16x2(acc[2], acc[3]);
+  v.z = twell_pack_bf16x2(acc[4], acc[5]);
+  v.w = twell_pack_bf16x2(acc[6], acc[7]);
+  __stcs(reinterpret_cast<uint4*>(dst), v);
+}
+
 // relu on the two bf16 of a word, on bits: negative values (but NaN) become +0. (It lets
 // +0 through unchanged, which twell_relu_keeps would zero: the same bits, one test less.)
 TWELL_DEVICE uint32_t twell_relu_bf16x2(uint32_t w) {

@@ -173,29 +173,8 @@ twell_sliced_down(const uint8_t* __restrict__ heavy,     // [M]
 #else
     const float h_l = twell_hi_bf16(word_l);
 #endif
-    for (int j0 = 0; j0 < mine; j0 += TWELL_SLICE_UNITS) {
-      uint4 wv[TWELL_SLICE_UNITS];
-#pragma unroll
-      for (int q = 0; q < TWELL_SLICE_UNITS; ++q) {
-        const long long n = __shfl_sync(FULL, word_l, min(j0 + q, mine - 1)) & 0xffffu;
-        wv[q] = ok && j0 + q < mine
-                    ? __ldg(reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM + col))
-                    : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int q = 0; q < TWELL_SLICE_UNITS; ++q) {
-        const float hv = __shfl_sync(FULL, h_l, min(j0 + q, mine - 1));
-        if (j0 + q < mine) twell_axpy8(hv, wv[q], acc);
-      }
-      __syncwarp();  // (without it NVRTC 13 spills 28 bytes in the non-gated build)
-    }
+    twell_slice_gather<false, TWELL_SLICE_UNITS>((int)(word_l & 0xffffu), h_l, 0.f, mine, ok,
+                                                 col, TWELL_KDIM, w_down_t, w_down_t, acc);
   }
-  if (ok) {
-    uint4 v;
-    v.x = twell_pack_bf16x2(acc[0], acc[1]);
-    v.y = twell_pack_bf16x2(acc[2], acc[3]);
-    v.z = twell_pack_bf16x2(acc[4], acc[5]);
-    v.w = twell_pack_bf16x2(acc[6], acc[7]);
-    __stcs(reinterpret_cast<uint4*>(y + t * TWELL_KDIM + col), v);
-  }
+  if (ok) twell_store_bf16x8(y + t * TWELL_KDIM + col, acc);
 }
