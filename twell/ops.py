@@ -263,8 +263,11 @@ class SparseFFN:
         tile, slots: TwELL geometry of the hidden activation.
         path: the GPU pipeline: ``"fused"`` (default; cuBLAS gate GEMM, then one kernel
             scans the pre-activation and gathers), ``"epilogue"`` (the gate GEMM packs
-            TwELL in its epilogue, then the gather reads it) or ``"pack"`` (cuBLAS, a
-            packing kernel, the gather). Same results; docs/design.md compares them.
+            TwELL in its epilogue, then the gather reads it), ``"pack"`` (cuBLAS, a
+            packing kernel, the gather) or ``"sliced"`` (as ``"pack"``, the gather by
+            column slices of the weights that stay in L2; ``"fused"`` takes it for weights
+            of 96 MiB and more at M >= 4096). Same results up to rounding order;
+            docs/design.md compares them.
         max_row_nnz: tokens with more active units take the dense path (default 3% of N);
             any value gives the same result.
         dense_capacity: fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the

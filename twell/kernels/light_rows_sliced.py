@@ -18,12 +18,15 @@ import numpy as np
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
-#: When the "fused" route takes this stage (:func:`pays`): weights (``w_up`` and
-#: ``w_down_t``) of at least this many bytes, about twice an H100's L2, and at least
-#: this many tokens. Measured on an H100 (M=16384, ms): at K=4096, N=14336 (234 MB) the
-#: sliced stage beat the per-token gather (p = 0.003: 5.56 against 6.14 with the
-#: gate_gemm.cu gate; p = 0.005: 6.69 against 8.13); at K=2048, N=5632 (46 MB) it lost
-#: (1.34 against 1.19). docs/perf-log.md, 2026-11-23, sixth session.
+#: When the "fused" route takes this stage (:func:`pays`): gathered weights (``w_up`` and
+#: ``w_down_t``; non-gated ``w_down_t``) of at least this many bytes (96 MiB), about twice
+#: an H100's L2, and at least this many tokens (only gated blocks were measured).
+#: Measured on an H100 (gated, M=16384, ms; the sliced stage after cuBLAS + pack): at
+#: K=4096, N=14336 (235 MB of the two) it beat the per-token gather (p = 0.003: 4.90
+#: against 6.14; p = 0.005: 6.03 against 8.13), at M=4096 too (1.43 against 1.57 for the
+#: "pack" route); at M=2048 it lost (0.84 against 0.80); at K=2048, N=5632 (46 MB) it
+#: lost (1.34 against 1.19, then with the gate_gemm.cu gate). docs/perf-log.md,
+#: 2026-11-23, sixth session.
 WEIGHT_BYTES = 96 << 20
 MIN_ROWS = 4096
 #: Entries whose weight pieces a warp loads at once.
@@ -44,9 +47,11 @@ SOURCE = declare(
 )  # fmt: skip
 
 
-def pays(m: int, k: int, n: int) -> bool:
-    """Whether the "fused" route reads its light rows by slices here (see WEIGHT_BYTES)."""
-    return m >= MIN_ROWS and 2 * n * k * 2 >= WEIGHT_BYTES
+def pays(m: int, k: int, n: int, gated: bool = True) -> bool:
+    """Whether the "fused" route reads its light rows by slices here (see WEIGHT_BYTES:
+    the matrices the gather reads, ``w_up`` and ``w_down_t``, or ``w_down_t`` alone for
+    the non-gated block)."""
+    return m >= MIN_ROWS and (2 if gated else 1) * n * k * 2 >= WEIGHT_BYTES
 
 
 def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int:
@@ -58,14 +63,15 @@ def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     tile: int, slots: int, max_row_nnz: int,
-) -> None:  # fmt: skip
+) -> list[Any]:  # fmt: skip
     """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped; rows
     with more than ``max_row_nnz`` entries get ``heavy[m] = 1``). Gated if ``w_up`` is
-    given. Scratch: the rows' entries (uint32) and, gated, their fp32 up products, both
-    ``[M, R]`` with ``R = row_capacity(...)``."""
+    given. Returns the scratch buffers the launches use (keep them alive as long as a
+    CUDA graph that captured the call): the rows' entries (uint32) and, gated, their fp32
+    up products, both ``[M, R]`` with ``R = row_capacity(...)``, and the rows' counts."""
     m, k = y.shape
     if m == 0:
-        return
+        return []
     n = w_down_t.shape[0]
     gated = w_up is not None
     cap = row_capacity(max_row_nnz, n, tile, slots, m)
@@ -91,3 +97,4 @@ def from_twell(
         (heavy, entries, row_nnz, np.uint64(0) if h is None else h, u16(w_down_t), u16(y),
          i32(m), i32(cap)),
     )  # fmt: skip
+    return [entries, row_nnz, h]

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,11 +70,13 @@ class LightRows:
         pre: the dense bf16 gate pre-activation ``[M, N]`` when the route wrote one, or
             None: then the heavy rows' pre-activations are recomputed from ``x``.
         packed: the TwELL words of ``relu(pre)`` when the route packed them, else None.
+        scratch: other buffers the route's kernels use (kept alive with a captured call).
     """
 
     heavy: Any
     pre: Any | None = None
     packed: Any | None = None
+    scratch: list[Any] = field(default_factory=list)
 
 
 class PreparedBlock:
@@ -186,7 +188,9 @@ class PreparedBlock:
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots)
         if in_capture:
-            self._graph_scratch.append([xb, y, light.pre, light.packed, row_l1, up, *scratch])
+            self._graph_scratch.append(
+                [xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch]
+            )
         out = from_bf16(y, x.dtype)
         if not save:
             return out
@@ -352,7 +356,7 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None)
         raise ValueError(
             "the fused route writes no TwELL, row_l1 or up products (use epilogue or pack)"
         )
-    if light_rows_sliced.pays(x.shape[0], block.k, block.n):
+    if light_rows_sliced.pays(x.shape[0], block.k, block.n, block.gated):
         return _route_sliced(block, x, y, save)
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
@@ -392,12 +396,12 @@ def _route_sliced(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None
         raise ValueError("the sliced route writes no row_l1 or up products (use epilogue)")
     pre = gemm_nt(x, block.w_first)
     packed, heavy = pack(pre, block.options.tile, block.options.slots)
-    light_rows_sliced.from_twell(
+    scratch = light_rows_sliced.from_twell(
         x if block.gated else None, packed, heavy, block.w_up if block.gated else None,
         block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
         max_row_nnz=block.max_row_nnz,
     )  # fmt: skip
-    return LightRows(heavy, pre=pre, packed=packed)
+    return LightRows(heavy, pre=pre, packed=packed, scratch=scratch)
 
 
 #: The light-row stage of each ``path``.
