@@ -6,8 +6,9 @@ For each M (gated ``uniform`` at K=2048, N=5632 unless given): one forward with 
 state, then ``ffn_backward`` with ``backward.grad_slices`` forced to each value: the
 backward back to back (median of ``--reps`` groups of 5 calls, CUDA events), the
 weight-gradient kernel's own time (events around its launch, median of ``--reps``
-calls), and whether its gradients have the bits of the first slicing. Writes
-``$OUT/dev_grad_slices.json``.
+calls), and whether its gradients have the bits of the first slicing; then the backward
+with the forward's saved up products and without them (recomputed), with each kernel's
+time. Writes ``$OUT/dev_grad_slices.json``.
 """
 
 from __future__ import annotations
