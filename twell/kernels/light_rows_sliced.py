@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from twell.kernels.backward import row_capacity
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
@@ -54,12 +55,6 @@ def pays(m: int, k: int, n: int, gated: bool = True) -> bool:
     return m >= MIN_ROWS and (2 if gated else 1) * n * k * 2 >= WEIGHT_BYTES
 
 
-def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int:
-    """Most entries a light row keeps here: the routing rule's limit, what the TwELL
-    geometry holds, and int32 indices of ``[M, row_cap]`` arrays."""
-    return max(0, min(max_row_nnz, (n // tile) * (slots - 1), (2**31 - 1) // max(1, m)))
-
-
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     tile: int, slots: int, max_row_nnz: int,
@@ -68,7 +63,8 @@ def from_twell(
     with more than ``max_row_nnz`` entries get ``heavy[m] = 1``). Gated if ``w_up`` is
     given. Returns the scratch buffers the launches use (keep them alive as long as a
     CUDA graph that captured the call): the rows' entries (uint32) and, gated, their fp32
-    up products, both ``[M, R]`` with ``R = row_capacity(...)``, and the rows' counts."""
+    up products, both ``[M, R]`` with ``R = backward.row_capacity(...)`` (the pair layout
+    the backward uses), and the rows' counts."""
     m, k = y.shape
     if m == 0:
         return []
