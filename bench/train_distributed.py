@@ -142,6 +142,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip the one-device reference at the global batch (and loss_vs_reference)",
     )
+    p.add_argument(
+        "--ddp-bucket-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True): gradients live in the all-reduce buckets",
+    )
+    p.add_argument("--ddp-static-graph", action="store_true", help="DDP(static_graph=True)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -222,7 +228,10 @@ def run(
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=args.ddp_bucket_view,
+            static_graph=args.ddp_static_graph,
         )
         inner = model.module
     elif strategy == "fsdp":
@@ -310,6 +319,9 @@ def run(
             "max": max(timed),
             "first": times[0],
         },
+        # every step's time (ms), warm-up included: the median hides how step times move
+        # as the model grows sparse, and a DDP step waits for the slower rank
+        "step_ms": [round(1e3 * t, 3) for t in times],
         "tokens_per_s": batch_rows * config.seq / step_time,
         "wall_s": time.perf_counter() - started,
         "peak_memory_bytes": (
@@ -428,6 +440,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 "strategies": args.strategies,
                 "variants": args.variants,
                 "max_minutes": args.max_minutes,
+                "ddp_options": {
+                    "gradient_as_bucket_view": args.ddp_bucket_view,
+                    "static_graph": args.ddp_static_graph,
+                },
                 "reference": not args.no_reference,
                 "loss_rtol": rtol,
                 "corpus": corpus,

@@ -226,6 +226,34 @@ def test_backward_segments_and_heavy_chunks(monkeypatch: pytest.MonkeyPatch, gat
         assert_grad_close(name, g, r)
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(("k", "chunk"), [(264, 64), (4096, 576)])
+def test_heavy_chunks_give_the_same_bits_on_any_grid(
+    monkeypatch: pytest.MonkeyPatch, gated: bool, k: int, chunk: int
+):
+    """Step 4's one launch takes its work from a queue: with one block in all, one per SM
+    or three per SM, nearly all-heavy rows give the same bits, and the right gradients.
+    Chunks of 64 rows (ten of them; each chunk's dx split over its reduction), and at
+    K=4096 one of 576 rows (dx in one part on a 132-SM H100) then one of 24 (split)."""
+    monkeypatch.setattr(backward, "HEAVY_CHUNK_MIN", chunk)
+    m, n = 600, 512
+    p = problem("heavy", m, k, n, seed=23)
+    w, x, dy = weights(p, gated), p.x, upstream(m, k, 24)
+    results = []
+    for blocks in (lambda sms: 1, lambda sms: sms, lambda sms: 3 * sms):
+        monkeypatch.setattr(backward, "_heavy_grid", blocks)
+        got, ref = run(w, x, dy, Options(max_row_nnz=4))
+        dense_err = _dense_bf16_dx_error(w, x, dy, ref[0])
+        assert_grad_close("dx", got[0], ref[0], max(TOL, 1.25 * dense_err))
+        for name, g, r in zip(("dw_gate", "dw_up", "dw_down"), got[1:], ref[1:], strict=True):
+            assert_grad_close(name, g, r)
+        results.append(got)
+    for got in results[1:]:
+        for a, b in zip(results[0], got, strict=True):
+            if a is not None:
+                assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
+
+
 def _dense_bf16_dx_error(
     w: tuple, x: np.ndarray, dy: np.ndarray, ref_dx: np.ndarray, l1: float = 0.0,
     reduction: str = "mean",

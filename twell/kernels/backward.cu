@@ -958,99 +958,41 @@ __device__ __forceinline__ void mainloop(float (&acc)[2][4][4], const LA& la, co
   bw_cp_wait<0>();
 }
 
-// Rows of this chunk: heavy rows ids[c0 .. c0 + rows - 1].
+// Step 4 in one launch over every chunk of heavy rows (ids[c0 .. c0 + rows - 1] per chunk
+// of cap_rows), stage after stage: 4a (da, du, h), 4b (dx, split or not), 4b' (the split's
+// reduction), 4c (weight gradients), then the next chunk. Blocks take work items from a
+// ticket counter in that order, and an item starts only once every item of the stages
+// before it is done (a done counter). Tickets go out in order, so an item only ever waits
+// for items that running blocks hold: no deadlock, whatever number of blocks is resident.
+// With no heavy rows past the capacity GEMMs, every block takes one ticket and returns.
+// Each output element is written by one item in chunk order: the bits do not depend on
+// the grid. Data written earlier in the launch is read past L1 (cp.async.cg, __ldcg).
+struct HeavyArgs {
+  const uint16_t* x;
+  const uint16_t* dy;
+  const int* ids;
+  const int* count;
+  int cap_rows;
+  const uint16_t* w_gate;  // null non-gated
+  const uint16_t* w_up;
+  const uint16_t* w_down_t;
+  int N;
+  float l1s;
+  uint16_t* dadu;  // [cap_rows, ld]: (da | du) gated (ld = 2N), da non-gated (ld = N)
+  int ld;
+  uint16_t* hbuf;  // [cap_rows, N]
+  uint16_t* dx;
+  float* ws;  // the split dx's partial sums
+  int target, ws_units;
+  float *dw0, *dw1, *dw2;
+};
+
+// Rows of the chunk starting at heavy row c0.
 __device__ __forceinline__ int chunk_rows(const int* __restrict__ count, int c0, int cap_rows) {
   return max(0, min(count[0] - c0, cap_rows));
 }
 
-// 4a. da, du, h of 64 heavy rows x 64 units (dense math, NaN and Inf kept), bf16:
-//     dadu [cap_rows, ld] = (da | du) (gated, ld = 2N) or da (ld = N); hbuf [cap_rows, N].
-extern "C" __global__ void __launch_bounds__(128)
-twell_bw_heavy_units(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
-                     const int* __restrict__ ids, const int* __restrict__ count, int c0,
-                     int cap_rows, const uint16_t* __restrict__ w_first,  // w_gate or w_up
-                     const uint16_t* __restrict__ w_up,                   // gated only
-                     const uint16_t* __restrict__ w_down_t, int N,
-                     const float* __restrict__ l1_dev, float l1_host,  // as twell_bw_light
-                     uint16_t* __restrict__ dadu, int ld, uint16_t* __restrict__ hbuf) {
-  __shared__ HeavyShared sm;
-  const float l1s = l1_dev != nullptr ? l1_dev[0] * l1_host : l1_host;
-  const int K = TWELL_KDIM;
-  const int rows = chunk_rows(count, c0, cap_rows);
-  const int row_blocks = (rows + HT - 1) / HT, col_blocks = (N + HT - 1) / HT;
-  const int items = row_blocks * col_blocks, slices = (K + HS - 1) / HS;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rb = item / col_blocks, cb = item % col_blocks;
-    const int r0 = rb * HT, n0 = cb * HT;
-    auto x_row = [&](int i) -> const uint16_t* {
-      return i < rows ? x + (long long)ids[c0 + i] * K : nullptr;
-    };
-    auto dy_row = [&](int i) -> const uint16_t* {
-      return i < rows ? dy + (long long)ids[c0 + i] * K : nullptr;
-    };
-    float acc_a[2][4][4], acc_d[2][4][4];
-    zero_acc(acc_a);
-    zero_acc(acc_d);
-    const StageK sx = make_stage_k(x_row, r0, K, x);
-    {
-      auto w_row = [&](int n) -> const uint16_t* {
-        return n < N ? w_first + (long long)n * K : nullptr;
-      };
-      mainloop<false, false>(acc_a, sx, make_stage_k(w_row, n0, K, w_first), 0, slices, sm);
-    }
-#if TWELL_GATED
-    float acc_u[2][4][4];
-    zero_acc(acc_u);
-    {
-      auto w_row = [&](int n) -> const uint16_t* {
-        return n < N ? w_up + (long long)n * K : nullptr;
-      };
-      mainloop<false, false>(acc_u, sx, make_stage_k(w_row, n0, K, w_up), 0, slices, sm);
-    }
-#endif
-    {
-      auto w_row = [&](int n) -> const uint16_t* {
-        return n < N ? w_down_t + (long long)n * K : nullptr;
-      };
-      mainloop<false, false>(acc_d, make_stage_k(dy_row, r0, K, dy),
-                             make_stage_k(w_row, n0, K, w_down_t), 0, slices, sm);
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int n = n0 + wn * 32 + nt * 8 + 2 * t;
-        if (n >= N) continue;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = r0 + wm * 32 + mt * 16 + g + 8 * half;
-          if (i >= rows) continue;
-          float da[2], du[2], hv[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-#if TWELL_GATED
-            const float u = acc_u[mt][nt][2 * half + e];
-#else
-            const float u = 0.f;
-#endif
-            heavy_unit_grads(acc_a[mt][nt][2 * half + e], u, acc_d[mt][nt][2 * half + e], l1s,
-                             da[e], du[e], hv[e]);
-          }
-          uint16_t* row = dadu + (long long)i * ld;
-          *reinterpret_cast<uint32_t*>(row + n) = twell_pack_bf16x2(da[0], da[1]);
-#if TWELL_GATED
-          *reinterpret_cast<uint32_t*>(row + N + n) = twell_pack_bf16x2(du[0], du[1]);
-#endif
-          *reinterpret_cast<uint32_t*>(hbuf + (long long)i * N + n) =
-              twell_pack_bf16x2(hv[0], hv[1]);
-        }
-      }
-  }
-}
-
-// How many ways 4b splits its reduction (the same in both kernels, from the device count).
+// How many ways 4b splits its reduction (a function of the chunk's rows).
 __device__ __forceinline__ int dx_split(int rows, int col_blocks, int kblocks, int target,
                                         int ws_units) {
   const int rb = (rows + HT - 1) / HT;
@@ -1061,89 +1003,174 @@ __device__ __forceinline__ int dx_split(int rows, int col_blocks, int kblocks, i
   return max(ks, 1);
 }
 
-// 4b. dx[ids[c0 + i]] = sum_r dadu[i, r] W[r] with W = [w_gate; w_up] (gated) or w_up:
-//     A K-major (dadu rows), B R-major (weight rows r, columns k).
-extern "C" __global__ void __launch_bounds__(128)
-twell_bw_heavy_dx(const uint16_t* __restrict__ dadu, int ld, const int* __restrict__ ids,
-                  const int* __restrict__ count, int c0, int cap_rows,
-                  const uint16_t* __restrict__ w_gate, const uint16_t* __restrict__ w_up,
-                  int N, uint16_t* __restrict__ dx, float* __restrict__ ws, int target,
-                  int ws_units) {
-  __shared__ HeavyShared sm;
+// Element pairs of the split's reduction per work item (16 per thread).
+#define HEAVY_REDUCE_ITEM 2048
+
+// Work items of stage `stage` (0 .. 3) of a chunk of `rows` rows.
+__device__ __forceinline__ int heavy_stage_items(const HeavyArgs& a, int stage, int rows) {
   const int K = TWELL_KDIM;
-  const int red = ld;  // 2N gated, N non-gated
-  const int rows = chunk_rows(count, c0, cap_rows);
   const int row_blocks = (rows + HT - 1) / HT, col_blocks = (K + HT - 1) / HT;
-  const int kblocks = red / HS;
-  const int ks = dx_split(rows, col_blocks, kblocks, target, ws_units);
-  const int kper = (kblocks + ks - 1) / ks;
-  const int items = row_blocks * col_blocks * ks;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int kss = item % ks, rest = item / ks;
-    const int rb = rest / col_blocks, cb = rest % col_blocks;
-    const int r0 = rb * HT, k0 = cb * HT;
-    const int s0 = kss * kper, s1 = min(kblocks, s0 + kper);
-    auto a_row = [&](int i) -> const uint16_t* {
-      return i < rows ? dadu + (long long)i * ld : nullptr;
-    };
-    auto w_row = [&](int r) -> const uint16_t* {
-#if TWELL_GATED
-      return r < N ? w_gate + (long long)r * K : w_up + (long long)(r - N) * K;
-#else
-      return w_up + (long long)r * K;
-#endif
-    };
-    float acc[2][4][4];
-    zero_acc(acc);
-    mainloop<false, true>(acc, make_stage_k(a_row, r0, red, dadu),
-                          make_stage_r(w_row, k0, K, w_up), s0, max(0, s1 - s0), sm);
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = k0 + wn * 32 + nt * 8 + 2 * t;
-        if (col >= K) continue;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = r0 + wm * 32 + mt * 16 + g + 8 * half;
-          if (i >= rows) continue;
-          const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-          if (ks == 1) {
-            *reinterpret_cast<uint32_t*>(dx + (long long)ids[c0 + i] * K + col) =
-                twell_pack_bf16x2(v0, v1);
-          } else {
-            float* w = ws + ((long long)kss * row_blocks * HT + i) * K + col;
-            w[0] = v0;
-            w[1] = v1;
-          }
-        }
-      }
-  }
+  const int unit_blocks = (a.N + HT - 1) / HT;
+  if (rows == 0) return 0;
+  if (stage == 0) return row_blocks * unit_blocks;
+  const int ks = dx_split(rows, col_blocks, a.ld / HS, a.target, a.ws_units);
+  if (stage == 1) return row_blocks * col_blocks * ks;
+  if (stage == 2) return ks == 1 ? 0 : (rows * (K / 2) + HEAVY_REDUCE_ITEM - 1) / HEAVY_REDUCE_ITEM;
+  return NV * unit_blocks * col_blocks;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-twell_bw_heavy_dx_reduce(const float* __restrict__ ws, const int* __restrict__ ids,
-                         const int* __restrict__ count, int c0, int cap_rows, int ld,
-                         uint16_t* __restrict__ dx, int target, int ws_units) {
+// 4a. da, du, h of 64 heavy rows x 64 units (dense math, NaN and Inf kept), bf16, into
+//     dadu and hbuf.
+__device__ __forceinline__ void heavy_units_item(const HeavyArgs& a, int c0, int rows, int item,
+                                                 HeavyShared& sm) {
+  const int K = TWELL_KDIM, N = a.N;
+  const int col_blocks = (N + HT - 1) / HT, slices = (K + HS - 1) / HS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
+  const int rb = item / col_blocks, cb = item % col_blocks;
+  const int r0 = rb * HT, n0 = cb * HT;
+  const uint16_t* __restrict__ x = a.x;
+  const uint16_t* __restrict__ dy = a.dy;
+  const int* __restrict__ ids = a.ids;
+  auto x_row = [&](int i) -> const uint16_t* {
+    return i < rows ? x + (long long)ids[c0 + i] * K : nullptr;
+  };
+  auto dy_row = [&](int i) -> const uint16_t* {
+    return i < rows ? dy + (long long)ids[c0 + i] * K : nullptr;
+  };
+  float acc_a[2][4][4], acc_d[2][4][4];
+  zero_acc(acc_a);
+  zero_acc(acc_d);
+  const StageK sx = make_stage_k(x_row, r0, K, x);
+  {
+    const uint16_t* w_first = TWELL_GATED ? a.w_gate : a.w_up;
+    auto w_row = [&](int n) -> const uint16_t* {
+      return n < N ? w_first + (long long)n * K : nullptr;
+    };
+    mainloop<false, false>(acc_a, sx, make_stage_k(w_row, n0, K, w_first), 0, slices, sm);
+  }
+#if TWELL_GATED
+  float acc_u[2][4][4];
+  zero_acc(acc_u);
+  {
+    auto w_row = [&](int n) -> const uint16_t* {
+      return n < N ? a.w_up + (long long)n * K : nullptr;
+    };
+    mainloop<false, false>(acc_u, sx, make_stage_k(w_row, n0, K, a.w_up), 0, slices, sm);
+  }
+#endif
+  {
+    auto w_row = [&](int n) -> const uint16_t* {
+      return n < N ? a.w_down_t + (long long)n * K : nullptr;
+    };
+    mainloop<false, false>(acc_d, make_stage_k(dy_row, r0, K, dy),
+                           make_stage_k(w_row, n0, K, a.w_down_t), 0, slices, sm);
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int n = n0 + wn * 32 + nt * 8 + 2 * t;
+      if (n >= N) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = r0 + wm * 32 + mt * 16 + g + 8 * half;
+        if (i >= rows) continue;
+        float da[2], du[2], hv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#if TWELL_GATED
+          const float u = acc_u[mt][nt][2 * half + e];
+#else
+          const float u = 0.f;
+#endif
+          heavy_unit_grads(acc_a[mt][nt][2 * half + e], u, acc_d[mt][nt][2 * half + e], a.l1s,
+                           da[e], du[e], hv[e]);
+        }
+        uint16_t* row = a.dadu + (long long)i * a.ld;
+        *reinterpret_cast<uint32_t*>(row + n) = twell_pack_bf16x2(da[0], da[1]);
+#if TWELL_GATED
+        *reinterpret_cast<uint32_t*>(row + N + n) = twell_pack_bf16x2(du[0], du[1]);
+#endif
+        *reinterpret_cast<uint32_t*>(a.hbuf + (long long)i * N + n) =
+            twell_pack_bf16x2(hv[0], hv[1]);
+      }
+    }
+}
+
+// 4b. dx[ids[c0 + i]] = sum_r dadu[i, r] W[r] with W = [w_gate; w_up] (gated) or w_up:
+//     A K-major (dadu rows), B R-major (weight rows r, columns k); split over the
+//     reduction into ws when the chunk has few row blocks.
+__device__ __forceinline__ void heavy_dx_item(const HeavyArgs& a, int c0, int rows, int item,
+                                              HeavyShared& sm) {
+  const int K = TWELL_KDIM, N = a.N;
+  const int red = a.ld;  // 2N gated, N non-gated
+  const int row_blocks = (rows + HT - 1) / HT, col_blocks = (K + HT - 1) / HT;
+  const int kblocks = red / HS;
+  const int ks = dx_split(rows, col_blocks, kblocks, a.target, a.ws_units);
+  const int kper = (kblocks + ks - 1) / ks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
+  const int kss = item % ks, rest = item / ks;
+  const int rb = rest / col_blocks, cb = rest % col_blocks;
+  const int r0 = rb * HT, k0 = cb * HT;
+  const int s0 = kss * kper, s1 = min(kblocks, s0 + kper);
+  const uint16_t* dadu = a.dadu;
+  auto a_row = [&](int i) -> const uint16_t* {
+    return i < rows ? dadu + (long long)i * a.ld : nullptr;
+  };
+  auto w_row = [&](int r) -> const uint16_t* {
+#if TWELL_GATED
+    return r < N ? a.w_gate + (long long)r * K : a.w_up + (long long)(r - N) * K;
+#else
+    return a.w_up + (long long)r * K;
+#endif
+  };
+  float acc[2][4][4];
+  zero_acc(acc);
+  mainloop<false, true>(acc, make_stage_k(a_row, r0, red, dadu),
+                        make_stage_r(w_row, k0, K, a.w_up), s0, max(0, s1 - s0), sm);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int col = k0 + wn * 32 + nt * 8 + 2 * t;
+      if (col >= K) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = r0 + wm * 32 + mt * 16 + g + 8 * half;
+        if (i >= rows) continue;
+        const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+        if (ks == 1) {
+          *reinterpret_cast<uint32_t*>(a.dx + (long long)a.ids[c0 + i] * K + col) =
+              twell_pack_bf16x2(v0, v1);
+        } else {
+          float* w = a.ws + ((long long)kss * row_blocks * HT + i) * K + col;
+          w[0] = v0;
+          w[1] = v1;
+        }
+      }
+    }
+}
+
+// 4b'. The split's partial sums added in split order, rounded once into dx.
+__device__ __forceinline__ void heavy_dx_reduce_item(const HeavyArgs& a, int c0, int rows,
+                                                     int item) {
   const int K = TWELL_KDIM;
-  const int rows = chunk_rows(count, c0, cap_rows);
   const int col_blocks = (K + HT - 1) / HT;
-  const int ks = dx_split(rows, col_blocks, ld / HS, target, ws_units);
-  if (ks == 1) return;
+  const int ks = dx_split(rows, col_blocks, a.ld / HS, a.target, a.ws_units);
   const long long rows_cap = (long long)((rows + HT - 1) / HT) * HT;
   const long long total = (long long)rows * (K / 2);
-  for (long long q = (long long)blockIdx.x * blockDim.x + threadIdx.x; q < total;
-       q += (long long)gridDim.x * blockDim.x) {
+  const long long q1 = min(total, (long long)(item + 1) * HEAVY_REDUCE_ITEM);
+  for (long long q = (long long)item * HEAVY_REDUCE_ITEM + threadIdx.x; q < q1; q += blockDim.x) {
     const int i = (int)(q / (K / 2)), col = 2 * (int)(q % (K / 2));
     float v0 = 0.f, v1 = 0.f;
     for (int s = 0; s < ks; ++s) {
-      const float* w = ws + ((long long)s * rows_cap + i) * K + col;
-      v0 += w[0];
-      v1 += w[1];
+      const float2 w = __ldcg(reinterpret_cast<const float2*>(a.ws + (s * rows_cap + i) * K + col));
+      v0 += w.x;
+      v1 += w.y;
     }
-    *reinterpret_cast<uint32_t*>(dx + (long long)ids[c0 + i] * K + col) =
+    *reinterpret_cast<uint32_t*>(a.dx + (long long)a.ids[c0 + i] * K + col) =
         twell_pack_bf16x2(v0, v1);
   }
 }
@@ -1151,57 +1178,125 @@ twell_bw_heavy_dx_reduce(const float* __restrict__ ws, const int* __restrict__ i
 // 4c. dW[which] [N, K] += Aᵀ B over the chunk's rows: which v < NV-1: A = dadu column
 //     block v (da, du), B = x rows; v = NV-1: A = hbuf, B = dy rows. Both R-major.
 //     Each output element is owned by one thread: read, add the chunk's sum, write.
-extern "C" __global__ void __launch_bounds__(128)
-twell_bw_heavy_weights(const uint16_t* __restrict__ dadu, int ld,
-                       const uint16_t* __restrict__ hbuf, const uint16_t* __restrict__ x,
-                       const uint16_t* __restrict__ dy, const int* __restrict__ ids,
-                       const int* __restrict__ count, int c0, int cap_rows, int N,
-                       float* __restrict__ dw0, float* __restrict__ dw1,
-                       float* __restrict__ dw2) {
-  __shared__ HeavyShared sm;
-  const int K = TWELL_KDIM;
-  const int rows = chunk_rows(count, c0, cap_rows);
-  if (rows == 0) return;
+__device__ __forceinline__ void heavy_weights_item(const HeavyArgs& a, int c0, int rows,
+                                                   int item, HeavyShared& sm) {
+  const int K = TWELL_KDIM, N = a.N;
   const int unit_blocks = (N + HT - 1) / HT, col_blocks = (K + HT - 1) / HT;
-  const int per = unit_blocks * col_blocks, items = NV * per;
+  const int per = unit_blocks * col_blocks;
   const int slices = (rows + HS - 1) / HS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp >> 1, wn = warp & 1, g = lane >> 2, t = lane & 3;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int which = item / per, rest = item % per;
-    const int m0 = (rest / col_blocks) * HT, k0 = (rest % col_blocks) * HT;
-    const bool last = which == NV - 1;
-    const uint16_t* abase = last ? hbuf : dadu + (long long)which * N;
-    const int apitch = last ? N : ld;
-    const uint16_t* bsrc = last ? dy : x;
-    auto a_row = [&](int r) -> const uint16_t* {
-      return r < rows ? abase + (long long)r * apitch : nullptr;
-    };
-    auto b_row = [&](int r) -> const uint16_t* {
-      return r < rows ? bsrc + (long long)ids[c0 + r] * K : nullptr;
-    };
-    float acc[2][4][4];
-    zero_acc(acc);
-    mainloop<true, true>(acc, make_stage_r(a_row, m0, N, abase), make_stage_r(b_row, k0, K, bsrc),
-                         0, slices, sm);
-    float* out = which == 0 ? dw0 : (which == 1 ? dw1 : dw2);
+  const int which = item / per, rest = item % per;
+  const int m0 = (rest / col_blocks) * HT, k0 = (rest % col_blocks) * HT;
+  const bool last = which == NV - 1;
+  const uint16_t* abase = last ? a.hbuf : a.dadu + (long long)which * N;
+  const int apitch = last ? N : a.ld;
+  const uint16_t* bsrc = last ? a.dy : a.x;
+  const int* __restrict__ ids = a.ids;
+  auto a_row = [&](int r) -> const uint16_t* {
+    return r < rows ? abase + (long long)r * apitch : nullptr;
+  };
+  auto b_row = [&](int r) -> const uint16_t* {
+    return r < rows ? bsrc + (long long)ids[c0 + r] * K : nullptr;
+  };
+  float acc[2][4][4];
+  zero_acc(acc);
+  mainloop<true, true>(acc, make_stage_r(a_row, m0, N, abase), make_stage_r(b_row, k0, K, bsrc),
+                       0, slices, sm);
+  float* out = which == 0 ? a.dw0 : (which == 1 ? a.dw1 : a.dw2);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int k = k0 + wn * 32 + nt * 8 + 2 * t;
-        if (k >= K) continue;
+    for (int nt = 0; nt < 4; ++nt) {
+      const int k = k0 + wn * 32 + nt * 8 + 2 * t;
+      if (k >= K) continue;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int n = m0 + wm * 32 + mt * 16 + g + 8 * half;
-          if (n >= N) continue;
-          float2* o = reinterpret_cast<float2*>(out + (long long)n * K + k);
-          float2 v = *o;
-          v.x += acc[mt][nt][2 * half];
-          v.y += acc[mt][nt][2 * half + 1];
-          *o = v;
-        }
+      for (int half = 0; half < 2; ++half) {
+        const int n = m0 + wm * 32 + mt * 16 + g + 8 * half;
+        if (n >= N) continue;
+        float2* o = reinterpret_cast<float2*>(out + (long long)n * K + k);
+        float2 v = __ldcg(o);
+        v.x += acc[mt][nt][2 * half];
+        v.y += acc[mt][nt][2 * half + 1];
+        *o = v;
       }
+    }
+}
+
+// The launch: sync = {ticket counter, done counter}, zero on entry. `rows_max`: the most
+// heavy rows the list can hold here (count is at most this).
+extern "C" __global__ void __launch_bounds__(128, 3)
+twell_bw_heavy_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                      const int* __restrict__ ids, const int* __restrict__ count, int rows_max,
+                      int cap_rows, const uint16_t* __restrict__ w_gate,  // null non-gated
+                      const uint16_t* __restrict__ w_up, const uint16_t* __restrict__ w_down_t,
+                      int N, const float* __restrict__ l1_dev, float l1_host,  // as light
+                      uint16_t* __restrict__ dadu, int ld, uint16_t* __restrict__ hbuf,
+                      uint16_t* __restrict__ dx, float* __restrict__ ws, int target,
+                      int ws_units, float* __restrict__ dw0, float* __restrict__ dw1,
+                      float* __restrict__ dw2, int* __restrict__ sync) {
+  __shared__ HeavyShared sm;
+  __shared__ int s_ticket;
+  HeavyArgs a;
+  a.x = x;
+  a.dy = dy;
+  a.ids = ids;
+  a.count = count;
+  a.cap_rows = cap_rows;
+  a.w_gate = w_gate;
+  a.w_up = w_up;
+  a.w_down_t = w_down_t;
+  a.N = N;
+  a.l1s = l1_dev != nullptr ? l1_dev[0] * l1_host : l1_host;
+  a.dadu = dadu;
+  a.ld = ld;
+  a.hbuf = hbuf;
+  a.dx = dx;
+  a.ws = ws;
+  a.target = target;
+  a.ws_units = ws_units;
+  a.dw0 = dw0;
+  a.dw1 = dw1;
+  a.dw2 = dw2;
+  const int heavy = min(count[0], rows_max);
+  volatile int* done = sync + 1;
+  for (;;) {
+    if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
+    __syncthreads();
+    int ticket = s_ticket;
+    __syncthreads();
+    // Find the ticket's chunk, stage and item; `before`: items of all earlier stages.
+    int before = 0, c0 = 0, stage = 0, rows = 0;
+    bool found = false;
+    for (c0 = 0; c0 < heavy && !found; c0 += cap_rows) {
+      rows = chunk_rows(count, c0, cap_rows);
+      for (stage = 0; stage < 4; ++stage) {
+        const int items = heavy_stage_items(a, stage, rows);
+        if (ticket < items) {
+          found = true;
+          break;
+        }
+        ticket -= items;
+        before += items;
+      }
+      if (found) break;
+    }
+    if (!found) return;
+    if (threadIdx.x == 0) {
+      while (*done < before) {
+      }
+      __threadfence();
+    }
+    __syncthreads();
+    if (stage == 0) heavy_units_item(a, c0, rows, ticket, sm);
+    else if (stage == 1) heavy_dx_item(a, c0, rows, ticket, sm);
+    else if (stage == 2) heavy_dx_reduce_item(a, c0, rows, ticket);
+    else heavy_weights_item(a, c0, rows, ticket, sm);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(sync + 1, 1);
+    }
   }
 }
 

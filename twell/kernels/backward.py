@@ -28,6 +28,8 @@ header has the details):
    capacity GEMMs); the rest in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles
    for ``a, u, dy·w_down`` → ``da, du, h`` (bf16), the rows of ``dx``, and the rows' weight
    gradients added to the light part (light, then capacity rows, then chunks: fixed order).
+   All chunks are one launch whose blocks take work items from a queue in stage order
+   (the device's heavy-row count decides how many exist: none costs one empty launch).
 5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``.
 
 Weight gradients accumulate in fp32 and are returned in ``grad_dtype`` (fp32 by default;
@@ -68,11 +70,13 @@ GRAD_SLICE_BYTES = 24 << 20
 #: Shortest segment of a unit list (a unit with more pairs is split across blocks).
 MIN_SEGMENT = 256
 #: Heavy rows per chunk of step 4: M / HEAVY_CHUNKS (rounded up to 64), kept within
-#: [HEAVY_CHUNK_MIN, HEAVY_CHUNK_MAX]. The chunk's buffers take 3 * rows * N bf16 (gated);
-#: a chunk past the device's heavy-row count costs three or four empty launches.
+#: [HEAVY_CHUNK_MIN, HEAVY_CHUNK_MAX]. The chunk's buffers take 3 * rows * N bf16 (gated).
 HEAVY_CHUNK_MIN = 1024
 HEAVY_CHUNK_MAX = 4096
 HEAVY_CHUNKS = 8
+#: Resident blocks per SM of step 4's launch (its work items come from a queue, so the
+#: bits do not depend on this).
+HEAVY_BLOCKS_PER_SM = 3
 #: Reductions of the L1 penalty (twell.reference.l1_loss).
 REDUCTIONS = ("mean", "per_token")
 #: ``l1_coeff`` may be a CuPy float ``[1]`` device array: the kernels read it, so a
@@ -389,7 +393,7 @@ def ffn_backward(
     if cap:
         ids, count = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
     if cap < m:
-        _heavy_rows(params, sms, m - cap, n, k, nv, x16, dy16, ids, count, block, w_gate,
+        _heavy_rows(params, sms, m - cap, n, k, x16, dy16, ids, count, block, w_gate,
                     w_up, w_down_t, l1, dx, out)  # fmt: skip
     del out
 
@@ -435,12 +439,14 @@ def _capacity_rows(
 
 
 def _heavy_rows(
-    params: dict[str, int], sms: int, m: int, n: int, k: int, nv: int, x16: Any, dy16: Any,
-    ids: Any, count: Any, block: Any, w_gate: Any, w_up: Any, w_down_t: Any,
-    l1: tuple[Any, Any], dx: Any, out: tuple[Any, ...],
+    params: dict[str, int], sms: int, m: int, n: int, k: int, x16: Any, dy16: Any, ids: Any,
+    count: Any, block: Any, w_gate: Any, w_up: Any, w_down_t: Any, l1: tuple[Any, Any],
+    dx: Any, out: tuple[Any, ...],
 ) -> None:  # fmt: skip
     """Step 4: dense math for the rows ``ids[:count]`` (``count`` at most ``m``),
-    ``heavy_chunk_rows(m)`` at a time; chunks past the device count return at once."""
+    ``heavy_chunk_rows(m)`` at a time, every chunk in one launch
+    (``twell_bw_heavy_chunks``: a ticket-ordered queue of work items; with no rows it
+    returns at once)."""
     i32 = np.int32
     cap_rows = heavy_chunk_rows(m)
     ld = 2 * n if block.gated else n  # [da | du] or [da]
@@ -452,27 +458,17 @@ def _heavy_rows(
     kblocks = ld // 32
     ws_units = min(target // col_blocks + 1, row_blocks * max(1, kblocks // 4))
     ws = alloc((max(1, ws_units * 64 * k),), np.float32)
-    may_split = ws_units >= 2 and target // col_blocks >= 2 and kblocks >= 8
-    w_first = w_gate if block.gated else w_up
-    unit_items = row_blocks * math.ceil(n / 64)
-    dx_items = row_blocks * col_blocks * max(1, kblocks // 4)
-    weight_items = nv * math.ceil(n / 64) * col_blocks
-    for c0 in range(0, m, cap_rows):
-        _launch("twell_bw_heavy_units", (max(1, min(unit_items, target)),), (128,),
-                (x16, dy16, ids, count, i32(c0), i32(cap_rows), w_first,
-                 w_up if block.gated else _NULL, w_down_t, i32(n), *l1, u16(dadu), i32(ld),
-                 u16(hbuf)), params)  # fmt: skip
-        _launch("twell_bw_heavy_dx", (max(1, min(dx_items, target)),), (128,),
-                (u16(dadu), i32(ld), ids, count, i32(c0), i32(cap_rows), w_gate, w_up, i32(n),
-                 u16(dx), ws, i32(target), i32(ws_units)), params)  # fmt: skip
-        if may_split:
-            _launch("twell_bw_heavy_dx_reduce",
-                    (max(1, min(math.ceil(ws_units * 64 * k / 2 / 256), sms * 8)),), (256,),
-                    (ws, ids, count, i32(c0), i32(cap_rows), i32(ld), u16(dx), i32(target),
-                     i32(ws_units)), params)  # fmt: skip
-        _launch("twell_bw_heavy_weights", (max(1, min(weight_items, target)),), (128,),
-                (u16(dadu), i32(ld), u16(hbuf), x16, dy16, ids, count, i32(c0), i32(cap_rows),
-                 i32(n), *out), params)  # fmt: skip
+    sync = alloc((2,), np.int32)
+    sync.fill(0)
+    _launch("twell_bw_heavy_chunks", (_heavy_grid(sms),), (128,),
+            (x16, dy16, ids, count, i32(m), i32(cap_rows), w_gate, w_up,
+             w_down_t, i32(n), *l1, u16(dadu), i32(ld), u16(hbuf), u16(dx), ws,
+             i32(target), i32(ws_units), *out, sync), params)  # fmt: skip
+
+
+def _heavy_grid(sms: int) -> int:
+    """Blocks of step 4's launch."""
+    return sms * HEAVY_BLOCKS_PER_SM
 
 
 def _saved_up(saved: Activations, gated: bool, m: int, row_cap: int) -> Any | None:
