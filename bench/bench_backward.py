@@ -3,7 +3,7 @@ against dense torch autograd of the same block (bf16, same inputs).
 
     PYTHONPATH=. python bench/bench_backward.py                  # M=16384 K=2048 N=5632
     PYTHONPATH=. python bench/bench_backward.py --nongated --workloads uniform
-    PYTHONPATH=. python bench/bench_backward.py --dense-capacity 0.01   # heavy rows via cuBLAS
+    PYTHONPATH=. python bench/bench_backward.py --dense-capacity 0   # heavy rows: twell's kernels
 
 For each workload (``uniform``, ``heavy``, ``paperlike`` at the benchmark shape):
 
@@ -130,7 +130,7 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
     from twell.benchmark import to_device
     from twell.kernels import backward, buffers
     from twell.kernels.pipeline import PreparedBlock
-    from twell.options import Options
+    from twell.options import Options, auto_capacity
 
     m, k, n = args.M, args.K, args.N
     rec: dict[str, Any] = {"workload": workload, "gated": gated, "M": m, "K": k, "N": n,
@@ -143,10 +143,17 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
     dys_np = [rng.standard_normal((m, k)).astype(BF16) for _ in xs_np]
     rec["setup_s"] = round(time.time() - t0, 2)
 
-    options = Options(dense_capacity=args.dense_capacity)
+    options = Options(dense_capacity=0.0 if args.dense_capacity == "auto" else args.dense_capacity)
     block = PreparedBlock(to_device(w_gate), to_device(w_up), to_device(w_down), options)
     xs = [to_device(a) for a in xs_np]
     dys = [to_device(a) for a in dys_np]
+    if args.dense_capacity == "auto":
+        # as SparseMLP's default in a training loop: the capacity the last step's heavy
+        # rows ask for (here: a first forward's)
+        count = int(block.forward(xs[0], save=True)[1].count[0])
+        options = Options(dense_capacity=auto_capacity(count, m))
+        block = PreparedBlock(to_device(w_gate), to_device(w_up), to_device(w_down), options)
+        rec["auto_capacity"] = options.dense_capacity
 
     def twell_step(i: int, l1: float = 0.0) -> Any:
         y, saved = block.forward(xs[i], save=True)
@@ -262,6 +269,10 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
     return rec
 
 
+def _capacity(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
 def _torch_dx_error(torch_step: Any, ref_dx: np.ndarray, sample: np.ndarray) -> float:
     """torch's dx on the sampled rows against the L1-free float64 reference."""
     import torch
@@ -335,9 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=256, help="rows of the correctness check")
     parser.add_argument("--l1", type=float, default=1e-2, help="L1 coefficient of the check")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--dense-capacity", type=float, default=0.0,
+    parser.add_argument("--dense-capacity", type=_capacity, default="auto",
                         help="Options.dense_capacity: the first ceil(f*M) heavy rows of the "
-                        "forward and the backward through cuBLAS GEMMs")  # fmt: skip
+                        "forward and the backward through cuBLAS GEMMs; 'auto' (default, "
+                        "as SparseMLP): the capacity a first forward's heavy rows ask for "
+                        "(twell.options.auto_capacity)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=220.0, help="seconds; later cases skip")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -382,6 +395,8 @@ def _summary(rec: dict[str, Any]) -> str:
     head = f"{rec['workload']:<10} {'gated' if rec['gated'] else 'nongated':<8}"
     if rec.get("dense_capacity"):
         head += f" cap {rec['dense_capacity']}"
+    if "auto_capacity" in rec:
+        head += f" ({rec['auto_capacity']:.4g})"
     if "error" in rec:
         return f"{head} ERROR {rec['error'].strip().splitlines()[-1]}"
     if "skipped" in rec:

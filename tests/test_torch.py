@@ -108,6 +108,12 @@ def test_from_module_rejects_other_activations_and_biases() -> None:
     with pytest.raises(ValueError, match="dense_capacity: expected a fraction"):
         SparseMLP.from_module(relu_mlp, dense_capacity=2.0)
     assert SparseMLP.from_module(relu_mlp, dense_capacity=0.1).options.dense_capacity == 0.1
+    with pytest.raises(
+        ValueError, match="dense_capacity: expected a fraction in \\[0, 1\\] or 'auto'"
+    ):
+        SparseMLP.from_module(relu_mlp, dense_capacity="dense")
+    assert SparseMLP.from_module(relu_mlp)._auto is not None  # "auto" is the default
+    assert SparseMLP.from_module(relu_mlp, dense_capacity=0.0)._auto is None
 
 
 def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:

@@ -13,6 +13,7 @@ CUDA-graph capture of forward + backward, torch.compile on CUDA.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -421,6 +422,35 @@ def test_train_distributed_help() -> None:
     assert "fsdp" in result.stdout and "ddp" in result.stdout
 
 
+def test_auto_capacity_covers_the_last_count_with_headroom() -> None:
+    from twell.options import AUTO_CAPACITIES, auto_capacity
+
+    m = 16384
+    assert auto_capacity(0, m) == 0.0
+    assert auto_capacity(1, m) == 1 / 64
+    assert auto_capacity(164, m) == 1 / 64  # heavy 1%: 256 rows hold 1.25 x 164
+    assert auto_capacity(256, m) == 1 / 16
+    assert auto_capacity(3000, m) == 1 / 4
+    assert auto_capacity(m // 2, m) == 1.0
+    assert auto_capacity(m, m) == 1.0
+    assert auto_capacity(5, 0) == 0.0
+    for count in range(0, 200, 7):  # the capacity holds the headroom, or is all of M
+        f = auto_capacity(count, 100)
+        assert f in AUTO_CAPACITIES
+        assert f == 1.0 or math.ceil(f * 100) >= 1.25 * count
+
+
+def test_auto_capacity_survives_a_deep_copy() -> None:
+    """copy.deepcopy of a model (an EMA copy, say) keeps the choice, not the CUDA state."""
+    import copy
+
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    mlp._auto.fraction = 1 / 16
+    twin = copy.deepcopy(mlp)
+    assert twin._auto is not mlp._auto and twin._auto.fraction == 1 / 16
+    assert twin._auto._event is None and twin._auto._host is None
+
+
 def test_training_block_is_a_prepared_block_without_the_host_check() -> None:
     """The training step's block skips the weights' host check (no synchronisation): its
     finiteness is unknown, which makes the backward check the weights on the device."""
@@ -574,6 +604,15 @@ def _graph_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, coeff: floa
     loss.backward()
 
 
+def _take_capacity_choices(source: nn.Module, target: nn.Module) -> None:
+    """``target``'s SparseMLP layers take the dense capacities ``source``'s layers chose
+    last (``dense_capacity="auto"``: what a graph captured from ``source`` holds)."""
+    pairs = zip(source.modules(), target.modules(), strict=True)
+    for a, b in pairs:
+        if isinstance(a, SparseMLP):
+            b._auto.fraction, b._auto._event = a._auto.fraction, None
+
+
 def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
     torch.manual_seed(0)
     model = Decoder(256, 1024, layers=2).cuda()
@@ -609,6 +648,7 @@ def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
                 p.mul_(1.0 + 0.01 * trial)
         graph.replay()
         reference_model.load_state_dict(model.state_dict())
+        _take_capacity_choices(model, reference_model)
         reference_model.zero_grad(set_to_none=True)
         _graph_step(reference_model, static_x.clone(), static_dy, coeff)
         torch.cuda.synchronize()
@@ -808,3 +848,65 @@ def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
     # Same shapes and weights every step: the ops replayed their graphs.
     assert autograd._FORWARD_GRAPHS.replays > replays[0]
     assert autograd._BACKWARD_GRAPHS.replays > replays[1]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_auto_capacity_follows_the_previous_call() -> None:
+    """dense_capacity="auto" (the default): the first call takes no capacity, the next
+    ones the capacity the previous call's heavy-row count asks for; each call gives the
+    bits of a layer built with that capacity, the gradients match the float64
+    reference, and a second run repeats every choice and every bit."""
+    from twell.options import auto_capacity
+
+    problem = workloads.heavy(1024, 256, 1024, p=0.02, frac=0.05, seed=7)
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
+    dy = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dy = dy.bfloat16()
+
+    def step(mlp: SparseMLP) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        mlp.zero_grad(set_to_none=True)
+        y = mlp(xi)
+        ((y.float() * dy).sum() + 0.5 * mlp.l1).backward()
+        return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]
+
+    runs = []
+    for _ in range(2):
+        auto = _cuda_mlp(problem, torch.bfloat16, "per_token")
+        choices, outputs = [], []
+        for _ in range(3):
+            choices.append(auto._auto.choose())
+            outputs.append(step(auto))
+        runs.append((choices, outputs))
+    choices, outputs = runs[0]
+    heavy = int(
+        ffn_train_forward(
+            x,
+            *(p.detach() for p in _cuda_mlp(problem, torch.bfloat16, "per_token").parameters()),
+            256,
+            32,
+            -1,
+            0.0,
+            "per_token",
+        )[5]
+    )
+    assert heavy > 8, "the workload must have heavy rows"
+    assert choices == [0.0, auto_capacity(heavy, 1024), auto_capacity(heavy, 1024)]
+    assert choices[1] > 0.0
+    for fraction, got in zip(choices, outputs, strict=True):
+        fixed = SparseMLP.from_module(
+            _mlp(problem, torch.float32).cuda().bfloat16(), reduction="per_token",
+            dense_capacity=fraction,
+        )  # fmt: skip
+        for a, b in zip(got, step(fixed), strict=True):
+            assert torch.equal(a, b)
+    want = _reference_grads(problem, problem.x.astype(np.float64), dy.double().cpu().numpy(),
+                            0.5, "per_token")  # fmt: skip
+    got = outputs[1]
+    for g, r in zip((got[1], got[2], got[3], got[4]), want, strict=True):
+        assert relative_error(g.double().cpu().numpy(), r) < 2e-2
+    assert runs[1][0] == choices
+    for a_run, b_run in zip(outputs, runs[1][1], strict=True):
+        for a, b in zip(a_run, b_run, strict=True):
+            assert torch.equal(a, b)

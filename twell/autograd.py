@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from twell._graphs import OpGraphs
-from twell.options import Options, check_geometry
+from twell.options import Options, auto_capacity, check_geometry
 
 __all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward", "l0_from_packed"]
 
@@ -317,16 +317,76 @@ def ffn_train(
     replays a CUDA graph of its launches from the second call with the same shapes and
     weights on (:class:`twell._graphs.OpGraphs`: its memory and stream rules apply).
     """
+    return _ffn_train(x, w_gate, w_up, w_down, options, reduction, graphs)[:3]
+
+
+def _ffn_train(
+    x: torch.Tensor,
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    options: Options,
+    reduction: str,
+    graphs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ffn_train`'s outputs and the forward's heavy-row count (int32 ``[1]``)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y, l1, packed, *_ = ffn_train_forward(
+    y, l1, packed, _, _, count, _ = ffn_train_forward(
         x2, w_gate, w_up, w_down, options.tile, options.slots,
         -1 if options.max_row_nnz is None else options.max_row_nnz, options.dense_capacity,
         reduction, graphs,
     )  # fmt: skip
-    return y.reshape(x.shape), l1, l0_from_packed(packed.detach(), options.slots)
+    return y.reshape(x.shape), l1, l0_from_packed(packed.detach(), options.slots), count
+
+
+class AutoCapacity:
+    """``dense_capacity="auto"`` for one layer's training calls on CUDA: each call's
+    capacity comes from the heavy-row count of the layer's previous call
+    (:func:`twell.options.auto_capacity`; 0 at the first call). The count is copied to
+    pinned memory behind an event as the call is launched; the next call waits for that
+    event, normally long passed (a step's GPU work lies between them), and reads it. So
+    the choice is a function of the data, the same in every run of a program (the bits
+    repeat), and no call waits for its own GPU work. Inside a CUDA-graph capture nothing
+    is read or recorded: the last choice stands. The choice moves time only: rows past
+    the capacity take twell's own heavy-row kernels, with exact results."""
+
+    def __init__(self) -> None:
+        self.fraction = 0.0
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        self._m = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (copy.deepcopy of a model, pickling) keeps the choice, not the copy in
+        # flight: CUDA events and pinned buffers are not copied
+        return {"fraction": self.fraction}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.fraction = state["fraction"]
+
+    def choose(self) -> float:
+        """The capacity (a fraction of M) for the next call."""
+        if self._event is not None and not torch.cuda.is_current_stream_capturing():
+            self._event.synchronize()
+            self.fraction = auto_capacity(int(self._host[0]), self._m)
+            self._event = None
+        return self.fraction
+
+    def record(self, count: torch.Tensor, m: int) -> None:
+        """Start the host copy of a call's heavy-row count (``count``: int32 ``[1]`` on
+        the current stream), unless a capture is running."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self._host is None:
+            self._host = torch.empty((1,), dtype=torch.int32, pin_memory=True)
+        self._host.copy_(count.reshape(1), non_blocking=True)
+        self._m = m
+        self._event = torch.cuda.Event()
+        self._event.record()
 
 
 # ---------------------------------------------------------------------- CPU: reference

@@ -26,6 +26,10 @@ MAX_K = 4096
 LIST_CAPACITY = 1024
 #: The GPU pipelines of a prepared block; see docs/design.md.
 PATHS = ("fused", "epilogue", "pack", "sliced")
+#: The dense capacities (fractions of M) that ``dense_capacity="auto"`` picks from.
+AUTO_CAPACITIES = (0.0, 1 / 64, 1 / 16, 1 / 4, 1.0)
+#: ``"auto"`` sizes the capacity for this many times the heavy rows it last saw.
+AUTO_HEADROOM = 1.25
 #: How ``gate`` packs on the GPU: in the GEMM's epilogue, or by a packing kernel.
 GATE_PATHS = ("epilogue", "pack")
 
@@ -59,6 +63,20 @@ def check_width(k: int, name: str = "x") -> None:
             f"{name}: the GPU kernels need K to be a multiple of 8 and at most {MAX_K}; "
             f"got K={k} (the NumPy reference takes any K)"
         )
+
+
+def auto_capacity(count: int, m: int) -> float:
+    """The dense capacity ``dense_capacity="auto"`` gives an ``m``-token call after a call
+    with ``count`` heavy rows: the smallest of :data:`AUTO_CAPACITIES` whose fixed-size
+    GEMMs hold ``AUTO_HEADROOM * count`` rows (0.0 with no heavy rows). The choice only
+    moves time: heavy rows past the capacity take twell's own kernels, exactly."""
+    if count <= 0 or m <= 0:
+        return 0.0
+    need = AUTO_HEADROOM * count
+    for fraction in AUTO_CAPACITIES[1:]:
+        if math.ceil(fraction * m) >= need:
+            return fraction
+    return AUTO_CAPACITIES[-1]
 
 
 def default_max_row_nnz(n: int) -> int:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from twell.autograd import REDUCTIONS, ffn_train
+from twell.autograd import REDUCTIONS, AutoCapacity, _ffn_train
 from twell.ops import SparseFFN
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
@@ -83,8 +83,13 @@ class SparseMLP(nn.Module):
         gate_proj, up_proj: ``nn.Linear(K, N, bias=False)``.
         down_proj: ``nn.Linear(N, K, bias=False)``.
         tile, slots: TwELL geometry of the hidden activation (``N % tile == 0``).
-        dense_capacity: see :class:`twell.SparseFFN` (fraction of tokens whose heavy rows
-            go through fixed-size cuBLAS GEMMs).
+        dense_capacity: ``"auto"`` (default) or a fraction of tokens whose heavy rows go
+            through fixed-size cuBLAS GEMMs (see :class:`twell.SparseFFN`). ``"auto"``:
+            each training call on CUDA takes the capacity that an earlier call's
+            heavy-row count asks for (:class:`twell.autograd.AutoCapacity`, read without
+            a host synchronisation; 0 while no heavy rows were seen), so a layer whose
+            tokens are still dense early in sparsity training runs its heavy rows at
+            cuBLAS speed; under ``torch.compile``, and for inference, it means 0.
         train_kernels: run forwards that record gradients through twell's training ops
             (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
         reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
@@ -125,7 +130,7 @@ class SparseMLP(nn.Module):
         *,
         tile: int = DEFAULT_TILE,
         slots: int = DEFAULT_SLOTS,
-        dense_capacity: float = 0.0,
+        dense_capacity: float | str = "auto",
         train_kernels: bool = True,
         reduction: str = "mean",
         op_graphs: bool = False,
@@ -147,7 +152,14 @@ class SparseMLP(nn.Module):
                 f"{tuple(gate_proj.weight.shape)}, {tuple(up_proj.weight.shape)}, "
                 f"{tuple(down_proj.weight.shape)}"
             )
-        self.options = Options(tile, slots, dense_capacity=dense_capacity)
+        auto = isinstance(dense_capacity, str)
+        if auto and dense_capacity != "auto":
+            raise ValueError(
+                f"dense_capacity: expected a fraction in [0, 1] or 'auto', got {dense_capacity!r}"
+            )
+        self.options = Options(tile, slots, dense_capacity=0.0 if auto else dense_capacity)
+        self._auto = AutoCapacity() if auto else None
+        self._auto_options: dict[float, Options] = {}
         if n % self.options.tile:
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         if reduction not in REDUCTIONS:
@@ -229,7 +241,11 @@ class SparseMLP(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         self._block = None  # the weights are about to change: no stale inference block
         if self.train_kernels:
-            y, l1, l0 = ffn_train(x, *weights, self.options, self.reduction, self.op_graphs)
+            auto = self._auto if x.is_cuda and not torch.compiler.is_compiling() else None
+            options = self.options if auto is None else self._options_at(auto.choose())
+            y, l1, l0, count = _ffn_train(x, *weights, options, self.reduction, self.op_graphs)
+            if auto is not None:
+                auto.record(count, x.numel() // x.shape[-1])
         else:
             y, l1, l0 = self._dense(x)
         self.l1, self.l0 = l1, l0
@@ -239,6 +255,15 @@ class SparseMLP(nn.Module):
             if l1.requires_grad:
                 l1.register_hook(hook)  # or a backward of the L1 term alone does
         return y
+
+    def _options_at(self, fraction: float) -> Options:
+        """``self.options`` with dense capacity ``fraction`` (cached per value)."""
+        found = self._auto_options.get(fraction)
+        if found is None:
+            o = self.options
+            found = Options(o.tile, o.slots, o.path, o.max_row_nnz, fraction, o.density_switch)
+            self._auto_options[fraction] = found
+        return found
 
     def _dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense torch math: ``(y, l1, l0)`` as the training op defines them."""
@@ -288,7 +313,7 @@ def sparsify(
     *,
     tile: int = DEFAULT_TILE,
     slots: int = DEFAULT_SLOTS,
-    dense_capacity: float = 0.0,
+    dense_capacity: float | str = "auto",
     train_kernels: bool = True,
     reduction: str = "mean",
     op_graphs: bool = False,
