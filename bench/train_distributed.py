@@ -148,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DDP(gradient_as_bucket_view=True): gradients live in the all-reduce buckets",
     )
     p.add_argument("--ddp-static-graph", action="store_true", help="DDP(static_graph=True)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="torch.profiler over each run's last N steps on rank 0 (a Chrome trace next to --out)",
+    )
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -256,7 +262,17 @@ def run(
     config_steps = dataclasses.replace(config, steps=steps)  # schedules span this run
     started = time.perf_counter()
     steps_done = 0
+    profiler = None
     for step in range(run_steps):
+        if args.profile_steps and rank == 0 and step == run_steps - args.profile_steps:
+            # the last steps on rank 0, kernels and their streams (a Chrome trace)
+            profiler = torch.profiler.profile(
+                activities=[
+                    torch.profiler.ProfilerActivity.CPU,
+                    torch.profiler.ProfilerActivity.CUDA,
+                ]
+            )
+            profiler.__enter__()
         batch = draw_batch(train_data, config, generators).to(device, non_blocking=True)
         lr = train_small.lr_at(config_steps, step)
         for group in optimizer.param_groups:
@@ -304,6 +320,10 @@ def run(
                         flush=True,
                     )
                 break
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        trace = args.out.with_name(f"{args.out.stem}_{strategy}_{variant}_trace.json")
+        profiler.export_chrome_trace(str(trace))
     timed = times[args.warmup_steps :] or times
     step_time = statistics.median(timed)
     return {
