@@ -440,6 +440,41 @@ def test_auto_capacity_covers_the_last_count_with_headroom() -> None:
         assert f == 1.0 or math.ceil(f * 100) >= 1.25 * count
 
 
+def test_auto_capacity_goes_up_at_once_and_down_after_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AutoCapacity.choose on counts fed by hand (an event that has passed): up at once,
+    down only after AUTO_PATIENCE calls in a row asked for less, to the most they asked."""
+    from twell.autograd import AutoCapacity
+    from twell.options import AUTO_PATIENCE
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    class Passed:
+        def synchronize(self) -> None:
+            pass
+
+    auto = AutoCapacity()
+
+    def after(count: int, m: int = 16384) -> float:
+        auto._host, auto._m, auto._event = torch.tensor([count], dtype=torch.int32), m, Passed()
+        return auto.choose()
+
+    assert auto.choose() == 0.0  # nothing recorded yet
+    assert after(0) == 0.0
+    assert after(3000) == 1 / 4
+    assert after(5000) == 1.0
+    for _ in range(AUTO_PATIENCE - 1):
+        assert after(100) == 1.0
+    assert after(0) == 1 / 64  # the most the last AUTO_PATIENCE calls asked for
+    for _ in range(AUTO_PATIENCE - 1):
+        assert after(0 if _ % 2 else 20) == 1 / 64
+    assert after(300) == 1 / 16  # up at once, the count of lower calls starts over
+    for _ in range(AUTO_PATIENCE):
+        after(0)
+    assert auto.fraction == 0.0
+
+
 def test_auto_capacity_survives_a_deep_copy() -> None:
     """copy.deepcopy of a model (an EMA copy, say) keeps the choice, not the CUDA state."""
     import copy
@@ -910,3 +945,21 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
     for a_run, b_run in zip(outputs, runs[1][1], strict=True):
         for a, b in zip(a_run, b_run, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
+    """OpGraphs(replace=...): a graph captured at a new value of the replaced argument
+    (the dense capacity "auto" moves) drops the one captured at the old value."""
+    from twell._graphs import OpGraphs
+
+    graphs = OpGraphs(replace=frozenset({1}))
+    x = torch.randn(64, device="cuda")
+    for c in (1.0, 1.0, 2.0, 2.0, 2.0):  # a value's first call runs eagerly, then capture
+        (out,) = graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())
+        assert torch.equal(out, x * c)
+    assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
+    assert len(graphs._graphs) == 1
+    (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())  # new shape
+    assert torch.equal(other, x[:32] * 2.0) and len(graphs._graphs) == 1

@@ -131,10 +131,16 @@ class OpGraphs:
     Args:
         capacity: graphs kept (least recently used dropped first; :meth:`clear` drops
             them all).
+        replace: argument positions of a setting that moves over a run (the dense
+            capacity ``dense_capacity="auto"`` picks): a graph captured for one value
+            drops the graph of the same other arguments at another value, so a layer
+            keeps one graph per batch shape, not one per value it ever took.
     """
 
-    def __init__(self, capacity: int = OP_CACHE) -> None:
+    def __init__(self, capacity: int = OP_CACHE, replace: frozenset[int] = frozenset()) -> None:
         self.capacity = capacity
+        self.replace = replace
+        self._by_rest: dict[tuple, tuple] = {}
         self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple, tuple]] = (
             collections.OrderedDict()
         )
@@ -148,6 +154,7 @@ class OpGraphs:
     def clear(self) -> None:
         """Drop every graph (and the memory that only they hold)."""
         self._graphs.clear()
+        self._by_rest.clear()
         self._seen.clear()
         self._failed.clear()
 
@@ -181,8 +188,18 @@ class OpGraphs:
                 self._failed.add(key)
                 raise
             self._graphs[key] = found
+            if self.replace:
+                rest = tuple(k for i, k in enumerate(key) if i not in self.replace)
+                old = self._by_rest.get(rest)
+                if old is not None and old != key:
+                    self._graphs.pop(old, None)
+                self._by_rest[rest] = key
             while len(self._graphs) > self.capacity:
-                self._graphs.popitem(last=False)
+                dropped, _ = self._graphs.popitem(last=False)
+                if self.replace:
+                    rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
+                    if self._by_rest.get(rest) == dropped:
+                        del self._by_rest[rest]
         else:
             self._graphs.move_to_end(key)
             for buffer, arg in zip(found[1], args, strict=True):

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from twell._graphs import OpGraphs
-from twell.options import Options, auto_capacity, check_geometry
+from twell.options import AUTO_PATIENCE, Options, auto_capacity, check_geometry
 
 __all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward", "l0_from_packed"]
 
@@ -344,20 +344,23 @@ def _ffn_train(
 
 class AutoCapacity:
     """``dense_capacity="auto"`` for one layer's training calls on CUDA: each call's
-    capacity comes from the heavy-row count of the layer's previous call
-    (:func:`twell.options.auto_capacity`; 0 at the first call). The count is copied to
-    pinned memory behind an event as the call is launched; the next call waits for that
-    event, normally long passed (a step's GPU work lies between them), and reads it. So
-    the choice is a function of the data, the same in every run of a program (the bits
-    repeat), and no call waits for its own GPU work. Inside a CUDA-graph capture nothing
-    is read or recorded: the last choice stands. The choice moves time only: rows past
-    the capacity take twell's own heavy-row kernels, with exact results."""
+    capacity comes from the heavy-row counts of the layer's earlier calls
+    (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 at the first call). A call's
+    count is copied to pinned memory behind an event as the call is launched; the next
+    call waits for that event, normally long passed (a step's GPU work lies between
+    them), and reads it. So the choice is a function of the data, the same in every run
+    of a program (the bits repeat), and no call waits for its own GPU work. Inside a
+    CUDA-graph capture nothing is read or recorded: the last choice stands. The choice
+    moves time only: rows past the capacity take twell's own heavy-row kernels, with
+    exact results."""
 
     def __init__(self) -> None:
         self.fraction = 0.0
         self._host: torch.Tensor | None = None
         self._event: Any = None
         self._m = 0
+        self._lower = 0  # calls in a row that asked for less than `fraction`
+        self._lower_max = 0.0  # the most they asked for
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (copy.deepcopy of a model, pickling) keeps the choice, not the copy in
@@ -369,11 +372,22 @@ class AutoCapacity:
         self.fraction = state["fraction"]
 
     def choose(self) -> float:
-        """The capacity (a fraction of M) for the next call."""
-        if self._event is not None and not torch.cuda.is_current_stream_capturing():
-            self._event.synchronize()
-            self.fraction = auto_capacity(int(self._host[0]), self._m)
-            self._event = None
+        """The capacity (a fraction of M) for the next call: up at once to what the last
+        count asks for; down only after ``AUTO_PATIENCE`` calls in a row asked for less
+        (then to the most any of them asked), so a count that wavers around a level
+        does not switch between two launch sequences (and two op graphs) every step."""
+        if self._event is None or torch.cuda.is_current_stream_capturing():
+            return self.fraction
+        self._event.synchronize()
+        self._event = None
+        asked = auto_capacity(int(self._host[0]), self._m)
+        if asked >= self.fraction:
+            self.fraction, self._lower, self._lower_max = asked, 0, 0.0
+        else:
+            self._lower += 1
+            self._lower_max = max(self._lower_max, asked)
+            if self._lower >= AUTO_PATIENCE:
+                self.fraction, self._lower, self._lower_max = self._lower_max, 0, 0.0
         return self.fraction
 
     def record(self, count: torch.Tensor, m: int) -> None:
@@ -449,8 +463,8 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 # ---------------------------------------------------------------------- CUDA: kernels
 #: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each).
-_FORWARD_GRAPHS = OpGraphs()
-_BACKWARD_GRAPHS = OpGraphs()
+_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
+_BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}))
 #: The weights' positions in the ops' arguments: read in place by the graphs.
 _FORWARD_WEIGHTS = frozenset({1, 2, 3})
 _BACKWARD_WEIGHTS = frozenset({3, 4, 5})

@@ -30,6 +30,9 @@ PATHS = ("fused", "epilogue", "pack", "sliced")
 AUTO_CAPACITIES = (0.0, 1 / 64, 1 / 16, 1 / 4, 1.0)
 #: ``"auto"`` sizes the capacity for this many times the heavy rows it last saw.
 AUTO_HEADROOM = 1.25
+#: ``"auto"`` steps down to a smaller capacity after this many calls in a row asked for
+#: less (up at once).
+AUTO_PATIENCE = 8
 #: How ``gate`` packs on the GPU: in the GEMM's epilogue, or by a packing kernel.
 GATE_PATHS = ("epilogue", "pack")
 
