@@ -14,12 +14,12 @@ timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode
   | tee "$OUT/memcheck.log" | grep -v "Warning" | tail -25
 echo "memcheck exit: ${PIPESTATUS[0]}"
 # The sliced route and the backward's slice kernels (light pairs, dx, weight gradients by
-# K slices and token ranges).
+# K slices and token ranges), and its heavy-row queue (twell_bw_heavy_chunks).
 timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sliced_route or more_tiles" \
   2>&1 | tee "$OUT/memcheck_sliced.log" | grep -v "Warning" | tail -5
 echo "memcheck (sliced route) exit: ${PIPESTATUS[0]}"
-BACKWARD='(slices_give and 1024) or (saved_up and heavy) or (matches_reference and uniform and 37)'
+BACKWARD='(slices_give and 1024) or (saved_up and heavy) or (matches_reference and uniform and 37) or heavy_chunks_give or more_heavy_rows_than'
 timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu_backward.py -k "$BACKWARD" \
   2>&1 | tee "$OUT/memcheck_backward.log" | grep -v "Warning" | tail -5
