@@ -470,6 +470,11 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     for _ in range(AUTO_PATIENCE - 1):
         assert after(0 if _ % 2 else 20) == 1 / 64
     assert after(300) == 1 / 16  # up at once, the count of lower calls starts over
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert auto.choose() == 0.0 and auto.fraction == 1 / 16  # a capture runs without
+    auto._event = Passed()
+    assert auto.choose() == 0.0 and auto._event is not None  # nothing read while capturing
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     for _ in range(AUTO_PATIENCE):
         after(0)
     assert auto.fraction == 0.0
@@ -639,13 +644,12 @@ def _graph_step(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, coeff: floa
     loss.backward()
 
 
-def _take_capacity_choices(source: nn.Module, target: nn.Module) -> None:
-    """``target``'s SparseMLP layers take the dense capacities ``source``'s layers chose
-    last (``dense_capacity="auto"``: what a graph captured from ``source`` holds)."""
-    pairs = zip(source.modules(), target.modules(), strict=True)
-    for a, b in pairs:
-        if isinstance(a, SparseMLP):
-            b._auto.fraction, b._auto._event = a._auto.fraction, None
+def _no_capacity(model: nn.Module) -> None:
+    """``model``'s SparseMLP layers run their next call with no capacity GEMMs, as a
+    captured step does (``dense_capacity="auto"`` is 0 inside a capture)."""
+    for layer in model.modules():
+        if isinstance(layer, SparseMLP):
+            layer._auto.fraction, layer._auto._event = 0.0, None
 
 
 def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
@@ -683,7 +687,7 @@ def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
                 p.mul_(1.0 + 0.01 * trial)
         graph.replay()
         reference_model.load_state_dict(model.state_dict())
-        _take_capacity_choices(model, reference_model)
+        _no_capacity(reference_model)
         reference_model.zero_grad(set_to_none=True)
         _graph_step(reference_model, static_x.clone(), static_dy, coeff)
         torch.cuda.synchronize()
@@ -911,8 +915,8 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
         auto = _cuda_mlp(problem, torch.bfloat16, "per_token")
         choices, outputs = [], []
         for _ in range(3):
-            choices.append(auto._auto.choose())
             outputs.append(step(auto))
+            choices.append(auto._auto.fraction)  # what the forward chose
         runs.append((choices, outputs))
     choices, outputs = runs[0]
     heavy = int(
@@ -961,5 +965,13 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
         assert torch.equal(out, x * c)
     assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
     assert len(graphs._graphs) == 1
-    (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())  # new shape
-    assert torch.equal(other, x[:32] * 2.0) and len(graphs._graphs) == 1
+    for _ in range(2):  # another shape: a graph of its own beside the first
+        (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())
+        assert torch.equal(other, x[:32] * 2.0)
+    assert len(graphs._graphs) == 2
+    for _ in range(2):  # the second shape's value moves: only its own graph is replaced
+        graphs(lambda t, c: (t * c,), (x[:32], 3.0), pinned=frozenset())
+    assert len(graphs._graphs) == 2 and graphs.captures == 4
+    assert {key[1] for key in graphs._graphs} == {2.0, 3.0}
+    graphs.clear()
+    assert not graphs._graphs and not graphs._by_rest

@@ -348,11 +348,17 @@ class AutoCapacity:
     (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 at the first call). A call's
     count is copied to pinned memory behind an event as the call is launched; the next
     call waits for that event, normally long passed (a step's GPU work lies between
-    them), and reads it. So the choice is a function of the data, the same in every run
-    of a program (the bits repeat), and no call waits for its own GPU work. Inside a
-    CUDA-graph capture nothing is read or recorded: the last choice stands. The choice
-    moves time only: rows past the capacity take twell's own heavy-row kernels, with
-    exact results."""
+    them), and reads it. So the choice is a function of the data and the calls before,
+    the same in every run of a program from the same start (the bits repeat), and no
+    call waits for its own GPU work. The choice changes time and rounding, not what is
+    computed: the capacity rows' GEMMs round their products to bf16 as dense bf16 math
+    does, twell's own tiles keep them in fp32, and no row is ever dropped. It is not
+    part of a state dict (a resumed run starts again at 0), and each process of a
+    distributed run chooses on its own data. Inside a CUDA-graph capture of the caller's
+    own the capacity is 0 and nothing is read or recorded: a captured step is replayed
+    for as long as the caller likes, and a capacity chosen while the model was still
+    dense would cost full-size GEMMs in every replay (pass a fixed ``dense_capacity`` to
+    capture one)."""
 
     def __init__(self) -> None:
         self.fraction = 0.0
@@ -376,7 +382,9 @@ class AutoCapacity:
         count asks for; down only after ``AUTO_PATIENCE`` calls in a row asked for less
         (then to the most any of them asked), so a count that wavers around a level
         does not switch between two launch sequences (and two op graphs) every step."""
-        if self._event is None or torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():
+            return 0.0
+        if self._event is None:
             return self.fraction
         self._event.synchronize()
         self._event = None
@@ -397,10 +405,10 @@ class AutoCapacity:
             return
         if self._host is None:
             self._host = torch.empty((1,), dtype=torch.int32, pin_memory=True)
-        self._host.copy_(count.reshape(1), non_blocking=True)
+        self._host.copy_(count.reshape(1), non_blocking=True)  # on count's device
         self._m = m
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(count.device))
 
 
 # ---------------------------------------------------------------------- CPU: reference

@@ -71,8 +71,9 @@ def check_width(k: int, name: str = "x") -> None:
 def auto_capacity(count: int, m: int) -> float:
     """The dense capacity ``dense_capacity="auto"`` gives an ``m``-token call after a call
     with ``count`` heavy rows: the smallest of :data:`AUTO_CAPACITIES` whose fixed-size
-    GEMMs hold ``AUTO_HEADROOM * count`` rows (0.0 with no heavy rows). The choice only
-    moves time: heavy rows past the capacity take twell's own kernels, exactly."""
+    GEMMs hold ``AUTO_HEADROOM * count`` rows (0.0 with no heavy rows). Any capacity
+    gives the block's result: rows past it take twell's own kernels; the capacity rows'
+    GEMMs round their products to bf16 (as dense bf16 math does), so the bits differ."""
     if count <= 0 or m <= 0:
         return 0.0
     need = AUTO_HEADROOM * count

@@ -89,7 +89,9 @@ class SparseMLP(nn.Module):
             heavy-row count asks for (:class:`twell.autograd.AutoCapacity`, read without
             a host synchronisation; 0 while no heavy rows were seen), so a layer whose
             tokens are still dense early in sparsity training runs its heavy rows at
-            cuBLAS speed; under ``torch.compile``, and for inference, it means 0.
+            cuBLAS speed; under ``torch.compile``, inside a CUDA-graph capture of the
+            caller's own, and for inference, it means 0. The bits then depend on the
+            choices (reruns from the same start repeat them).
         train_kernels: run forwards that record gradients through twell's training ops
             (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
         reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
@@ -159,7 +161,7 @@ class SparseMLP(nn.Module):
             )
         self.options = Options(tile, slots, dense_capacity=0.0 if auto else dense_capacity)
         self._auto = AutoCapacity() if auto else None
-        self._auto_options: dict[float, Options] = {}
+        self._auto_options: dict[tuple[Options, float], Options] = {}
         if n % self.options.tile:
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         if reduction not in REDUCTIONS:
@@ -193,6 +195,7 @@ class SparseMLP(nn.Module):
         n, k = self.gate_proj.weight.shape
         return (
             f"K={k}, N={n}, tile={self.options.tile}, slots={self.options.slots}, "
+            f"dense_capacity={'auto' if self._auto else self.options.dense_capacity!r}, "
             f"train_kernels={self.train_kernels}, reduction={self.reduction!r}"
         )
 
@@ -258,11 +261,11 @@ class SparseMLP(nn.Module):
 
     def _options_at(self, fraction: float) -> Options:
         """``self.options`` with dense capacity ``fraction`` (cached per value)."""
-        found = self._auto_options.get(fraction)
+        o = self.options
+        found = self._auto_options.get((o, fraction))
         if found is None:
-            o = self.options
             found = Options(o.tile, o.slots, o.path, o.max_row_nnz, fraction, o.density_switch)
-            self._auto_options[fraction] = found
+            self._auto_options[(o, fraction)] = found
         return found
 
     def _dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
