@@ -93,7 +93,6 @@
 // TWELL_BW_GRAD_BATCH, TWELL_BW_LIGHT_MIN_BLOCKS.
 
 #define NCH ((TWELL_KDIM + 255) / 256)
-#define FULL_CHUNKS (TWELL_KDIM % 256 == 0)
 #define WPL ((TWELL_SLOTS + 31) / 32)
 #define NV (TWELL_GATED ? 3 : 2)
 #define KCH (TWELL_KDIM / 8)
@@ -133,10 +132,6 @@ __device__ __forceinline__ void bw_ldmatrix_trans(uint32_t (&r)[4], const uint16
 }
 
 // ---------------------------------------------------------------- small helpers
-__device__ __forceinline__ bool chunk_valid(int c, int lane) {
-  return FULL_CHUNKS || (c * 256 + lane * 8 < TWELL_KDIM);
-}
-
 __device__ __forceinline__ bool non_finite8(uint4 v) {
   return twell_non_finite(v.x & 0xffffu) || twell_non_finite(v.x >> 16) ||
          twell_non_finite(v.y & 0xffffu) || twell_non_finite(v.y >> 16) ||
@@ -214,7 +209,8 @@ __device__ __forceinline__ bool load_row(uint4* dst, const uint16_t* __restrict_
   bool bad = false;
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
-    const uint4 v = chunk_valid(c, lane) ? __ldcs(s + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    const uint4 v = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldcs(s + c * 32 + lane)
+                                                                : make_uint4(0, 0, 0, 0);
     bad |= non_finite8(v);
     if (dst != nullptr) dst[c * 32 + lane] = v;
   }
@@ -340,13 +336,15 @@ light_pairs(const uint16_t* __restrict__ x,         // [M, K]
       const uint4* down = reinterpret_cast<const uint4*>(w_down_t + n * TWELL_KDIM);
 #pragma unroll
       for (int c = 0; c < NCH; ++c)
-        b[q][c] = chunk_valid(c, lane) ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+        b[q][c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(down + c * 32 + lane)
+                                                              : make_uint4(0, 0, 0, 0);
 #if TWELL_GATED
       if constexpr (recompute) {
         const uint4* up = reinterpret_cast<const uint4*>(w_up + n * TWELL_KDIM);
 #pragma unroll
         for (int c = 0; c < NCH; ++c)
-          a[q][c] = chunk_valid(c, lane) ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+          a[q][c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(up + c * 32 + lane)
+                                                                : make_uint4(0, 0, 0, 0);
       }
 #endif
     }
@@ -439,7 +437,7 @@ twell_bw_light_dx(const uint8_t* __restrict__ heavy, const int* __restrict__ row
   if (heavy[t]) return;
   const int total = row_nnz[t];
   const long long p0 = t * (long long)row_cap;
-  const bool ok = chunk_valid(c, lane);
+  const bool ok = twell_slice_lane_valid(c, lane, TWELL_KDIM);
   const int col = c * 256 + lane * 8;
   float acc[8];
 #pragma unroll
@@ -971,8 +969,6 @@ struct HeavyArgs {
   const uint16_t* x;
   const uint16_t* dy;
   const int* ids;
-  const int* count;
-  int cap_rows;
   const uint16_t* w_gate;  // null non-gated
   const uint16_t* w_up;
   const uint16_t* w_down_t;
@@ -1241,8 +1237,6 @@ twell_bw_heavy_chunks(const uint16_t* __restrict__ x, const uint16_t* __restrict
   a.x = x;
   a.dy = dy;
   a.ids = ids;
-  a.count = count;
-  a.cap_rows = cap_rows;
   a.w_gate = w_gate;
   a.w_up = w_up;
   a.w_down_t = w_down_t;

@@ -102,6 +102,12 @@ TWELL_DEVICE void twell_axpy8(float h, uint4 b, float* acc) {
   acc[7] = fmaf(h, twell_hi_bf16(b.w), acc[7]);
 }
 
+// Whether lane `lane`'s 8 columns of 256-column slice `s` lie inside a row of K columns
+// (K a multiple of 8; always true when K is a multiple of 256).
+TWELL_DEVICE bool twell_slice_lane_valid(int s, int lane, int K) {
+  return K % 256 == 0 || s * 256 + lane * 8 < K;
+}
+
 // One warp's share of a sliced gather: lane j of the warp holds entry j's unit n_l and
 // coefficients a_l, b_l (j < mine <= 32); every lane adds, for each entry in order,
 // a·A[n, col..col+8) and then (TWO) b·B[n, col..col+8) to its 8 fp32 sums (rows of K

@@ -34,17 +34,12 @@
 // TWELL_LIST_CAPACITY.
 
 #define NCH ((TWELL_KDIM + 255) / 256)
-#define FULL_CHUNKS (TWELL_KDIM % 256 == 0)
 #define EPL (TWELL_TILE / 32)
 #define WPL ((TWELL_SLOTS + 31) / 32)
 #define LIST_CAP TWELL_LIST_CAPACITY
 // Blocks per SM the register budget is sized for (65536 / (32 * 8) = 255 registers at
 // most). Measured on an H100: 12 blocks (124 registers) gave no gain (docs/perf-log.md).
 #define MIN_BLOCKS 8
-
-__device__ __forceinline__ bool chunk_valid(int c, int lane) {
-  return FULL_CHUNKS || (c * 256 + lane * 8 < TWELL_KDIM);
-}
 
 #define SCAN_BATCH 8  // tiles whose loads are in flight together in phase 1
 
@@ -84,7 +79,7 @@ __device__ __forceinline__ void load_unit(const uint32_t* list, int e, int lane,
 #endif
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
-    const bool ok = chunk_valid(c, lane);
+    const bool ok = twell_slice_lane_valid(c, lane, TWELL_KDIM);
 #if TWELL_GATED
     rows.a[c] = ok ? __ldg(up + c * 32 + lane) : make_uint4(0, 0, 0, 0);
 #endif
@@ -140,7 +135,7 @@ __device__ __forceinline__ void store_row(uint16_t* __restrict__ y, long long ro
   uint4* out = reinterpret_cast<uint4*>(y + row * TWELL_KDIM);
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
-    if (chunk_valid(c, lane)) {
+    if (twell_slice_lane_valid(c, lane, TWELL_KDIM)) {
       uint4 v;
       v.x = twell_pack_bf16x2(acc[c][0], acc[c][1]);
       v.y = twell_pack_bf16x2(acc[c][2], acc[c][3]);
@@ -157,8 +152,9 @@ __device__ __forceinline__ const uint4* load_x(Shared& sm, const uint16_t* __res
   const uint4* src = reinterpret_cast<const uint4*>(x + row * TWELL_KDIM);
 #pragma unroll
   for (int c = 0; c < NCH; ++c)
-    sm.x[warp][c * 32 + lane] = chunk_valid(c, lane) ? __ldcs(src + c * 32 + lane)
-                                                     : make_uint4(0, 0, 0, 0);
+    sm.x[warp][c * 32 + lane] = twell_slice_lane_valid(c, lane, TWELL_KDIM)
+                                    ? __ldcs(src + c * 32 + lane)
+                                    : make_uint4(0, 0, 0, 0);
   return sm.x[warp];
 #else
   return nullptr;
@@ -283,7 +279,8 @@ __device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
 #if TWELL_GATED
   const uint4* src = reinterpret_cast<const uint4*>(x + row * TWELL_KDIM);
   for (int i = threadIdx.x; i < NCH * 32; i += blockDim.x)
-    sm.x[i] = chunk_valid(i / 32, i % 32) ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
+    sm.x[i] = twell_slice_lane_valid(i / 32, i % 32, TWELL_KDIM) ? __ldcs(src + i)
+                                                                 : make_uint4(0, 0, 0, 0);
   const uint4* xs = sm.x;
 #else
   const uint4* xs = nullptr;

@@ -41,10 +41,6 @@
 #define WPL ((TWELL_SLOTS + 31) / 32)
 #define FULL 0xffffffffu
 
-__device__ __forceinline__ bool slice_lane_valid(int s, int lane) {
-  return TWELL_KDIM % 256 == 0 || s * 256 + lane * 8 < TWELL_KDIM;
-}
-
 extern "C" __global__ void __launch_bounds__(256)
 twell_sliced_lists(const uint32_t* __restrict__ packed,  // [M, N/TILE*SLOTS]
                    uint8_t* __restrict__ heavy,           // [M] in/out
@@ -107,7 +103,7 @@ twell_sliced_up(const uint16_t* __restrict__ x,         // [M, K]
   if (row >= M) return;
   const int total = row_nnz[row];
   if (total == 0) return;
-  const bool ok = slice_lane_valid(s, lane);
+  const bool ok = twell_slice_lane_valid(s, lane, TWELL_KDIM);
   const int col = s * 256 + lane * 8;
   const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4*>(x + row * TWELL_KDIM + col))
                       : make_uint4(0, 0, 0, 0);
@@ -159,7 +155,7 @@ twell_sliced_down(const uint8_t* __restrict__ heavy,     // [M]
   const long long t = item - (long long)s * M;
   if (heavy[t]) return;
   const int total = row_nnz[t];
-  const bool ok = slice_lane_valid(s, lane);
+  const bool ok = twell_slice_lane_valid(s, lane, TWELL_KDIM);
   const int col = s * 256 + lane * 8;
   const uint32_t* ent = entries + t * (long long)row_cap;
   float acc[8];
