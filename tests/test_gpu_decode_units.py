@@ -265,7 +265,7 @@ def test_a_non_finite_token_does_not_send_decode_calls_dense() -> None:
         block(xg)
         cp.cuda.get_current_stream().synchronize()
     assert block.density.estimate is not None
-    assert block.density.estimate < block.density.threshold and not block.density.dense
+    assert block.density.estimate < block.density.threshold(4) and not block.density.dense
 
 
 def test_forward_refuses_what_the_kernels_cannot_take() -> None:

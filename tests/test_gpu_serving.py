@@ -146,7 +146,8 @@ def test_non_finite_weight_of_an_idle_unit_poisons_like_dense_math(which: str) -
 
 def test_density_switch_stays_sparse_with_dense_sequence_starts() -> None:
     # paperlike: every 512th token (a BOS-like sink) fires hundreds of units, the mean is
-    # about 5 of 1024 (threshold 10.24). A sample aligned with the sequence starts read 26.
+    # about 5 of 1024 (threshold 9.7 at 4096 tokens). A sample aligned with the sequence
+    # starts read 26.
     p = workloads.paperlike(4096, 512, 1024, seed=0, seq_len=512)
     x, wg, wu, wd = tensors(p)
     block = twell.SparseFFN(wg, wu, wd)
@@ -154,7 +155,7 @@ def test_density_switch_stays_sparse_with_dense_sequence_starts() -> None:
     torch.cuda.synchronize()
     block(x)
     density = block._prepared.density
-    assert density.estimate is not None and density.estimate < density.threshold
+    assert density.estimate is not None and density.estimate < density.threshold(4096)
     assert not density.dense
 
 
@@ -167,7 +168,7 @@ def test_density_switch_goes_dense_and_stays_correct() -> None:
     torch.cuda.synchronize()
     second = block(x)
     density = block._prepared.density
-    assert density.estimate is not None and density.estimate > density.threshold
+    assert density.estimate is not None and density.estimate > density.threshold(512)
     assert density.dense
     third = block(x)
     assert torch.equal(second, third)
@@ -178,3 +179,52 @@ def test_density_switch_goes_dense_and_stays_correct() -> None:
     torch.cuda.synchronize()
     sparse_only(x)
     assert not sparse_only._prepared.density.dense
+
+
+def settled(block: twell.SparseFFN, x: torch.Tensor) -> torch.Tensor:
+    """Two calls with the first one's statistics landed in between (the switch reads them
+    at the second)."""
+    block(x)
+    torch.cuda.synchronize()
+    return block(x)
+
+
+def test_density_switch_decides_by_batch_size() -> None:
+    # 0.5% of N active: past the crossover at 256 tokens (0.22%), below it at 2048 (0.7%)
+    p = workloads.uniform(2048, 256, 5632, p=0.005, seed=3)
+    x, wg, wu, wd = tensors(p)
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    block = twell.SparseFFN(wg, wu, wd)
+    density = block._prepared.density
+    y = settled(block, x[:256])
+    assert density.threshold(256) < density.estimate < density.threshold(2048)
+    assert density.dense
+    assert relative_error(as_f64(y), oracle[:256]) < 1e-2
+    y = block(x)
+    assert not density.dense
+    assert relative_error(as_f64(y), oracle) < 1e-2
+    assert torch.equal(block(x[:256]), settled(block, x[:256]))  # dense again, same bits
+
+
+def test_a_heavy_row_sends_mid_sized_batches_dense() -> None:
+    # token 0 of 512 fires ~19% of the units (outside the switch's row sample, so the mean
+    # stays below the crossover): the heavy-row stage would cost more than the sparse
+    # path saves at this batch size
+    p = workloads.uniform(512, 256, 4096, p=0.003, seed=4)
+    x = p.x.astype(np.float32)
+    x[0, 1:] *= 3
+    p = dataclasses.replace(p, x=x.astype(p.x.dtype))
+    x, wg, wu, wd = tensors(p)
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    block = twell.SparseFFN(wg, wu, wd)
+    density = block._prepared.density
+    y = settled(block, x)
+    assert density.estimate < density.threshold(512)
+    assert density.heavy_share == pytest.approx(1 / 512)
+    assert density.dense
+    assert relative_error(as_f64(y), oracle) < 1e-2
+    assert not density.go_dense(4096, False)  # large batches keep the sparse path
+    assert not density.go_dense(32, False)
+    sparse_only = twell.SparseFFN(wg, wu, wd, density_switch=False)
+    assert not sparse_only._prepared.density.go_dense(512, False)
+    assert relative_error(as_f64(settled(sparse_only, x)), oracle) < 1e-2

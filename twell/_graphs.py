@@ -36,11 +36,11 @@ class GraphedBlock:
 
     Args:
         run: the eager call (validation done), on torch's current stream.
-        decision: returns a hashable key of what the eager call would do now (the density
-            switch's decision); a graph is captured per key.
+        decision: ``decision(m)`` returns a hashable key of what the eager call of ``m``
+            rows would do now (the density switch's decision); a graph is captured per key.
     """
 
-    def __init__(self, run: Callable[[Any], Any], decision: Callable[[], Any]) -> None:
+    def __init__(self, run: Callable[[Any], Any], decision: Callable[[int], Any]) -> None:
         self.run = run
         self.decision = decision
         self._graphs: collections.OrderedDict[tuple, tuple[Any, Any, Any]] = (
@@ -59,7 +59,7 @@ class GraphedBlock:
             or self._calls % REFRESH == 0
         ):
             return self.run(x)
-        key = (tuple(x.shape), x.dtype, x.device, self.decision())
+        key = (tuple(x.shape), x.dtype, x.device, self.decision(x.shape[0]))
         found = self._graphs.get(key)
         if found is None:
             found = self._capture(x)

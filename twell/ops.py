@@ -311,7 +311,7 @@ class SparseFFN:
             # garbage collection that may fall inside someone else's graph capture.
             prepared, density = self._prepared, self._prepared.density
             self._graphed = GraphedBlock(
-                lambda x: _eager_torch(prepared, x), lambda: density.go_dense(False)
+                lambda x: _eager_torch(prepared, x), lambda m: density.go_dense(m, False)
             )
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.

@@ -113,7 +113,7 @@ class PreparedBlock:
         self.weights_finite: bool | None = (
             _all_finite(self.w_gate, self.w_up, self.w_down) if check_weights else None
         )
-        self.density = DensitySwitch(self.n, options.density_switch)
+        self.density = DensitySwitch(self.n, self.max_row_nnz, options.density_switch)
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     @property
@@ -152,7 +152,7 @@ class PreparedBlock:
         y = empty_bf16((m, k))
         in_capture = capturing()
         by_unit = not save and self.weights_finite and self._by_unit(m)
-        if m and not save and (not self.weights_finite or self.density.go_dense(in_capture)):
+        if m and not save and (not self.weights_finite or self.density.go_dense(m, in_capture)):
             scratch = dense_block(self, xb, y)
             if in_capture:
                 self._graph_scratch.append([xb, y, *scratch])
@@ -186,7 +186,7 @@ class PreparedBlock:
             ids, count = heavy_rows.compact_rows(light.heavy)
         scratch = heavy_rows_stage(self, xb, light, ids, count, y, row_l1) if m else []
         if m and not in_capture:
-            self.density.observe(light.packed, light.pre, self.options.slots)
+            self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
             self._graph_scratch.append(
                 [xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch]
@@ -222,20 +222,53 @@ def dense_block(block: PreparedBlock, x: Any, y: Any) -> list[Any]:
     return [g, u]
 
 
-class DensitySwitch:
-    """Decides, without a host synchronisation, when a block's inputs are too dense for
-    the sparse path, from the statistics of the calls before.
+#: Where the sparse path stops paying, by batch size: ``(M, mean active units per row as
+#: a fraction of N)`` at which the default route and :func:`dense_block` take the same
+#: time, measured on an H100 at K=2048, N=5632 (``bench/dev_crossover.py``, CUDA graphs,
+#: weights from DRAM; docs/perf-log.md). Linear in log2(M) between the points, constant
+#: past the ends. Decode batches gain up to high densities (the by-unit route reads each
+#: active unit once for all tokens); near 256 tokens the dense GEMMs are at their most
+#: efficient per token and the sparse routes at their least; prefill batches gain up to
+#: about 1%.
+CROSSOVER = (
+    (1, 0.2), (4, 0.1), (16, 0.05), (32, 0.02), (64, 0.012), (128, 0.0065), (192, 0.0045),
+    (256, 0.0022), (512, 0.0045), (1024, 0.006), (2048, 0.007), (4096, 0.0095), (8192, 0.01),
+)  # fmt: skip
+#: Batch sizes ``[low, high)`` at which a single heavy row makes the dense path pay: the
+#: heavy-row stage costs 45-90 µs at K=2048, N=5632 whatever the number of heavy rows
+#: (a full read of w_up and w_down for a few rows), which is most of the sparse path's
+#: gain below about 4096 tokens; in the by-unit route a token with hundreds of units
+#: holds up its token group from 48 tokens on (docs/perf-log.md).
+HEAVY_DENSE = (48, 4096)
 
-    Every :attr:`EVERY`-th eager call estimates the mean number of active units per row
-    on the device from a strided sample of :attr:`SAMPLE_ROWS` rows (their TwELL count
+
+def crossover(m: int) -> float:
+    """:data:`CROSSOVER` at ``m`` tokens (a fraction of N)."""
+    points = CROSSOVER
+    if m <= points[0][0]:
+        return points[0][1]
+    for (m0, f0), (m1, f1) in zip(points, points[1:], strict=False):
+        if m <= m1:
+            t = (np.log2(m) - np.log2(m0)) / (np.log2(m1) - np.log2(m0))
+            return float(f0 + t * (f1 - f0))
+    return points[-1][1]
+
+
+class DensitySwitch:
+    """Decides, without a host synchronisation, when a batch is too dense for the sparse
+    path, from the statistics of the calls before.
+
+    Every :attr:`EVERY`-th eager call measures on the device the mean number of active
+    units per row (from a strided sample of :attr:`SAMPLE_ROWS` rows: their TwELL count
     words when the route packed them, else their positive pre-activations; the dense path
-    samples its own gate GEMM the same way) and copies it to pinned host memory behind an
-    event. A later call reads it only once the event has completed, so the host never
-    waits; the decision follows the data with a lag of a few calls. Above
-    :attr:`threshold` active units per row (about 1% of N: where gathering two weight
-    rows per active unit costs what the dense up and down projections cost;
-    docs/design.md) the block runs :func:`dense_block`.
-    Inside a CUDA-graph capture the decision in force is used and nothing is measured.
+    samples its own gate GEMM the same way; the by-unit route counts every row from its
+    masks) and the share of heavy rows (more than ``max_row_nnz`` units, or non-finite),
+    and copies both to pinned host memory behind an event. A later call reads them only
+    once the event has completed, so the host never waits; the decision follows the data
+    with a lag of a few calls. An ``m``-token call runs :func:`dense_block` when the mean
+    is above :meth:`threshold` (``m``) or when it expects a heavy row and ``m`` lies in
+    :data:`HEAVY_DENSE` (docs/design.md). Inside a CUDA-graph capture nothing is measured
+    or read: the statistics in force decide.
 
     Both paths are correct; they round differently, so the same input gives the same
     bits as long as the decision stays the same (``dense`` tells which one ran last).
@@ -247,29 +280,43 @@ class DensitySwitch:
     #: reductions (on an H100's host, about 0.1–0.3 ms per call when done every call).
     EVERY = 8
 
-    def __init__(self, n: int, enabled: bool = True) -> None:
-        self.threshold = max(8.0, n / 100)
+    def __init__(self, n: int, row_limit: int, enabled: bool = True) -> None:
+        self.n = n
+        self.row_limit = row_limit
         self.enabled = enabled
-        self.estimate: float | None = None
+        self.estimate: float | None = None  # mean active units per row
+        self.heavy_share = 0.0  # share of heavy rows
         self.dense = False
         self._pending: tuple[Any, Any] | None = None
         self._calls = 0
 
-    def go_dense(self, capturing: bool) -> bool:
-        """Whether this call runs the dense path (reads a finished estimate, never waits)."""
-        if capturing:  # no event queries inside a capture: the decision in force holds
-            return self.dense
-        if self._pending is not None and self._pending[1].done:
-            self.estimate = float(self._pending[0][0])
+    def threshold(self, m: int) -> float:
+        """Mean active units per row above which an ``m``-token call runs dense math
+        (:func:`crossover` of N, at least 8)."""
+        return max(8.0, self.n * crossover(m))
+
+    def go_dense(self, m: int, capturing: bool) -> bool:
+        """Whether an ``m``-token call runs the dense path (reads a finished estimate,
+        never waits; inside a capture, reads nothing)."""
+        if not capturing and self._pending is not None and self._pending[1].done:
+            self.estimate, self.heavy_share = (float(v) for v in self._pending[0])
             self._pending = None
-        self.dense = self.enabled and self.estimate is not None and self.estimate > self.threshold
+        low, high = HEAVY_DENSE
+        self.dense = (
+            self.enabled
+            and self.estimate is not None
+            and (
+                self.estimate > self.threshold(m)
+                or (low <= m < high and self.heavy_share * m >= 0.5)
+            )
+        )
         return self.dense
 
     def observe_masks(self, masks: Any) -> None:
         """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
         every row: a few tokens, so all of them are counted). A row that keeps every unit
         (a non-finite x: its gate is NaN everywhere) is left out of the mean, as long as
-        one row is not."""
+        one row is not, and counts as heavy."""
         import cupy
 
         self._calls += 1
@@ -279,10 +326,12 @@ class DensitySwitch:
         usual = counts < 16 * masks.shape[1]
         taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
         per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
-        self._publish(per_row)
+        heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
+        self._publish(per_row, heavy)
 
-    def observe(self, packed: Any | None, pre: Any, slots: int) -> None:
-        """Start the estimate of this call (a few small kernels and an async copy)."""
+    def observe(self, packed: Any | None, pre: Any, slots: int, heavy: Any | None = None) -> None:
+        """Start the estimate of this call (a few small kernels and an async copy);
+        ``heavy``: the route's uint8 row flags (every row), else the sample decides."""
         import cupy
 
         self._calls += 1
@@ -291,18 +340,22 @@ class DensitySwitch:
         rows = sample_rows(pre.shape[0] if packed is None else packed.shape[0], self.SAMPLE_ROWS)
         if packed is not None:
             words = packed[rows, ::slots][: self.SAMPLE_ROWS]
-            per_row = words.sum(dtype=cupy.float32) / words.shape[0]
+            counts = words.sum(axis=1, dtype=cupy.float32)
         else:
             sample = pre[rows][: self.SAMPLE_ROWS].view(cupy.int16)
-            per_row = (sample > 0).sum(dtype=cupy.float32) / sample.shape[0]
-        self._publish(per_row)
+            counts = (sample > 0).sum(axis=1, dtype=cupy.float32)
+        if heavy is None:
+            share = (counts > self.row_limit).mean(dtype=cupy.float32)
+        else:
+            share = (heavy != 0).mean(dtype=cupy.float32)
+        self._publish(counts.mean(), share)
 
-    def _publish(self, per_row: Any) -> None:
-        """Copy the device estimate to pinned memory behind an event (read by go_dense)."""
+    def _publish(self, per_row: Any, heavy: Any) -> None:
+        """Copy the device statistics to pinned memory behind an event (read by go_dense)."""
         import cupy
 
-        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(4), np.float32, 1)
-        per_row.reshape(1).get(out=host, blocking=False)
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.float32, 2)
+        cupy.stack([per_row.reshape(()), heavy.reshape(())]).get(out=host, blocking=False)
         event = cupy.cuda.Event(disable_timing=True)
         event.record()
         self._pending = (host, event)

@@ -1,0 +1,81 @@
+"""The density switch's rule (pipeline.DensitySwitch), from its statistics alone: which
+batch sizes and statistics send a call to dense math. The GPU side (the statistics
+measured on the device, read without a wait) is in tests/test_gpu_serving.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from twell.kernels.pipeline import CROSSOVER, HEAVY_DENSE, DensitySwitch, crossover
+
+N = 5632
+
+
+def switch(estimate: float | None, heavy_share: float = 0.0, enabled: bool = True):  # noqa: ANN201
+    s = DensitySwitch(N, row_limit=168, enabled=enabled)
+    s.estimate, s.heavy_share = estimate, heavy_share
+    return s
+
+
+def test_crossover_passes_through_its_points_and_holds_past_the_ends() -> None:
+    for m, fraction in CROSSOVER:
+        assert crossover(m) == pytest.approx(fraction)
+    assert crossover(1) == CROSSOVER[0][1]
+    assert crossover(1 << 20) == CROSSOVER[-1][1]
+
+
+@given(st.integers(1, 1 << 20))
+def test_crossover_lies_between_its_neighbouring_points(m: int) -> None:
+    low = max((p for p in CROSSOVER if p[0] <= m), default=CROSSOVER[0])
+    high = min((p for p in CROSSOVER if p[0] >= m), default=CROSSOVER[-1])
+    lo, hi = sorted((low[1], high[1]))
+    assert lo - 1e-12 <= crossover(m) <= hi + 1e-12
+
+
+def test_measured_cases() -> None:
+    # H100, K=2048, N=5632 (docs/perf-log.md): uniform 0.5% of N active pays at 64 and
+    # 2048 tokens, not at 256; 2% pays at 16 tokens, not at 64
+    uniform, two_percent = 0.005 * N, 0.02 * N
+    assert not switch(uniform).go_dense(64, False)
+    assert switch(uniform).go_dense(256, False)
+    assert not switch(uniform).go_dense(2048, False)
+    assert switch(0.01 * N).go_dense(2048, False)
+    assert not switch(two_percent).go_dense(16, False)
+    assert switch(two_percent).go_dense(64, False)
+
+
+def test_a_heavy_row_sends_only_mid_sized_batches_dense() -> None:
+    low, high = HEAVY_DENSE
+    share = 0.01  # one token in a hundred is heavy
+    s = switch(10.0, heavy_share=share)
+    assert not s.go_dense(low - 1, False)
+    assert not s.go_dense(high, False)
+    assert s.go_dense(max(low, math.ceil(0.5 / share)), False) and s.dense
+    assert not s.go_dense(math.ceil(0.5 / share) - 1, False)  # no heavy row expected
+    assert not switch(10.0, heavy_share=0.0).go_dense(1024, False)
+
+
+@given(
+    st.integers(1, 1 << 17),
+    st.floats(0, N),
+    st.floats(0, N),
+    st.floats(0, 1),
+)
+def test_the_decision_is_monotone_in_the_statistics(
+    m: int, a: float, b: float, share: float
+) -> None:
+    low, high = sorted((a, b))
+    if switch(low, share).go_dense(m, False):
+        assert switch(high, share).go_dense(m, False)
+        assert switch(low, 1.0).go_dense(m, False)
+
+
+def test_no_statistics_or_switched_off_means_sparse() -> None:
+    assert not switch(None).go_dense(256, False)
+    assert not switch(N, heavy_share=1.0, enabled=False).go_dense(256, False)
+    assert switch(N).go_dense(1, True)  # inside a capture the statistics in force decide
