@@ -79,3 +79,28 @@ def test_no_statistics_or_switched_off_means_sparse() -> None:
     assert not switch(None).go_dense(256, False)
     assert not switch(N, heavy_share=1.0, enabled=False).go_dense(256, False)
     assert switch(N).go_dense(1, True)  # inside a capture the statistics in force decide
+
+
+def test_auto_capacity_holds_the_heavy_rows_it_expects() -> None:
+    assert switch(None).capacity(16384) == 0.0  # no statistics yet
+    assert switch(28.0, heavy_share=0.0).capacity(16384) == 0.0
+    # 1% heavy at 16384 tokens: 164 rows, 1.25 x 164 fit in 16384/64 = 256
+    assert switch(28.0, heavy_share=0.01).capacity(16384) == pytest.approx(1 / 64)
+    # 2% at 16384: 328 rows need 410 > 256, so 1/16
+    assert switch(28.0, heavy_share=0.02).capacity(16384) == pytest.approx(1 / 16)
+    assert switch(28.0, heavy_share=0.02, enabled=False).capacity(16384) == 0.0
+
+
+def test_options_take_auto_capacity() -> None:
+    from twell.options import Options
+
+    auto = Options(dense_capacity="auto")
+    assert auto.auto_capacity and auto.fixed_capacity == 0.0 and auto.capacity_rows(100) == 0
+    assert auto.capacity_rows(100, 1 / 16) == 7
+    fixed = Options(dense_capacity=0.25)
+    assert not fixed.auto_capacity and fixed.capacity_rows(100) == 25
+    assert auto != Options()
+    for bad, error in (("all", ValueError), ("0.5", ValueError), (2.0, ValueError),
+                       (None, TypeError)):  # fmt: skip
+        with pytest.raises(error, match="dense_capacity"):
+            Options(dense_capacity=bad)

@@ -228,3 +228,27 @@ def test_a_heavy_row_sends_mid_sized_batches_dense() -> None:
     sparse_only = twell.SparseFFN(wg, wu, wd, density_switch=False)
     assert not sparse_only._prepared.density.go_dense(512, False)
     assert relative_error(as_f64(settled(sparse_only, x)), oracle) < 1e-2
+
+
+def test_auto_capacity_follows_the_heavy_rows_the_switch_measured() -> None:
+    # 1% heavy tokens at 4096 tokens (past the heavy-row rule): "auto" sends 41 heavy rows
+    # through GEMMs of 4096/64 = 64 rows, the first capacity that holds 1.25 x 41
+    p = workloads.heavy(4096, 256, 2048, p=0.005, frac=0.01, seed=6)
+    x, wg, wu, wd = tensors(p)
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    block = twell.SparseFFN(wg, wu, wd, dense_capacity="auto")
+    first = block(x)  # no statistics yet: capacity 0
+    torch.cuda.synchronize()
+    y = block(x)
+    density = block._prepared.density
+    assert not density.dense
+    assert density.heavy_share == pytest.approx(41 / 4096)
+    assert density.capacity(4096) == pytest.approx(1 / 64)
+    fixed = twell.SparseFFN(wg, wu, wd, dense_capacity=1 / 64)
+    assert torch.equal(y.view(torch.int16), settled(fixed, x).view(torch.int16))
+    none = twell.SparseFFN(wg, wu, wd, dense_capacity=0.0)
+    assert torch.equal(first.view(torch.int16), settled(none, x).view(torch.int16))
+    for out in (first, y):
+        assert relative_error(as_f64(out), oracle) < 1e-2
+    off = twell.SparseFFN(wg, wu, wd, dense_capacity="auto", density_switch=False)
+    assert torch.equal(settled(off, x).view(torch.int16), first.view(torch.int16))

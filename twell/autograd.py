@@ -336,7 +336,7 @@ def _ffn_train(
         x2 = x2.contiguous()
     y, l1, packed, _, _, count, _ = ffn_train_forward(
         x2, w_gate, w_up, w_down, options.tile, options.slots,
-        -1 if options.max_row_nnz is None else options.max_row_nnz, options.dense_capacity,
+        -1 if options.max_row_nnz is None else options.max_row_nnz, options.fixed_capacity,
         reduction, graphs,
     )  # fmt: skip
     return y.reshape(x.shape), l1, l0_from_packed(packed.detach(), options.slots), count

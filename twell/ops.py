@@ -271,10 +271,14 @@ class SparseFFN:
         max_row_nnz: tokens with more active units take the dense path (default 3% of N);
             any value gives the same result.
         dense_capacity: fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the
-            rest by twell's heavy-row kernel); pays on models with many heavy tokens.
-        density_switch: run whole batches in dense math when earlier calls were too dense
-            for the sparse path to pay (decided without a host synchronisation; False:
-            always sparse, e.g. for bit-for-bit comparisons of one path).
+            rest by twell's heavy-row kernel), or ``"auto"``: sized per call for the
+            share of heavy rows the density switch last measured (none with
+            ``density_switch=False``). The GEMMs round like dense bf16 math, so heavy
+            rows' bits depend on the capacity in force.
+        density_switch: run whole batches in dense math when earlier calls were too dense,
+            or held heavy rows at mid-sized batches, for the sparse path to pay (decided
+            by batch size without a host synchronisation; docs/design.md; False: always
+            sparse, e.g. for bit-for-bit comparisons of one path).
 
     Example:
         >>> block = twell.SparseFFN(w_gate, w_up, w_down)   # doctest: +SKIP
@@ -291,7 +295,7 @@ class SparseFFN:
         slots: int = DEFAULT_SLOTS,
         path: str = "fused",
         max_row_nnz: int | None = None,
-        dense_capacity: float = 0.0,
+        dense_capacity: float | str = 0.0,
         density_switch: bool = True,
     ) -> None:
         self.options = Options(tile, slots, path, max_row_nnz, dense_capacity, density_switch)
@@ -310,8 +314,10 @@ class SparseFFN:
             # cycle, so a dropped SparseFFN frees its graphs at once rather than in a later
             # garbage collection that may fall inside someone else's graph capture.
             prepared, density = self._prepared, self._prepared.density
+            auto = self.options.auto_capacity
             self._graphed = GraphedBlock(
-                lambda x: _eager_torch(prepared, x), lambda m: density.go_dense(m, False)
+                lambda x: _eager_torch(prepared, x),
+                lambda m: (density.go_dense(m, False), density.capacity(m) if auto else 0.0),
             )
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.

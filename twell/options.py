@@ -104,7 +104,10 @@ class Options:
             see :func:`default_max_row_nnz`); any value gives the same result.
         dense_capacity: a fraction f of M: the first ``ceil(f * M)`` heavy rows go
             through fixed-size cuBLAS GEMMs, the rest through twell's heavy-row kernels,
-            in the forward and in the training backward alike.
+            in the forward and in the training backward alike. ``"auto"``: an inference
+            block sizes it per call from the heavy rows its density switch measured
+            (:func:`auto_capacity`; 0 with the switch off, and in the training ops,
+            which take a fraction).
         density_switch: run the whole batch in dense math when earlier calls saw more
             active units per row than the sparse path pays for (docs/design.md).
     """
@@ -113,7 +116,7 @@ class Options:
     slots: int = DEFAULT_SLOTS
     path: str = "fused"
     max_row_nnz: int | None = None
-    dense_capacity: float = 0.0
+    dense_capacity: float | str = 0.0
     density_switch: bool = True
 
     def __post_init__(self) -> None:
@@ -129,26 +132,48 @@ class Options:
                     f"max_row_nnz: expected an int in [0, {LIST_CAPACITY}], got {limit}"
                 )
             object.__setattr__(self, "max_row_nnz", limit)
-        try:
-            capacity = float(self.dense_capacity)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"dense_capacity: expected a number, got {type(self.dense_capacity).__name__}"
-            ) from None
-        if not 0.0 <= capacity <= 1.0:
-            raise ValueError(
-                f"dense_capacity: expected a fraction in [0, 1], got {self.dense_capacity}"
-            )
+        if isinstance(self.dense_capacity, str) and self.dense_capacity == "auto":
+            capacity = "auto"
+        else:
+            capacity = self._fraction(self.dense_capacity)
         object.__setattr__(self, "dense_capacity", capacity)
         if not isinstance(self.density_switch, bool):
             raise TypeError(
                 f"density_switch: expected a bool, got {type(self.density_switch).__name__}"
             )
 
+    @staticmethod
+    def _fraction(value: object) -> float:
+        if isinstance(value, str):
+            raise ValueError(
+                f"dense_capacity: expected a fraction in [0, 1] or 'auto', got {value!r}"
+            )
+        try:
+            capacity = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"dense_capacity: expected a number or 'auto', got {type(value).__name__}"
+            ) from None
+        if not 0.0 <= capacity <= 1.0:
+            raise ValueError(f"dense_capacity: expected a fraction in [0, 1], got {value}")
+        return capacity
+
     def row_limit(self, n: int) -> int:
         """``max_row_nnz`` for FFN width ``n`` (the default when it was left None)."""
         return default_max_row_nnz(n) if self.max_row_nnz is None else self.max_row_nnz
 
-    def capacity_rows(self, m: int) -> int:
-        """Heavy rows of an ``m``-token call that go through the fixed-size GEMMs."""
-        return min(m, math.ceil(self.dense_capacity * m))
+    @property
+    def auto_capacity(self) -> bool:
+        """Whether ``dense_capacity`` is ``"auto"``."""
+        return self.dense_capacity == "auto"
+
+    @property
+    def fixed_capacity(self) -> float:
+        """``dense_capacity`` as a fraction (0.0 for ``"auto"``)."""
+        return 0.0 if self.auto_capacity else float(self.dense_capacity)
+
+    def capacity_rows(self, m: int, fraction: float | None = None) -> int:
+        """Heavy rows of an ``m``-token call that go through the fixed-size GEMMs (at
+        ``fraction`` of M when given, else :attr:`fixed_capacity`)."""
+        f = self.fixed_capacity if fraction is None else fraction
+        return min(m, math.ceil(f * m))

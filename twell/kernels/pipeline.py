@@ -58,7 +58,7 @@ from twell.kernels.buffers import alloc, empty_bf16
 from twell.kernels.convert import as_bf16, from_bf16, transpose
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.pack import pack
-from twell.options import Options, check_width
+from twell.options import Options, auto_capacity, check_width
 
 
 @dataclass
@@ -179,12 +179,15 @@ class PreparedBlock:
             up = alloc((m, r), np.float32)
         targets = SaveTargets(row_l1, up) if save else None
         light = ROUTES[path](self, xb, y, targets) if m else LightRows(alloc((0,), np.uint8))
-        if not save and m <= heavy_rows.FLAG_ROWS and not self.options.capacity_rows(m):
+        capacity = self.options.capacity_rows(m)
+        if not save and self.options.auto_capacity:
+            capacity = self.options.capacity_rows(m, self.density.capacity(m))
+        if not save and m <= heavy_rows.FLAG_ROWS and not capacity:
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
         else:
             ids, count = heavy_rows.compact_rows(light.heavy)
-        scratch = heavy_rows_stage(self, xb, light, ids, count, y, row_l1) if m else []
+        scratch = heavy_rows_stage(self, xb, light, ids, count, y, row_l1, capacity) if m else []
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
@@ -311,6 +314,14 @@ class DensitySwitch:
             )
         )
         return self.dense
+
+    def capacity(self, m: int) -> float:
+        """``dense_capacity="auto"`` for an ``m``-token call: the capacity
+        (:func:`twell.options.auto_capacity`) for the heavy rows the statistics in force
+        expect, ``heavy_share * m`` (0 before the first statistics or with the switch off)."""
+        if not self.enabled or self.estimate is None:
+            return 0.0
+        return auto_capacity(round(self.heavy_share * m), m)
 
     def observe_masks(self, masks: Any) -> None:
         """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
@@ -475,11 +486,13 @@ def heavy_rows_stage(
     count: Any,
     y: Any,
     row_l1: Any | None = None,
+    capacity: int | None = None,
 ) -> list[Any]:
     """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y`` (and of
-    ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given). ``ids`` and ``count``
-    None (at most ``heavy_rows.FLAG_ROWS`` rows, no ``dense_capacity``, no ``row_l1``):
-    the heavy-row kernels read ``light.heavy`` and compact it themselves.
+    ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given); the first
+    ``capacity`` of them (default: the options' fixed capacity) through cuBLAS GEMMs.
+    ``ids`` and ``count`` None (at most ``heavy_rows.FLAG_ROWS`` rows, no capacity, no
+    ``row_l1``): the heavy-row kernels read ``light.heavy`` and compact it themselves.
 
     Their pre-activations are the same rows of ``light.pre``, or, when the route wrote
     none, are recomputed here into the rows of a fresh ``[M, N]`` buffer (only the heavy
@@ -488,7 +501,8 @@ def heavy_rows_stage(
     m = x.shape[0]
     pre = light.pre
     scratch: list[Any] = [light.heavy, ids, count]
-    capacity = block.options.capacity_rows(m)
+    if capacity is None:
+        capacity = block.options.capacity_rows(m)
     if capacity:
         ids, count = _capacity_gemms(block, x, pre, ids, count, capacity, y, scratch, row_l1)
         if capacity == m:
@@ -496,7 +510,7 @@ def heavy_rows_stage(
     max_rows = m - capacity
     flags = light.heavy if ids is None else None
     if flags is not None and (capacity or row_l1 is not None or m > heavy_rows.FLAG_ROWS):
-        raise ValueError("heavy_rows_stage: ids=None only without dense_capacity and row_l1")
+        raise ValueError("heavy_rows_stage: ids=None only without a capacity and row_l1")
     if pre is None:
         pre = empty_bf16((m, block.n))
         scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
