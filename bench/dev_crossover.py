@@ -5,10 +5,12 @@ epilogue route, dense cuBLAS math) at several densities and batch sizes. The den
 switch's per-M threshold (pipeline.DensitySwitch) comes from these records. Every
 variant is checked against the dense block's output on the same inputs first.
 
-Also: prefill batches with heavy rows at fixed dense capacities (inference), the data
-for choosing a capacity per call.
+Also: batches with heavy rows at fixed dense capacities (inference; ``--capacities``
+from 512 tokens on), the data for choosing a capacity per call and for the switch's
+heavy-row rule.
 
-    PYTHONPATH=. python bench/dev_crossover.py [--quick] [--out crossover.json]
+    PYTHONPATH=. python bench/dev_crossover.py [--quick | --small | --heavy | --capacities]
+        [--out crossover.json]
 """
 
 from __future__ import annotations
@@ -101,20 +103,30 @@ def sweep(workload: str, ms: list[int], k: int, n: int) -> list[dict]:
     return out
 
 
-def capacities(workload: str, m: int, k: int, n: int) -> list[dict]:
+def capacities(
+    workload: str, ms: list[int], k: int, n: int, paths=("fused", "epilogue")
+) -> list[dict]:  # noqa: ANN001, E501
+    """The fused (and epilogue) route with fixed dense capacities against dense math."""
     out = []
-    problems = problems_for(workload, m, k, n)
-    for f in (0.0, 1 / 64, 1 / 16):
+    problems = problems_for(workload, max(ms), k, n)
+    for f in (0.0, 1 / 64, 1 / 16, 1 / 4):
         xs, blocks = blocks_for(problems, dense_capacity=f)
-        for kind in ("fused", "epilogue"):
-            bs = blocks[kind]
-            y = bs[0](xs)
-            ref = first(dense(bs[0], xs))
-            us = graph_ms_cupy(lambda bs=bs, xs=xs: [b(xs) for b in bs], reps=10) * 1e3 / SETS
-            rec = {"workload": workload, "M": m, "K": k, "N": n, "variant": f"{kind}_cap{f:.4f}",
-                   "rotated_us": us, "rel_diff_vs_dense": relative_error(y, ref)}  # fmt: skip
-            print(json.dumps(rec), flush=True)
-            out.append(rec)
+        for m in ms:
+            x = xs[:m]
+            variants = [(kind, blocks[kind]) for kind in paths]
+            if f == 0.0:
+                variants.append(("dense", blocks["fused"]))
+            for kind, bs in variants:
+                fn = dense if kind == "dense" else (lambda b, x: b(x))
+                y = first(fn(bs[0], x))
+                ref = first(dense(bs[0], x))
+                calls = lambda fn=fn, bs=bs, x=x: [fn(b, x) for b in bs]  # noqa: E731
+                us = graph_ms_cupy(calls, reps=10) * 1e3 / SETS
+                name = kind if kind == "dense" else f"{kind}_cap{f:.4f}"
+                rec = {"workload": workload, "M": m, "K": k, "N": n, "variant": name,
+                       "rotated_us": us, "rel_diff_vs_dense": relative_error(y, ref)}  # fmt: skip
+                print(json.dumps(rec), flush=True)
+                out.append(rec)
         del blocks
     return out
 
@@ -125,9 +137,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--small", action="store_true", help="decode batches at high densities")
     ap.add_argument("--heavy", action="store_true", help="mid batches with heavy rows")
+    ap.add_argument(
+        "--capacities", action="store_true", help="heavy rows through cuBLAS at mid batches"
+    )
     args = ap.parse_args()
     records = []
-    if args.small or args.heavy:
+    if args.capacities:
+        for w in ("heavy", "paperlike"):
+            records += capacities(w, [512, 1024, 2048, 4096, 8192, 16384], 2048, 5632, ("fused",))
+            records += capacities(w, [1024, 4096], 4096, 14336, ("fused",))
+    elif args.small or args.heavy:
         if args.small:
             for w in ("density=0.02", "density=0.05", "density=0.1", "density=0.2", "paperlike"):
                 records += sweep(w, [1, 4, 16, 32, 48], 2048, 5632)
@@ -143,7 +162,7 @@ def main() -> None:
             records += sweep(w, ms, 2048, 5632)
         records += sweep("density=0.003", BIG_M, 4096, 14336)
         for w in ("heavy", "paperlike"):
-            records += capacities(w, 16384, 2048, 5632)
+            records += capacities(w, [16384], 2048, 5632)
     result = {"gpu": gpu_name(), "sets": SETS, "records": records}
     if args.out:
         with open(args.out, "w") as f:
