@@ -104,8 +104,8 @@ def sweep(workload: str, ms: list[int], k: int, n: int) -> list[dict]:
 
 
 def capacities(
-    workload: str, ms: list[int], k: int, n: int, paths=("fused", "epilogue")
-) -> list[dict]:  # noqa: ANN001, E501
+    workload: str, ms: list[int], k: int, n: int, paths: tuple[str, ...] = ("fused", "epilogue")
+) -> list[dict]:
     """The fused (and epilogue) route with fixed dense capacities against dense math."""
     out = []
     problems = problems_for(workload, max(ms), k, n)
