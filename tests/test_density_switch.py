@@ -104,3 +104,33 @@ def test_options_take_auto_capacity() -> None:
                        (None, TypeError)):  # fmt: skip
         with pytest.raises(error, match="dense_capacity"):
             Options(dense_capacity=bad)
+
+
+class _Landed:
+    done = True
+
+
+def test_a_share_from_too_few_rows_leaves_the_share_in_force() -> None:
+    import numpy as np
+
+    s = switch(10.0, heavy_share=0.01)
+    s._pending = (np.array([12.0, np.nan], np.float32), _Landed())  # a decode call's
+    assert s.go_dense(1024, False)  # 0.01 * 1024 heavy rows expected
+    assert s.estimate == 12.0 and s.heavy_share == pytest.approx(0.01)
+    s._pending = (np.array([12.0, 0.0], np.float32), _Landed())
+    assert not s.go_dense(1024, False) and s.heavy_share == 0.0
+
+
+def test_auto_capacity_counts_half_a_row_as_one() -> None:
+    assert switch(10.0, heavy_share=0.5 / 64).capacity(64) > 0.0  # what go_dense expects
+
+
+def test_the_training_ops_refuse_auto_capacity() -> None:
+    torch = pytest.importorskip("torch")
+    from twell.autograd import ffn_train
+    from twell.options import Options
+
+    w = torch.ones(256, 64, dtype=torch.float64)
+    x = torch.ones(4, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="auto"):
+        ffn_train(x, w, w, w.T.contiguous(), Options(dense_capacity="auto"))

@@ -3,8 +3,8 @@
 A forward pass is about ten kernel launches and as many buffer allocations, each of
 which costs several microseconds of Python on the host; at decode-sized batches that,
 not the GPU, sets the time of a call. :class:`GraphedBlock` therefore captures the whole
-launch sequence of a prepared block once per (tokens, dtype, dense-or-sparse decision)
-with ``torch.cuda.graph`` and replays it: a call is then a copy of ``x`` into the
+launch sequence of a prepared block once per (tokens, dtype, the density switch's decision
+and capacity) with ``torch.cuda.graph`` and replays it: a call is then a copy of ``x`` into the
 graph's input buffer, one replay, and a copy of the output out of the graph's buffer
 (three operations on torch's current stream). The replay runs the same kernels as an
 eager call, so it gives the same bits.
@@ -36,11 +36,13 @@ class GraphedBlock:
 
     Args:
         run: the eager call (validation done), on torch's current stream.
-        decision: ``decision(m)`` returns a hashable key of what the eager call of ``m``
-            rows would do now (the density switch's decision); a graph is captured per key.
+        decision: ``decision(m, read)`` returns a hashable key of what a call of ``m``
+            rows would do now (the density switch's decision): with ``read``, after taking
+            in statistics that have landed; without, from the statistics in force (what a
+            capture runs). A graph is captured per key.
     """
 
-    def __init__(self, run: Callable[[Any], Any], decision: Callable[[int], Any]) -> None:
+    def __init__(self, run: Callable[[Any], Any], decision: Callable[[int, bool], Any]) -> None:
         self.run = run
         self.decision = decision
         self._graphs: collections.OrderedDict[tuple, tuple[Any, Any, Any]] = (
@@ -59,10 +61,13 @@ class GraphedBlock:
             or self._calls % REFRESH == 0
         ):
             return self.run(x)
-        key = (tuple(x.shape), x.dtype, x.device, self.decision(x.shape[0]))
+        key = (tuple(x.shape), x.dtype, x.device, self.decision(x.shape[0], True))
         found = self._graphs.get(key)
         if found is None:
             found = self._capture(x)
+            # The capture's warm-up calls may have taken in newer statistics: file the
+            # graph under the decision it ran.
+            key = (*key[:3], self.decision(x.shape[0], False))
             self._graphs[key] = found
             while len(self._graphs) > CACHE:
                 self._graphs.popitem(last=False)

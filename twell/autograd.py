@@ -316,7 +316,16 @@ def ffn_train(
     (float32 scalar, mean active units per token) is not. ``graphs``: on CUDA, each op
     replays a CUDA graph of its launches from the second call with the same shapes and
     weights on (:class:`twell._graphs.OpGraphs`: its memory and stream rules apply).
+
+    Raises:
+        ValueError: ``options.dense_capacity`` is ``"auto"`` (the ops take a fraction;
+            :class:`twell.torch.SparseMLP` resolves ``"auto"`` per call).
     """
+    if options.auto_capacity:
+        raise ValueError(
+            "ffn_train: dense_capacity='auto' is resolved by twell.torch.SparseMLP; "
+            "the training ops take a fraction"
+        )
     return _ffn_train(x, w_gate, w_up, w_down, options, reduction, graphs)[:3]
 
 

@@ -315,10 +315,12 @@ class SparseFFN:
             # garbage collection that may fall inside someone else's graph capture.
             prepared, density = self._prepared, self._prepared.density
             auto = self.options.auto_capacity
-            self._graphed = GraphedBlock(
-                lambda x: _eager_torch(prepared, x),
-                lambda m: (density.go_dense(m, False), density.capacity(m) if auto else 0.0),
-            )
+
+            def decision(m: int, read: bool) -> tuple[bool, float]:
+                dense = density.go_dense(m, capturing=not read)
+                return dense, density.capacity(m) if auto and not dense else 0.0
+
+            self._graphed = GraphedBlock(lambda x: _eager_torch(prepared, x), decision)
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.
         self._fast_torch: tuple[type, frozenset, Any] | None = None

@@ -46,6 +46,7 @@ no step uses atomics, so the same inputs give the same output bits.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -238,7 +239,7 @@ CROSSOVER = (
     (256, 0.0022), (512, 0.0045), (1024, 0.006), (2048, 0.007), (4096, 0.0095), (8192, 0.01),
 )  # fmt: skip
 #: Batch sizes ``[low, high)`` at which a single heavy row makes the dense path pay: the
-#: heavy-row stage costs 45-90 µs at K=2048, N=5632 whatever the number of heavy rows
+#: heavy-row stage costs 40-91 µs at K=2048, N=5632 whatever the number of heavy rows
 #: (a full read of w_up and w_down for a few rows), which is most of the sparse path's
 #: gain below about 4096 tokens; in the by-unit route a token with hundreds of units
 #: holds up its token group from 48 tokens on (docs/perf-log.md).
@@ -265,8 +266,13 @@ class DensitySwitch:
     units per row (from a strided sample of :attr:`SAMPLE_ROWS` rows: their TwELL count
     words when the route packed them, else their positive pre-activations; the dense path
     samples its own gate GEMM the same way; the by-unit route counts every row from its
-    masks) and the share of heavy rows (more than ``max_row_nnz`` units, or non-finite),
-    and copies both to pinned host memory behind an event. A later call reads them only
+    masks) and the share of heavy rows, and copies both to pinned host memory behind an
+    event. A heavy row is one the route left to the dense path (more than ``max_row_nnz``
+    units, a tile past its slots, or a non-finite value: the route's flags, every row); the
+    by-unit route and the dense path, which have no flags, count rows above
+    ``max_row_nnz`` active units (every row). A batch of fewer than
+    :attr:`SHARE_ROWS` rows leaves the share as it was (one decode token would set it to
+    0 or 1). A later call reads them only
     once the event has completed, so the host never waits; the decision follows the data
     with a lag of a few calls. An ``m``-token call runs :func:`dense_block` when the mean
     is above :meth:`threshold` (``m``) or when it expects a heavy row and ``m`` lies in
@@ -282,6 +288,8 @@ class DensitySwitch:
     #: Eager calls between two estimates: an estimate costs a few small launches and
     #: reductions (on an H100's host, about 0.1–0.3 ms per call when done every call).
     EVERY = 8
+    #: Fewest rows whose share of heavy rows is taken.
+    SHARE_ROWS = 16
 
     def __init__(self, n: int, row_limit: int, enabled: bool = True) -> None:
         self.n = n
@@ -302,7 +310,10 @@ class DensitySwitch:
         """Whether an ``m``-token call runs the dense path (reads a finished estimate,
         never waits; inside a capture, reads nothing)."""
         if not capturing and self._pending is not None and self._pending[1].done:
-            self.estimate, self.heavy_share = (float(v) for v in self._pending[0])
+            estimate, share = (float(v) for v in self._pending[0])
+            self.estimate = estimate
+            if not math.isnan(share):  # NaN: too few rows to tell
+                self.heavy_share = share
             self._pending = None
         low, high = HEAVY_DENSE
         self.dense = (
@@ -321,7 +332,7 @@ class DensitySwitch:
         expect, ``heavy_share * m`` (0 before the first statistics or with the switch off)."""
         if not self.enabled or self.estimate is None:
             return 0.0
-        return auto_capacity(round(self.heavy_share * m), m)
+        return auto_capacity(math.floor(self.heavy_share * m + 0.5), m)
 
     def observe_masks(self, masks: Any) -> None:
         """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
@@ -338,11 +349,12 @@ class DensitySwitch:
         taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
         per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
         heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(per_row, heavy)
+        self._publish(per_row, heavy, masks.shape[0])
 
     def observe(self, packed: Any | None, pre: Any, slots: int, heavy: Any | None = None) -> None:
-        """Start the estimate of this call (a few small kernels and an async copy);
-        ``heavy``: the route's uint8 row flags (every row), else the sample decides."""
+        """Start the estimate of this call (a few small kernels and an async copy): the
+        mean from a row sample; the share of heavy rows from ``heavy``, the route's uint8
+        row flags, or without them (the dense path) from every row of ``pre``."""
         import cupy
 
         self._calls += 1
@@ -355,16 +367,21 @@ class DensitySwitch:
         else:
             sample = pre[rows][: self.SAMPLE_ROWS].view(cupy.int16)
             counts = (sample > 0).sum(axis=1, dtype=cupy.float32)
-        if heavy is None:
-            share = (counts > self.row_limit).mean(dtype=cupy.float32)
-        else:
+        if heavy is not None:
             share = (heavy != 0).mean(dtype=cupy.float32)
-        self._publish(counts.mean(), share)
+        else:  # every row: a sample misses the rare heavy rows that decide
+            units = (pre.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
+            share = (units > self.row_limit).mean(dtype=cupy.float32)
+        self._publish(counts.mean(), share, pre.shape[0] if packed is None else packed.shape[0])
 
-    def _publish(self, per_row: Any, heavy: Any) -> None:
-        """Copy the device statistics to pinned memory behind an event (read by go_dense)."""
+    def _publish(self, per_row: Any, heavy: Any, rows: int) -> None:
+        """Copy the device statistics to pinned memory behind an event (read by go_dense);
+        the share of heavy rows only from batches of :attr:`SHARE_ROWS` rows or more
+        (else NaN: the share in force stays)."""
         import cupy
 
+        if rows < self.SHARE_ROWS:
+            heavy = cupy.full((), np.nan, dtype=cupy.float32)
         host = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.float32, 2)
         cupy.stack([per_row.reshape(()), heavy.reshape(())]).get(out=host, blocking=False)
         event = cupy.cuda.Event(disable_timing=True)
