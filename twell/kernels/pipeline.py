@@ -369,8 +369,12 @@ class DensitySwitch:
             counts = (sample > 0).sum(axis=1, dtype=cupy.float32)
         if heavy is not None:
             share = (heavy != 0).mean(dtype=cupy.float32)
-        else:  # every row: a sample misses the rare heavy rows that decide
-            units = (pre.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
+        else:
+            # Every row where the share decides the path (a sample misses the rare heavy
+            # rows); above, the sample (the share then only sizes "auto", and counting
+            # every row would take a temporary of M x N bytes).
+            rows_in = pre if pre.shape[0] < HEAVY_DENSE[1] else pre[rows][: self.SAMPLE_ROWS]
+            units = (rows_in.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
             share = (units > self.row_limit).mean(dtype=cupy.float32)
         self._publish(counts.mean(), share, pre.shape[0] if packed is None else packed.shape[0])
 
