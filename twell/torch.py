@@ -50,6 +50,7 @@ and their gradients come back in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -154,13 +155,8 @@ class SparseMLP(nn.Module):
                 f"{tuple(gate_proj.weight.shape)}, {tuple(up_proj.weight.shape)}, "
                 f"{tuple(down_proj.weight.shape)}"
             )
-        auto = isinstance(dense_capacity, str)
-        if auto and dense_capacity != "auto":
-            raise ValueError(
-                f"dense_capacity: expected a fraction in [0, 1] or 'auto', got {dense_capacity!r}"
-            )
-        self.options = Options(tile, slots, dense_capacity=0.0 if auto else dense_capacity)
-        self._auto = AutoCapacity() if auto else None
+        self.options = Options(tile, slots, dense_capacity=dense_capacity)
+        self._auto = AutoCapacity() if self.options.auto_capacity else None
         self._auto_options: dict[tuple[Options, float], Options] = {}
         if n % self.options.tile:
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
@@ -216,7 +212,7 @@ class SparseMLP(nn.Module):
             o = self.options
             self._block = SparseFFN(
                 *(w.detach() for w in weights), tile=o.tile, slots=o.slots, path=o.path,
-                max_row_nnz=o.max_row_nnz, dense_capacity=o.dense_capacity,
+                max_row_nnz=o.max_row_nnz, dense_capacity=o.fixed_capacity,
                 density_switch=o.density_switch,
             )  # fmt: skip
             self._block_key = key
@@ -264,7 +260,7 @@ class SparseMLP(nn.Module):
         o = self.options
         found = self._auto_options.get((o, fraction))
         if found is None:
-            found = Options(o.tile, o.slots, o.path, o.max_row_nnz, fraction, o.density_switch)
+            found = dataclasses.replace(o, dense_capacity=fraction)
             self._auto_options[(o, fraction)] = found
         return found
 

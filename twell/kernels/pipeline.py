@@ -253,7 +253,7 @@ def crossover(m: int) -> float:
         return points[0][1]
     for (m0, f0), (m1, f1) in zip(points, points[1:], strict=False):
         if m <= m1:
-            t = (np.log2(m) - np.log2(m0)) / (np.log2(m1) - np.log2(m0))
+            t = (math.log2(m) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
             return float(f0 + t * (f1 - f0))
     return points[-1][1]
 
@@ -348,8 +348,10 @@ class DensitySwitch:
         usual = counts < 16 * masks.shape[1]
         taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
         per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
-        heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(per_row, heavy, masks.shape[0])
+        heavy = None
+        if masks.shape[0] >= self.SHARE_ROWS:
+            heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
+        self._publish(per_row, heavy)
 
     def observe(self, packed: Any | None, pre: Any, slots: int, heavy: Any | None = None) -> None:
         """Start the estimate of this call (a few small kernels and an async copy): the
@@ -360,31 +362,34 @@ class DensitySwitch:
         self._calls += 1
         if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
             return
-        rows = sample_rows(pre.shape[0] if packed is None else packed.shape[0], self.SAMPLE_ROWS)
+        m = pre.shape[0] if packed is None else packed.shape[0]
+        rows = sample_rows(m, self.SAMPLE_ROWS)
         if packed is not None:
             words = packed[rows, ::slots][: self.SAMPLE_ROWS]
             counts = words.sum(axis=1, dtype=cupy.float32)
         else:
             sample = pre[rows][: self.SAMPLE_ROWS].view(cupy.int16)
             counts = (sample > 0).sum(axis=1, dtype=cupy.float32)
-        if heavy is not None:
+        if m < self.SHARE_ROWS:
+            share = None
+        elif heavy is not None:
             share = (heavy != 0).mean(dtype=cupy.float32)
         else:
             # Every row where the share decides the path (a sample misses the rare heavy
             # rows); above, the sample (the share then only sizes "auto", and counting
             # every row would take a temporary of M x N bytes).
-            rows_in = pre if pre.shape[0] < HEAVY_DENSE[1] else pre[rows][: self.SAMPLE_ROWS]
+            rows_in = pre if m < HEAVY_DENSE[1] else pre[rows][: self.SAMPLE_ROWS]
             units = (rows_in.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
             share = (units > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(counts.mean(), share, pre.shape[0] if packed is None else packed.shape[0])
+        self._publish(counts.mean(), share)
 
-    def _publish(self, per_row: Any, heavy: Any, rows: int) -> None:
+    def _publish(self, per_row: Any, heavy: Any | None) -> None:
         """Copy the device statistics to pinned memory behind an event (read by go_dense);
-        the share of heavy rows only from batches of :attr:`SHARE_ROWS` rows or more
-        (else NaN: the share in force stays)."""
+        ``heavy`` None (a batch under :attr:`SHARE_ROWS` rows) publishes NaN: the share in
+        force stays."""
         import cupy
 
-        if rows < self.SHARE_ROWS:
+        if heavy is None:
             heavy = cupy.full((), np.nan, dtype=cupy.float32)
         host = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.float32, 2)
         cupy.stack([per_row.reshape(()), heavy.reshape(())]).get(out=host, blocking=False)
