@@ -309,9 +309,14 @@ def test_twell_object_is_a_cupy_twell():
     [(264, 200, 77), (5632, 136, 3), (1024, 512, 150)],
     ids=["tiled", "tiled-split", "tiled-split2"],
 )
-def test_heavy_rows_matmul(red: int, outc: int, nrows: int):
+@pytest.mark.parametrize(
+    ("split", "stages"), [(0, 0), (1, 5), (2, 5), (4, 3), (8, 5)], ids=lambda v: str(v)
+)
+def test_heavy_rows_matmul(red: int, outc: int, nrows: int, split: int, stages: int):
     """Heavy-row kernels against float64: gathered rows, a gate, ragged sizes, and few
-    rows with a long reduction (split across blocks, then reduced in order)."""
+    rows with a long reduction (split across blocks, then reduced in order), for every
+    split of the reduction and ring depth the launcher may choose (0: its default)."""
+    conf = {"split": split, "stages": stages}
     rng = np.random.default_rng(4)
     m = 300
     a = rng.standard_normal((m, red)).astype(BF16)
@@ -322,7 +327,7 @@ def test_heavy_rows_matmul(red: int, outc: int, nrows: int):
     ids, count = cp.asarray(rows), cp.asarray(np.array([rows.size], np.int32))
     heavy_rows.matmul(
         to_gpu(a), to_gpu(b), out, ids, count, m, a_by_id=True, out_by_id=True,
-        relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True,
+        relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True, **conf,
     )  # fmt: skip
     a64 = np.maximum(a.astype(np.float64), 0)
     ref = np.zeros((m, outc))
@@ -338,7 +343,7 @@ def test_heavy_rows_matmul(red: int, outc: int, nrows: int):
     heavy_rows.matmul(
         to_gpu(a), to_gpu(b), again, None, None, m, a_by_id=True, out_by_id=True,
         relu_a=True, gate=to_gpu(gate), gate_by_id=True, relu_gate=True,
-        flags=cp.asarray(flags),
+        flags=cp.asarray(flags), **conf,
     )  # fmt: skip
     assert cp.array_equal(out.view(cp.uint16), again.view(cp.uint16))
 

@@ -25,28 +25,28 @@
 // dot products are exact reorderings of the plain ones.
 // Limits: RED % 8 == 0, OUTC % 8 == 0, 16-byte aligned rows.
 
-// No compile-time parameters; constants TWELL_HR_SPLIT and TWELL_HR_FLAG_ROWS.
+// Compile-time parameters TWELL_HR_SPLIT and TWELL_HR_STAGES; constant TWELL_HR_FLAG_ROWS.
 
 // ---------------------------------------------------------------------------------------
 // twell_heavy_rows_matmul — a tiled GEMM over the listed rows: a cluster computes 64 rows x
 // 64 output columns, staging 32-wide k-slices of A (gathered rows) and B in shared memory
-// through a 3-stage cp.async ring, so each B element read from L2 serves 64 rows (the
-// untiled first version, 16 rows, is in bench/ladder/heavy_rows_simple.cu).
+// through a cp.async ring of HR_STAGES slices, so each B element read from L2 serves 64
+// rows (the untiled first version, 16 rows, is in bench/ladder/heavy_rows_simple.cu).
 // 4 warps in a 2 x 2 layout, each 32 rows x 32 columns (2 x 4 mma tiles). The k order
 // inside a slice is the same permutation for A and B (16 contiguous bytes per lane).
 // The reduction is split across the HR_SPLIT CTAs of a thread-block cluster (its
-// __cluster_dims__: CuPy's plain launch starts clusters): CTA r takes the r-th quarter of
+// __cluster_dims__: CuPy's plain launch starts clusters): CTA r takes the r-th share of
 // the k-blocks of the cluster's tile, writes its fp32 fragments to its shared memory, and
-// after a cluster barrier each CTA sums one quarter of the tile's elements over the
-// CTAs' fragments in rank order (DSMEM reads) and applies the epilogue. So few rows
-// (decode, rare heavy rows) keep four times as many SMs busy with k-loops a quarter as
-// long, with no global workspace and no second launch; every element is still summed in
-// one fixed order (its k-blocks in order within a CTA, then the CTAs in rank order):
-// deterministic, independent of M and of the grid.
+// after a cluster barrier each CTA sums its share of the tile's elements over the CTAs'
+// fragments in rank order (DSMEM reads) and applies the epilogue. So few rows (decode,
+// rare heavy rows) keep HR_SPLIT times as many SMs busy with k-loops that much shorter,
+// with no global workspace and no second launch; every element is still summed in one
+// fixed order (its k-blocks in order within a CTA, then the CTAs in rank order):
+// deterministic, independent of M and of the grid (for one HR_SPLIT: the launcher
+// chooses it from the weight's shape alone).
 
 #define DT_ROWS 64
 #define DT_COLS 64
-#define DT_STAGES 3
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -59,12 +59,17 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// TWELL_HR_SPLIT: the CTAs of a cluster (the split of the reduction); TWELL_HR_FLAG_ROWS:
-// the most rows whose flags the matmul compacts itself (a block-wide scan in shared
-// memory, a multiple of 128). Both defined by the launcher (heavy_rows.py).
+// TWELL_HR_SPLIT (a parameter): the CTAs of a cluster, the split of the reduction;
+// TWELL_HR_STAGES (a parameter): the depth of the cp.async ring (HR_STAGES - 1 k-slices
+// in flight); TWELL_HR_FLAG_ROWS (a constant): the most rows whose flags the matmul
+// compacts itself (a block-wide scan in shared memory, a multiple of 128). All defined by
+// the launcher (heavy_rows.py).
 #define HR_SPLIT TWELL_HR_SPLIT
+#define HR_STAGES TWELL_HR_STAGES
 #define HR_FLAG_ROWS TWELL_HR_FLAG_ROWS
-static_assert(HR_SPLIT == 4, "each CTA finishes a quarter of the tile's fragment");
+static_assert(HR_SPLIT == 1 || HR_SPLIT == 2 || HR_SPLIT == 4 || HR_SPLIT == 8,
+              "each CTA finishes 32 / HR_SPLIT values of every thread's fragment");
+static_assert(HR_STAGES >= 2 && HR_STAGES <= 5, "static shared memory: 48 KB");
 static_assert(HR_FLAG_ROWS % 128 == 0 && HR_FLAG_ROWS <= 1024, "flags: 128 threads, 4 KB");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -97,9 +102,19 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint8_t* __restrict__ flags, int flag_rows,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
                        uint16_t* __restrict__ out, int o_by_id) {
-  __shared__ uint4 As[DT_STAGES][DT_ROWS][4];
-  __shared__ uint4 Bs[DT_STAGES][DT_COLS][4];
-  __shared__ float part[32][128];  // this CTA's fp32 fragments: [value][thread]
+  // The ring of k-slices and, after the k-loop, this CTA's fp32 fragments ([value]
+  // [thread]) share the same bytes: a 5-deep ring (40 KB) fits beside the row ids.
+  union Smem {
+    struct {
+      uint4 a[HR_STAGES][DT_ROWS][4];
+      uint4 b[HR_STAGES][DT_COLS][4];
+    } ring;
+    float part[32][128];
+  };
+  __shared__ Smem smem;
+  auto& As = smem.ring.a;
+  auto& Bs = smem.ring.b;
+  auto& part = smem.part;
   __shared__ int s_ids[HR_FLAG_ROWS];
   __shared__ int s_warp[4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -142,7 +157,7 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
   const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
   const int kblocks = (RED + 31) / 32;
-  const uint32_t rank = twell_cluster_rank();
+  const uint32_t rank = HR_SPLIT == 1 ? 0u : twell_cluster_rank();
   const int kper = (kblocks + HR_SPLIT - 1) / HR_SPLIT;
   const int kb0 = min(kblocks, (int)rank * kper), kb1 = min(kblocks, kb0 + kper);
   const int nkb = kb1 - kb0;
@@ -154,13 +169,16 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
     // This thread's two A rows and two B rows to stage (chunk c = tid + 128 q).
     const uint16_t* arow[2];
     const uint16_t* brow[2];
-    bool bok[2];
+    bool aok[2], bok[2];
     int kc[2], rr[2];
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int c = tid + 128 * q;
       rr[q] = c >> 2;
       kc[q] = c & 3;
+      // Rows past the count are zero-filled, not read (a clamped row read 64 times over
+      // made one heavy row slower than 64).
+      aok[q] = rb * DT_ROWS + rr[q] < count;
       const int i = min(rb * DT_ROWS + rr[q], count - 1);
       const long long ar = a_by_id ? ids[i] : i;
       arow[q] = A + ar * RED + kc[q] * 8;
@@ -169,11 +187,12 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
       brow[q] = B + (long long)(bok[q] ? col : 0) * RED + kc[q] * 8;
     }
     auto stage_in = [&](int j) {  // j-th k-block of this CTA's share
-      const int s = j % DT_STAGES, r = (kb0 + j) * 32;
+      const int s = j % HR_STAGES, r = (kb0 + j) * 32;
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const bool kok = r + kc[q] * 8 < RED;
-        cp_async16(&As[s][rr[q]][kc[q]], kok ? arow[q] + r : arow[q], kok);
+        cp_async16(&As[s][rr[q]][kc[q]], (kok && aok[q]) ? arow[q] + r : arow[q],
+                   kok && aok[q]);
         cp_async16(&Bs[s][rr[q]][kc[q]], (kok && bok[q]) ? brow[q] + r : brow[q],
                    kok && bok[q]);
       }
@@ -187,17 +206,19 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
-    __syncthreads();  // the previous item's last reads of the ring are done
-    if (nkb > 0) stage_in(0);
-    cp_async_commit();
-    if (nkb > 1) stage_in(1);
-    cp_async_commit();
-    for (int kb = 0; kb < nkb; ++kb) {
-      cp_async_wait<1>();
-      __syncthreads();
-      if (kb + 2 < nkb) stage_in(kb + 2);
+    // (The previous item ended on a cluster barrier: every read of `part`, which the
+    // ring overwrites, is done.)
+#pragma unroll
+    for (int j = 0; j < HR_STAGES - 1; ++j) {
+      if (j < nkb) stage_in(j);
       cp_async_commit();
-      const int s = kb % DT_STAGES;
+    }
+    for (int kb = 0; kb < nkb; ++kb) {
+      cp_async_wait<HR_STAGES - 2>();
+      __syncthreads();
+      if (kb + HR_STAGES - 1 < nkb) stage_in(kb + HR_STAGES - 1);
+      cp_async_commit();
+      const int s = kb % HR_STAGES;
       uint4 a[2][2], b[4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -219,37 +240,44 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
         }
     }
     cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring, which `part` overwrites
 
     // The fragments to shared memory; after the barrier, every CTA's are readable.
+    if constexpr (HR_SPLIT > 1) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) part[(mt * 4 + nt) * 4 + e][tid] = acc[mt][nt][e];
-    twell_cluster_sync();
-    // This CTA finishes the values v = 8 rank .. 8 rank + 7 of every thread's fragment
-    // (mt = rank / 2, nt = 2 (rank % 2) + 0..1): the same (row, column) in every CTA.
-    const int mt = (int)rank >> 1;
+          for (int e = 0; e < 4; ++e) part[(mt * 4 + nt) * 4 + e][tid] = acc[mt][nt][e];
+      twell_cluster_sync();
+    }
+    // This CTA finishes the values v = V rank .. V rank + V - 1 (V = 32 / HR_SPLIT) of
+    // every thread's fragment, v = (mt * 4 + nt) * 4 + e: the same (row, column) in every
+    // CTA, summed over the CTAs in rank order (a single CTA keeps its registers).
+    constexpr int V = 32 / HR_SPLIT;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int nt = 2 * ((int)rank & 1) + j;
+    for (int p = 0; p < V / 2; ++p) {
+      const int v = V * (int)rank + 2 * p;
+      const int mt = v >> 4, nt = (v >> 2) & 3, half = (v >> 1) & 1;
       const int col = cb * DT_COLS + wn * 32 + nt * 8 + 2 * t;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
-        const int v = (mt * 4 + nt) * 4 + 2 * half;
-        float v0 = 0.f, v1 = 0.f;
+      const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
+      float v0 = 0.f, v1 = 0.f;
+      if constexpr (HR_SPLIT == 1) {
+        v0 = acc[p >> 3][(p >> 1) & 3][2 * (p & 1)];
+        v1 = acc[p >> 3][(p >> 1) & 3][2 * (p & 1) + 1];
+      } else {
 #pragma unroll
         for (int q = 0; q < HR_SPLIT; ++q) {  // rank order: fixed
           v0 += __uint_as_float(twell_ld_remote_u32(smem_u32(&part[v][tid]), (uint32_t)q));
           v1 += __uint_as_float(twell_ld_remote_u32(smem_u32(&part[v + 1][tid]), (uint32_t)q));
         }
-        if (col < OUTC && i < count)
-          epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
       }
+      if (col < OUTC && i < count)
+        epilogue(v0, v1, i, col, OUTC, ids, gate, g_by_id, relu_g, out, o_by_id);
     }
-    twell_cluster_sync();  // every CTA is done reading `part` before it is written again
+    // Every CTA is done reading `part` before the ring overwrites it.
+    if constexpr (HR_SPLIT > 1) twell_cluster_sync();
   }
 }
 

@@ -16,11 +16,42 @@ import numpy as np
 from twell.kernels.buffers import alloc, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 
-#: CTAs of a cluster of ``twell_heavy_rows_matmul`` (the split of its reduction).
-SPLIT = 4
 #: Most rows :func:`matmul` takes as flags (compacting them itself).
 FLAG_ROWS = 1024
-SOURCE = declare(Source("heavy_rows.cu", constants={"HR_SPLIT": SPLIT, "HR_FLAG_ROWS": FLAG_ROWS}))
+SOURCE = declare(
+    Source(
+        "heavy_rows.cu",
+        parameters=("HR_SPLIT", "HR_STAGES"),
+        constants={"HR_FLAG_ROWS": FLAG_ROWS},
+        examples=tuple({"HR_SPLIT": s, "HR_STAGES": d} for s in (1, 2, 4, 8) for d in (3, 5)),
+    )
+)
+#: Splits of the reduction ``twell_heavy_rows_matmul`` is built for (CTAs of a cluster).
+SPLITS = (8, 4, 2, 1)
+#: CTAs one 64-row block of output tiles may take: :func:`split_for` picks the largest
+#: split that keeps ``ceil(OUTC / 64) * split`` at or below it (about three CTAs per SM of
+#: an H100, fixed so that the bits do not depend on the GPU model).
+TARGET_CTAS = 384
+#: Depth of the kernel's cp.async ring (``STAGES - 1`` k-slices in flight).
+STAGES = 5
+
+
+def split_for(outc: int) -> int:
+    """The split of the reduction for ``outc`` output columns: a function of the weight's
+    shape alone, so a row's bits do not depend on the batch or the other heavy rows.
+
+    With few heavy rows (the common case, and what fixes the stage's cost) there is one
+    64-row block: 32 tiles for the down projection of a 2048-wide model (split 8), 88 for
+    its up projection (split 4). Measured on an H100 (``bench/dev_heavy_rows.py``)."""
+    tiles = math.ceil(outc / 64)
+    return next((s for s in SPLITS if tiles * s <= TARGET_CTAS), 1)
+
+
+def _kernel(name: str) -> Any:
+    """A kernel of the source other than the matmul (built with split 1)."""
+    return SOURCE.kernel(name, HR_SPLIT=1, HR_STAGES=STAGES)
+
+
 _NULL = np.uint64(0)
 
 
@@ -31,7 +62,7 @@ def compact_rows(heavy: Any) -> tuple[Any, Any]:
     ids = alloc((max(m, 1),), np.int32)
     count = alloc((1,), np.int32)
     if m:
-        SOURCE.kernel("twell_compact_rows")((1,), (1024,), (heavy, np.int32(m), ids, count))
+        _kernel("twell_compact_rows")((1,), (1024,), (heavy, np.int32(m), ids, count))
     else:
         count.fill(0)
     return ids, count
@@ -43,7 +74,7 @@ def mark_rows(rows: Any, m: int) -> Any:
     heavy.fill(0)
     r = rows.shape[0]
     if r:
-        SOURCE.kernel("twell_mark_rows")((math.ceil(r / 256),), (256,), (rows, np.int32(r), heavy))
+        _kernel("twell_mark_rows")((math.ceil(r / 256),), (256,), (rows, np.int32(r), heavy))
     return heavy
 
 
@@ -62,6 +93,8 @@ def matmul(
     gate_by_id: bool = False,
     relu_gate: bool = False,
     flags: Any | None = None,
+    split: int = 0,
+    stages: int = 0,
 ) -> Any:
     """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
 
@@ -72,10 +105,15 @@ def matmul(
     of ``ids`` and ``count`` (None), the rows are those flagged, ascending, compacted by
     the kernel itself (what :func:`compact_rows` would give, without its launch). One
     launch: the reduction is split over the CTAs of a thread-block cluster
-    (:data:`SPLIT`), no workspace. Returns None (no buffer to keep alive; the callers'
+    (``split``, default :func:`split_for`; the ring holds ``stages`` k-slices, default
+    :data:`STAGES`), no workspace. Returns None (no buffer to keep alive; the callers'
     CUDA-graph scratch lists take what it returns).
     """
     outc, red = b.shape
+    split = split or split_for(outc)
+    stages = stages or STAGES
+    if split not in SPLITS or not 2 <= stages <= 5:
+        raise ValueError(f"split must be one of {SPLITS} and stages 2..5, got {split}, {stages}")
     if max_rows == 0 or outc == 0:
         return None
     gate_args = (
@@ -86,15 +124,15 @@ def matmul(
     # grid-stride loop takes the rest; the kernel's 130 registers let three of them be
     # resident at once); the kernels read the row count on the device.
     items = math.ceil(max_rows / 64) * math.ceil(outc / 64)
-    clusters = max(1, min(items, device_info().multiprocessors * 4 // SPLIT))
+    clusters = max(1, min(items, device_info().multiprocessors * 4 // split))
     if flags is not None and flags.shape[0] > FLAG_ROWS:
         raise ValueError(f"flags: at most {FLAG_ROWS} rows, got {flags.shape[0]}")
     rows = (
         (ids, count, _NULL, np.int32(0)) if flags is None
         else (_NULL, _NULL, flags, np.int32(flags.shape[0]))
     )  # fmt: skip
-    SOURCE.kernel("twell_heavy_rows_matmul")(
-        (clusters * SPLIT,), (128,),
+    SOURCE.kernel("twell_heavy_rows_matmul", HR_SPLIT=split, HR_STAGES=stages)(
+        (clusters * split,), (128,),
         (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
          *rows, *gate_args),
     )  # fmt: skip
@@ -105,7 +143,7 @@ def gather_relu_rows(pre: Any, rows: Any, dense: Any) -> None:
     """``dense[i] = relu(pre[rows[i]])`` for the ``R`` rows of ``dense`` (NaN kept)."""
     r, n = dense.shape
     if r:
-        SOURCE.kernel("twell_gather_relu_rows")(
+        _kernel("twell_gather_relu_rows")(
             (grid_1d(r * n),), (256,), (u16(pre), rows, np.int32(r), np.int32(n), u16(dense))
         )
 
@@ -114,7 +152,7 @@ def gather_rows(src: Any, ids: Any, count: Any, out: Any, rest: Any) -> None:
     """``out[i] = src[ids[i]]`` for ``i < min(count, C)`` (``C`` = rows of ``out``), zeros
     below; ``rest[0] = max(count - C, 0)``, the rows left over."""
     capacity, width = out.shape
-    SOURCE.kernel("twell_gather_rows")(
+    _kernel("twell_gather_rows")(
         (grid_1d(capacity * width // 8),), (256,),
         (u16(src), np.int32(width), ids, count, np.int32(capacity), u16(out), rest),
     )  # fmt: skip
@@ -123,7 +161,7 @@ def gather_rows(src: Any, ids: Any, count: Any, out: Any, rest: Any) -> None:
 def relu_mul(g: Any, u: Any | None, h: Any) -> None:
     """``h = bf16(relu(g) * u)`` elementwise (``relu(g)`` when ``u`` is None); NaN kept."""
     size = g.size
-    SOURCE.kernel("twell_relu_mul")(
+    _kernel("twell_relu_mul")(
         (grid_1d(size // 2),), (256,),
         (u16(g), _NULL if u is None else u16(u), u16(h), np.int64(size)),
     )  # fmt: skip
@@ -132,7 +170,7 @@ def relu_mul(g: Any, u: Any | None, h: Any) -> None:
 def scatter_rows(src: Any, ids: Any, count: Any, out: Any) -> None:
     """``out[ids[i]] = src[i]`` for ``i < min(count, C)`` (``C`` = rows of ``src``)."""
     capacity, width = src.shape
-    SOURCE.kernel("twell_scatter_rows")(
+    _kernel("twell_scatter_rows")(
         (grid_1d(capacity * width // 8),), (256,),
         (u16(src), np.int32(width), ids, count, np.int32(capacity), u16(out)),
     )  # fmt: skip
@@ -146,7 +184,7 @@ def row_abs_sum(
     if max_rows == 0:
         return
     n = src.shape[1]
-    SOURCE.kernel("twell_row_abs_sum")(
+    _kernel("twell_row_abs_sum")(
         (max(1, min(math.ceil(max_rows / 8), device_info().multiprocessors * 16)),), (256,),
         (u16(src), np.int32(n), ids, count, np.int32(max_rows), np.int32(by_id),
          np.int32(relu), out),
