@@ -409,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join("bench", "results"))
     parser.add_argument("--max-row-nnz", type=int, default=None)
     parser.add_argument(
-        "--dense-capacity", type=_capacity, default=0.0,
-        help="fraction of M of heavy rows via cuBLAS, or auto (sized per call)",
+        "--dense-capacity", type=_capacity, default="auto",
+        help="auto (SparseFFN's default: sized per call) or a fraction of M of heavy rows "
+        "via cuBLAS (0: none)",
     )  # fmt: skip
     parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
     parser.add_argument("--paths", nargs="+", default=["fused"], choices=list(PATHS))

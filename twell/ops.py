@@ -270,11 +270,13 @@ class SparseFFN:
             docs/design.md compares them.
         max_row_nnz: tokens with more active units take the dense path (default 3% of N);
             any value gives the same result.
-        dense_capacity: fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the
-            rest by twell's heavy-row kernel), or ``"auto"``: sized per call for the
-            share of heavy rows the density switch last measured (none with
-            ``density_switch=False``). The GEMMs round like dense bf16 math, so heavy
-            rows' bits depend on the capacity in force.
+        dense_capacity: ``"auto"`` (default): sized per call for the share of heavy rows
+            the density switch last measured (none before the first statistics or with
+            ``density_switch=False``; a CUDA graph keeps the one in force when it was
+            captured); or a fixed
+            fraction of M of heavy rows done by fixed-size cuBLAS GEMMs (the rest by
+            twell's heavy-row kernel). The GEMMs round like dense bf16 math, so heavy
+            rows' bits depend on the capacity in force (give a number to fix them).
         density_switch: run whole batches in dense math when earlier calls were too dense,
             or held heavy rows at mid-sized batches, for the sparse path to pay (decided
             by batch size without a host synchronisation; docs/design.md; False: always
@@ -295,7 +297,7 @@ class SparseFFN:
         slots: int = DEFAULT_SLOTS,
         path: str = "fused",
         max_row_nnz: int | None = None,
-        dense_capacity: float | str = 0.0,
+        dense_capacity: float | str = "auto",
         density_switch: bool = True,
     ) -> None:
         self.options = Options(tile, slots, path, max_row_nnz, dense_capacity, density_switch)

@@ -90,9 +90,10 @@ class SparseMLP(nn.Module):
             heavy-row count asks for (:class:`twell.autograd.AutoCapacity`, read without
             a host synchronisation; 0 while no heavy rows were seen), so a layer whose
             tokens are still dense early in sparsity training runs its heavy rows at
-            cuBLAS speed; under ``torch.compile``, inside a CUDA-graph capture of the
-            caller's own, and for inference, it means 0. The bits then depend on the
-            choices (reruns from the same start repeat them).
+            cuBLAS speed; under ``torch.compile`` and inside a CUDA-graph capture of the
+            caller's own it means 0. Inference takes :class:`twell.SparseFFN`'s
+            ``"auto"`` (from the density switch's heavy-row share). The bits then depend
+            on the choices (reruns from the same start repeat them).
         train_kernels: run forwards that record gradients through twell's training ops
             (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
         reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
@@ -212,7 +213,7 @@ class SparseMLP(nn.Module):
             o = self.options
             self._block = SparseFFN(
                 *(w.detach() for w in weights), tile=o.tile, slots=o.slots, path=o.path,
-                max_row_nnz=o.max_row_nnz, dense_capacity=o.fixed_capacity,
+                max_row_nnz=o.max_row_nnz, dense_capacity=o.dense_capacity,
                 density_switch=o.density_switch,
             )  # fmt: skip
             self._block_key = key
