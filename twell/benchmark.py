@@ -152,7 +152,7 @@ def bench_config(
     paths: tuple[str, ...] = ("fused",),
     graphs: bool = False,
     max_row_nnz: int | None = None,
-    dense_capacity: float | str = 0.0,
+    dense_capacity: float | str = "auto",
 ) -> list[dict[str, Any]]:
     import cupy as cp
     import torch

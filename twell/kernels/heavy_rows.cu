@@ -206,8 +206,8 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 
-    // (The previous item ended on a cluster barrier: every read of `part`, which the
-    // ring overwrites, is done.)
+    // (The previous item's ring reads ended at the barrier after its k-loop, and its
+    // reads of `part`, which the ring overwrites, at its closing cluster barrier.)
 #pragma unroll
     for (int j = 0; j < HR_STAGES - 1; ++j) {
       if (j < nkb) stage_in(j);

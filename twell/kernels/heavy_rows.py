@@ -121,8 +121,8 @@ def matmul(
         u16(out), np.int32(out_by_id),
     )  # fmt: skip
     # One cluster per 64 x 64 output tile, at most four CTAs per SM in the grid (the
-    # grid-stride loop takes the rest; the kernel's 130 registers let three of them be
-    # resident at once); the kernels read the row count on the device.
+    # grid-stride loop takes the rest; the kernel's 102-143 registers let three of them
+    # be resident at once); the kernels read the row count on the device.
     items = math.ceil(max_rows / 64) * math.ceil(outc / 64)
     clusters = max(1, min(items, device_info().multiprocessors * 4 // split))
     if flags is not None and flags.shape[0] > FLAG_ROWS:
