@@ -285,6 +285,9 @@ def bench_config(
             heavy_rows=heavy_rows,
             max_row_nnz=b.max_row_nnz,
             dense_capacity=b.options.dense_capacity,
+            timing="per_call",
+            # what twell.SparseFFN(w_gate, w_up, w_down) runs
+            default=blocks[0][path].options == Options(dense_capacity="auto"),
             dense_path=bool(blocks[0][path].density.dense),
             capacity_in_force=(
                 blocks[0][path].density.capacity(m) if b.options.auto_capacity else None

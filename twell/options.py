@@ -104,10 +104,11 @@ class Options:
             see :func:`default_max_row_nnz`); any value gives the same result.
         dense_capacity: a fraction f of M: the first ``ceil(f * M)`` heavy rows go
             through fixed-size cuBLAS GEMMs, the rest through twell's heavy-row kernels,
-            in the forward and in the training backward alike. ``"auto"``: an inference
-            block sizes it per call from the heavy rows its density switch measured
-            (:func:`auto_capacity`; 0 with the switch off, and in the training ops,
-            which take a fraction).
+            in the forward and in the training backward alike. ``"auto"`` (the default
+            of :class:`twell.SparseFFN`, not of this class): an inference block sizes it
+            per call from the heavy rows its density switch measured
+            (:func:`auto_capacity`; 0 with the switch off); the training ops refuse it
+            (:class:`twell.torch.SparseMLP` resolves its own).
         density_switch: run the whole batch in dense math when earlier calls saw more
             active units per row than the sparse path pays for (docs/design.md).
     """

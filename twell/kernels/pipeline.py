@@ -180,9 +180,8 @@ class PreparedBlock:
             up = alloc((m, r), np.float32)
         targets = SaveTargets(row_l1, up) if save else None
         light = ROUTES[path](self, xb, y, targets) if m else LightRows(alloc((0,), np.uint8))
-        capacity = self.options.capacity_rows(m)
-        if not save and self.options.auto_capacity:
-            capacity = self.options.capacity_rows(m, self.density.capacity(m))
+        auto = not save and self.options.auto_capacity
+        capacity = self.options.capacity_rows(m, self.density.capacity(m) if auto else None)
         if not save and m <= heavy_rows.FLAG_ROWS and not capacity:
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
