@@ -14,7 +14,9 @@
 //   compiler can build it too: tests/test_routing_rule.py compiles this header with the
 //   machine's C++ compiler and checks it against twell.formats, bit pattern by bit
 //   pattern;
-// - thread-block cluster helpers (rank, barrier, DSMEM loads) for the cluster kernels.
+// - thread-block cluster helpers (rank, barrier, DSMEM loads) for the cluster kernels;
+// - mbarriers, TMA and bulk copies (inline PTX, sm_90) for the kernels that stream
+//   weights through shared-memory rings.
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define TWELL_DEVICE __device__ __forceinline__
@@ -238,6 +240,57 @@ TWELL_DEVICE TwellTileScan twell_scan_tile(const uint16_t (&v)[E], int lane) {
   r.total = __shfl_sync(0xffffffffu, r.incl, 31);
   r.bad = __any_sync(0xffffffffu, bad);
   return r;
+}
+
+// ---------------------------------------------------------------- mbarriers and TMA
+// A TMA tensor map (CUtensorMap, made on the host by cuTensorMapEncodeTiled and passed by
+// value as a __grid_constant__ kernel parameter; <cuda.h> does not build under NVRTC).
+struct __align__(64) TwellTmaDesc { unsigned long long v[16]; };
+
+// The shared-window address of a pointer into shared memory.
+TWELL_DEVICE uint32_t twell_smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+TWELL_DEVICE void twell_mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// One arrival that also announces `bytes` of asynchronous copies completing on `bar`.
+TWELL_DEVICE void twell_mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+TWELL_DEVICE void twell_mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Spins until the phase of parity `parity` of `bar` has completed.
+TWELL_DEVICE void twell_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// The 2-D box of `map` at element coordinates (c0 innermost, c1) into shared memory at
+// `dst`, completion counted on `bar` (complete_tx bytes).
+TWELL_DEVICE void twell_tma_load_2d(uint32_t dst, const TwellTmaDesc* map, int c0, int c1,
+                                    uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+TWELL_DEVICE uint4 twell_lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
 }
 
 // ---------------------------------------------------------------- thread-block clusters

@@ -55,46 +55,6 @@ static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
               "gate_gemm.py's SMEM_BYTES");
 #define LANES_PER_TILE (TWELL_TILE / 8)
 
-struct __align__(64) TmaDesc { unsigned long long v[16]; };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void tma_load(uint32_t dst, const TmaDesc* map, int c0, int c1,
-                                         uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
 // Shared-memory matrix descriptor: K-major tile with rows of 128 bytes, 128-byte swizzle,
 // 8-row groups 1024 bytes apart (the layout TMA writes with SWIZZLE_128B).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
@@ -216,25 +176,17 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
   }
 }
 
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 128
-                const __grid_constant__ TmaDesc map_w,  // w [N, K], box 64 x 256
+twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
+                const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
                 uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0)
                 uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (OUTPUT 0)
                 uint16_t* __restrict__ pre,             // [M, N] bf16 (OUTPUT 1)
                 int M, int N, int K) {
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t raw = twell_smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
-  const uint32_t sbase = smem_addr(smem);
+  const uint32_t sbase = twell_smem_addr(smem);
   uint8_t* tile_smem = smem + STAGES * STAGE_BYTES;  // the bf16 tile, EPI_PITCH-byte rows
   const uint32_t full_bar = sbase + BARRIER_OFFSET;  // STAGES barriers, 8 bytes each
   const uint32_t empty_bar = full_bar + STAGES * 8;
@@ -248,8 +200,8 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, 1);
-      mbar_init(empty_bar + 8 * s, CONSUMERS);
+      twell_mbar_init(full_bar + 8 * s, 1);
+      twell_mbar_init(empty_bar + 8 * s, CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -262,11 +214,11 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
         const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
         for (int kb = 0; kb < kblocks; ++kb, ++it) {
           const int s = it % STAGES;
-          if (it >= STAGES) mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
+          if (it >= STAGES) twell_mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
           const uint32_t a = sbase + s * STAGE_BYTES;
-          mbar_expect_tx(full_bar + 8 * s, STAGE_BYTES);
-          tma_load(a, &map_x, kb * BK, m0, full_bar + 8 * s);
-          tma_load(a + A_BYTES, &map_w, kb * BK, n0, full_bar + 8 * s);
+          twell_mbar_expect_tx(full_bar + 8 * s, STAGE_BYTES);
+          twell_tma_load_2d(a, &map_x, kb * BK, m0, full_bar + 8 * s);
+          twell_tma_load_2d(a + A_BYTES, &map_w, kb * BK, n0, full_bar + 8 * s);
         }
       }
     }
@@ -281,13 +233,13 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
       if (TWELL_OUTPUT == 0) {
         const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
         const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
-        const uint32_t tile_addr = smem_addr(tile_smem) + lane * 16;
+        const uint32_t tile_addr = twell_smem_addr(tile_smem) + lane * 16;
         // ROWS_IN_FLIGHT independent rows per step: the packers are latency-bound.
         for (int r0 = pw; r0 < BM; r0 += ROWS_IN_FLIGHT * PACKER_WARPS) {
           uint4 q[ROWS_IN_FLIGHT];
 #pragma unroll
           for (int i = 0; i < ROWS_IN_FLIGHT; ++i)
-            q[i] = lds128(tile_addr + min(r0 + i * PACKER_WARPS, BM - 1) * EPI_PITCH);
+            q[i] = twell_lds128(tile_addr + min(r0 + i * PACKER_WARPS, BM - 1) * EPI_PITCH);
 #pragma unroll
           for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
             const int r = r0 + i * PACKER_WARPS;
@@ -320,7 +272,7 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
     fence_accumulators(d);
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % STAGES;
-      mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+      twell_mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
       const uint32_t a = sbase + s * STAGE_BYTES + c * (64 * 128);
       const uint32_t b = sbase + s * STAGE_BYTES + A_BYTES;
       wgmma_fence();
@@ -329,11 +281,11 @@ twell_gate_gemm(const __grid_constant__ TmaDesc map_x,  // x [M, K], box 64 x 12
         wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
       wgmma_commit();
       wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
-      if (kb > 0 && tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+      if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
     }
     wgmma_wait<0>();
     fence_accumulators(d);
-    if (tid == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+    if (tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
     if (TWELL_OUTPUT == 2) continue;  // the main loop alone
 
     // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns

@@ -116,10 +116,6 @@ static_assert(OFF_STAGE % 16 == 0 && STRIDE % 16 == 0 && OFF_XS % 16 == 0 && OFF
               "16-byte alignment");
 
 // ---------------------------------------------------------------------- helpers
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 // One lane's EPL bf16 of a tile, as raw 32-bit words.
 __device__ __forceinline__ void load_tile(const uint16_t* p, uint32_t (&raw)[RAWW]) {
   if constexpr (EPL == 8) {
@@ -140,26 +136,7 @@ __device__ __forceinline__ uint32_t tile_value(const uint32_t (&raw)[RAWW], int 
   return (raw[e >> 1] >> (16 * (e & 1))) & 0xffffu;
 }
 
-// ---- mbarrier, bulk copies (inline PTX, sm_90; the cluster helpers are in common.cuh)
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
+// ---- bulk copies (inline PTX, sm_90; mbarriers and the cluster helpers are in common.cuh)
 // global -> own shared memory, `bytes` (multiple of 16, 16-byte aligned), completion
 // counted on mbarrier `bar`.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
@@ -285,8 +262,8 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
   float* acc = reinterpret_cast<float*>(smem + OFF_ACC);
   float* part = reinterpret_cast<float*>(smem + OFF_PART);
   float* hval = reinterpret_cast<float*>(smem + OFF_HVAL);
-  const uint32_t bars = smem_addr(smem + M_BARS);  // up[s] = bars + 8s, down[s] = bars + 16 + 8s
-  const uint32_t stage = smem_addr(smem + OFF_STAGE);
+  const uint32_t bars = twell_smem_addr(smem + M_BARS);  // up[s] = bars + 8s, down[s] = bars + 16 + 8s
+  const uint32_t stage = twell_smem_addr(smem + OFF_STAGE);
   (void)xs; (void)part; (void)hval; (void)x; (void)w_up;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -302,7 +279,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
   const long long t_begin = cid * M / ncl, t_end = (cid + 1) * M / ncl;
 
   if (tid == 0) {
-    for (int i = 0; i < 4; ++i) mbar_init(bars + 8 * i, 1);
+    for (int i = 0; i < 4; ++i) twell_mbar_init(bars + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
@@ -339,8 +316,8 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
     // ---- 2. the batch's pair list, copied from the owners
     if (tid < nb) {
       const uint32_t owner = (uint32_t)(tid % CL), slot = (uint32_t)(tid / CL);
-      s_bnnz[tid] = (int)twell_ld_remote_u32(smem_addr(s_rnnz + slot), owner);
-      s_bheavy[tid] = (int)twell_ld_remote_u32(smem_addr(s_rheavy + slot), owner);
+      s_bnnz[tid] = (int)twell_ld_remote_u32(twell_smem_addr(s_rnnz + slot), owner);
+      s_bheavy[tid] = (int)twell_ld_remote_u32(twell_smem_addr(s_rheavy + slot), owner);
     }
     __syncthreads();
     if (tid == 0) {
@@ -357,7 +334,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
       int b = 0;
       while (s_tokoff[b + 1] <= i) ++b;
       const int e = i - s_tokoff[b];
-      plist[i] = twell_ld_remote_u32(smem_addr(rowlist + (b / CL) * LIST_CAP + e), (uint32_t)(b % CL));
+      plist[i] = twell_ld_remote_u32(twell_smem_addr(rowlist + (b / CL) * LIST_CAP + e), (uint32_t)(b % CL));
       ptok[i] = (uint8_t)b;
     }
     __syncthreads();
@@ -367,8 +344,8 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
     auto issue = [&](int ch, int s) {  // warp 0 only
       const int base = ch * CH, cnt = imin(CH, P - base);
       if (lane == 0) {
-        if (GATED) mbar_arrive_expect_tx(bars + 8 * s, (uint32_t)cnt * row_bytes);
-        mbar_arrive_expect_tx(bars + 16 + 8 * s, (uint32_t)cnt * row_bytes);
+        if (GATED) twell_mbar_expect_tx(bars + 8 * s, (uint32_t)cnt * row_bytes);
+        twell_mbar_expect_tx(bars + 16 + 8 * s, (uint32_t)cnt * row_bytes);
       }
       __syncwarp();
       if (row_bytes) {  // all up rows of the chunk first: the up dot products wait on them
@@ -407,7 +384,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
     for (int ch = 0; ch < nchunks; ++ch, ++gchunk) {
       const int s = ch & 1, base = ch * CH, cnt = imin(CH, P - base);
       if (GATED) {
-        mbar_wait(bars + 8 * s, (phases >> s) & 1u);
+        twell_mbar_wait(bars + 8 * s, (phases >> s) & 1u);
         phases ^= 1u << s;
         float* mypart = part + (gchunk & 1) * CH;
         const int sub = lane >> 3, sl = lane & 7;
@@ -428,7 +405,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
         }
         twell_cluster_sync();  // every CTA's partials of this chunk are visible
         for (int p = tid; p < cnt; p += THREADS) {
-          const uint32_t a = smem_addr(mypart + p);
+          const uint32_t a = twell_smem_addr(mypart + p);
           float v[CL];
 #pragma unroll
           for (int r = 0; r < CL; ++r) v[r] = __uint_as_float(twell_ld_remote_u32(a, (uint32_t)r));
@@ -438,7 +415,7 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
           hval[p] = twell_hi_bf16(plist[base + p]) * u;
         }
       }
-      mbar_wait(bars + 16 + 8 * s, (phases >> (2 + s)) & 1u);
+      twell_mbar_wait(bars + 16 + 8 * s, (phases >> (2 + s)) & 1u);
       phases ^= 1u << (2 + s);
       __syncthreads();  // hval complete
 

@@ -55,6 +55,25 @@ def pays(m: int, k: int, n: int, gated: bool = True) -> bool:
     return m >= MIN_ROWS and (2 if gated else 1) * n * k * 2 >= WEIGHT_BYTES
 
 
+def lists(
+    packed: Any, heavy: Any, n: int, max_row_nnz: int, params: dict[str, int]
+) -> tuple[Any, Any]:
+    """The light rows' TwELL entries in the pair layout (``twell_sliced_lists``): uint32
+    ``entries [M, R]`` (column | bf16 << 16, TwELL order) with ``R =
+    backward.row_capacity(...)``, and int32 ``row_nnz [M]`` (0 for heavy rows); rows over
+    ``max_row_nnz`` entries (or ``R``) get ``heavy[m] = 1``. ``params``: this source's
+    compile-time parameters (``KDIM``, ``TILE``, ``SLOTS``, ``GATED``)."""
+    m = packed.shape[0]
+    cap = row_capacity(max_row_nnz, n, params["TILE"], params["SLOTS"], m)
+    entries = alloc((m, max(1, cap)), np.uint32)
+    row_nnz = alloc((m,), np.int32)
+    SOURCE.kernel("twell_sliced_lists", **params)(
+        (math.ceil(m / ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,),
+        (packed, heavy, entries, row_nnz, np.int32(m), np.int32(n), np.int32(cap)),
+    )  # fmt: skip
+    return entries, row_nnz
+
+
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     tile: int, slots: int, max_row_nnz: int,
@@ -70,16 +89,12 @@ def from_twell(
         return []
     n = w_down_t.shape[0]
     gated = w_up is not None
-    cap = row_capacity(max_row_nnz, n, tile, slots, m)
     params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
-    entries = alloc((m, max(1, cap)), np.uint32)
-    row_nnz = alloc((m,), np.int32)
+    entries, row_nnz = lists(packed, heavy, n, max_row_nnz, params)
+    cap = entries.shape[1]
     rows = math.ceil(m / ROWS_PER_BLOCK)
     threads = 32 * ROWS_PER_BLOCK
     i32 = np.int32
-    SOURCE.kernel("twell_sliced_lists", **params)(
-        (rows,), (threads,), (packed, heavy, entries, row_nnz, i32(m), i32(n), i32(cap))
-    )
     slices = math.ceil(k / 256)
     h = None
     if gated:
