@@ -6,7 +6,8 @@ then, on the same TwELL, each light stage runs as CUDA-graph replays over SETS w
 
 - ``gather``: light_rows.from_twell, up and down rows of every pair read per token;
 - ``pairs``: the reuse route's lists + up products (per-token gather of the up rows);
-- ``down_tpg<t>``: its down projection alone, t tokens per group of lanes;
+- ``down_tpg<t>_w<w>_s<s>``: its down projection alone, t tokens per group of lanes,
+  w consumer warps, a ring of s chunks;
 - ``reuse``: the whole reuse stage (pairs, then down with the launcher's choice).
 
 Every variant's light rows are first checked bit for bit against the gather's. Then whole
@@ -34,6 +35,8 @@ from twell.testing.asserts import relative_error
 SETS = 4
 K, N = 2048, 5632
 TILE, SLOTS = 256, 32
+#: Down-kernel geometries timed: (tokens per group, consumer warps, ring depth).
+GEOMETRIES = [(8, 11, 4), (8, 11, 6), (4, 15, 4), (4, 15, 6), (2, 15, 4), (8, 7, 6)]
 
 
 def emit(records: list[dict], **rec: object) -> None:
@@ -74,17 +77,19 @@ def stages(workload: str, m: int, blocks: list, x: cp.ndarray, records: list[dic
     emit(records, kind="stage", workload=workload, M=m, variant="pairs",
          us=graph_ms_cupy(pairs) * 1e3 / SETS)  # fmt: skip
     made = pairs()
-    for tpg in light_rows_reuse.TOKENS_PER_GROUP:
+    for tpg, warps, depth in GEOMETRIES:
         outs = [empty_bf16((m, K)) for _ in blocks]
 
-        def down(tpg=tpg, outs=outs) -> list:  # noqa: ANN001
+        def down(tpg=tpg, warps=warps, depth=depth, outs=outs) -> list:  # noqa: ANN001
             for b, (_, heavy), p, y in zip(blocks, packs, made, outs, strict=True):
-                light_rows_reuse.down(*p, heavy, b.w_down_t, y, tpg=tpg)
+                light_rows_reuse.down(*p, heavy, b.w_down_t, y, tpg=tpg, warps=warps,
+                                      stages=depth)  # fmt: skip
             return outs
 
         down()
         same = same_light_rows(outs)
-        emit(records, kind="stage", workload=workload, M=m, variant=f"down_tpg{tpg}",
+        emit(records, kind="stage", workload=workload, M=m,
+             variant=f"down_tpg{tpg}_w{warps}_s{depth}",
              us=graph_ms_cupy(down) * 1e3 / SETS, same_bits_as_gather=same)  # fmt: skip
 
     def reuse() -> list:

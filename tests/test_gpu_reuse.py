@@ -108,24 +108,28 @@ def test_reuse_route_gives_the_epilogue_bits(name, m, k, n, tile, slots, p, gate
     assert same_bits(y, reuse(x)), "not deterministic"
 
 
+GEOMETRIES = [(8, None, 4), (4, None, 4), (2, None, 2), (1, 3, 6), (8, 2, 3)]
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize("tpg", light_rows_reuse.TOKENS_PER_GROUP)
-def test_every_block_geometry_gives_the_gather_bits(tpg: int, gated: bool):
+@pytest.mark.parametrize(("tpg", "warps", "stages"), GEOMETRIES)
+def test_every_block_geometry_gives_the_gather_bits(tpg, warps, stages, gated: bool):
     """The light stage alone, against light_rows.from_twell on the same TwELL: every
-    row's bits, whatever the tokens per CTA (1..8 per group: 60..480 per block)."""
+    row's bits, whatever the tokens per CTA, the consumer warps and the ring depth."""
     m, k, n = 1100, 520, 1024
     prob = with_special_rows(workloads.heavy(m, k, n, p=0.03, frac=0.05, seed=tpg))
     x, wg, wu, wd = (as_bf16(to_gpu(a)) for a in (prob.x, prob.w_gate, prob.w_up, prob.w_down))
-    w_first = wg if gated else wu
-    w_up = wu if gated else None
+    w_up = wu if gated else None  # non-gated: relu(x @ wg.T) @ wd.T, as sparse as the gate
     w_down_t = cp.ascontiguousarray(wd.T)
-    packed, heavy = gate_gemm.gate_pack(x, w_first, 256, 32)
+    packed, heavy = gate_gemm.gate_pack(x, wg, 256, 32)
     heavy_gather, heavy_reuse = heavy.copy(), heavy.copy()
     y_gather, y_reuse = empty_bf16((m, k)), empty_bf16((m, k))
     light_rows.from_twell(x if gated else None, packed, heavy_gather, w_up, w_down_t, y_gather,
                           tile=256, slots=32, max_row_nnz=60)  # fmt: skip
-    light_rows_reuse.from_twell(x if gated else None, packed, heavy_reuse, w_up, w_down_t,
-                                y_reuse, tile=256, slots=32, max_row_nnz=60, tpg=tpg)  # fmt: skip
+    made = light_rows_reuse.pairs(x if gated else None, packed, heavy_reuse, w_up, n, k,
+                                  tile=256, slots=32, max_row_nnz=60)  # fmt: skip
+    light_rows_reuse.down(*made, heavy_reuse, w_down_t, y_reuse, tpg=tpg, warps=warps,
+                          stages=stages)  # fmt: skip
     assert cp.array_equal(heavy_gather, heavy_reuse)
     light = cp.asnumpy(heavy_reuse) == 0
     assert light.sum() > m // 2 and (~light).sum() > 3  # both kinds of rows exercised

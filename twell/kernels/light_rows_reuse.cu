@@ -26,10 +26,11 @@
 //                    [8l, 8l+8) of each, fp32 sums in registers. Per chunk, a group walks
 //                    each of its tokens' entries that fall in the chunk: the prefix of what
 //                    is left of the row (entries are in tile order and a chunk is whole
-//                    tiles), held 8 at a time in the group's lanes, and adds h * w with one
-//                    16-byte shared load per lane (the 8 lanes read one 128-byte row:
-//                    no bank conflicts). Full/empty mbarriers, no __syncthreads: a warp runs
-//                    up to RD_STAGES chunks ahead of the slowest.
+//                    tiles), held 8 at a time in the group's lanes with the next 8 loaded
+//                    ahead, and adds h * w with one 16-byte shared load per lane (the 8
+//                    lanes read one 128-byte row: no bank conflicts). Full/empty mbarriers,
+//                    no __syncthreads: a warp runs up to RD_STAGES chunks ahead of the
+//                    slowest.
 //
 // Determinism and bits: every sum has one owner and a fixed order. For each row and column
 // the down sums are fmaf(h, w, acc) over the entries in order from 0, rounded once to
@@ -45,8 +46,8 @@
 // entries after it in its row may be skipped: never an access outside the buffers).
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_TPG (tokens per group: 1, 2, 4
-// or 8); constants shared with the launcher (light_rows_reuse.py): TWELL_RD_WARPS,
-// TWELL_RD_STAGES, TWELL_RD_SMEM_BYTES, TWELL_UP_UNITS.
+// or 8), TWELL_WARPS (consumer warps of the down kernel), TWELL_STAGES (its ring depth);
+// constant shared with the launcher (light_rows_reuse.py): TWELL_UP_UNITS.
 
 #define NCH ((TWELL_KDIM + 255) / 256)  // 256-column slices of a row
 #define FULL 0xffffffffu
@@ -134,15 +135,15 @@ twell_reuse_up(const uint16_t* __restrict__ x,         // [M, K] (gated)
 #define RD_COLS 64                      // output columns per CTA: one 128-byte TMA box row
 #define RD_CHUNK 256                    // units per ring stage: the TMA box's rows
 #define RD_STAGE_BYTES (RD_CHUNK * 128)
-#define RD_WARPS TWELL_RD_WARPS         // consumer warps
-#define RD_STAGES TWELL_RD_STAGES
+#define RD_WARPS TWELL_WARPS            // consumer warps
+#define RD_STAGES TWELL_STAGES
 #define TPG TWELL_TPG
 #define RD_TOKENS (RD_WARPS * 4 * TPG)  // tokens per CTA
 #define RD_THREADS (RD_WARPS * 32 + 32) // + the producer warp
 #define RD_BAR_OFFSET (RD_STAGES * RD_STAGE_BYTES)
-static_assert(TWELL_RD_SMEM_BYTES == RD_BAR_OFFSET + 2 * RD_STAGES * 8 + 1024,
-              "light_rows_reuse.py's RD_SMEM_BYTES");
+#define RD_SMEM_BYTES (RD_BAR_OFFSET + 2 * RD_STAGES * 8 + 1024)  // light_rows_reuse.py's
 static_assert(TPG == 1 || TPG == 2 || TPG == 4 || TPG == 8, "TWELL_TPG: 1, 2, 4 or 8");
+#define RD_PAIRS (TPG < 8 || !TWELL_GATED)
 
 extern "C" __global__ void __launch_bounds__(RD_THREADS, 1)
 twell_reuse_down(const __grid_constant__ TwellTmaDesc map_w,  // w_down_t [N, K], box 64 x 256
@@ -189,25 +190,35 @@ twell_reuse_down(const __grid_constant__ TwellTmaDesc map_w,  // w_down_t [N, K]
   const unsigned gmask = 0xffu << first_lane;
   const long long tok0 = (long long)blockIdx.y * RD_TOKENS + (threadIdx.x >> 3) * TPG;
 
-  // Per token: the entries left (`left`, from index `pos`), and a window of the next 8 of
-  // them: lane sub holds entry pos + sub (its word and h) while sub < left.
-  int left[TPG], pos[TPG];
-  uint32_t word[TPG];
-  float hv[TPG];
+  // Per token, two windows of its entries in the group's lanes: A, lane sub holding entry
+  // base + sub (its unit and h), and B, entry base + 8 + sub, loaded a window ahead so its
+  // load has long completed when A runs out and B becomes A (a load whose result the next
+  // chunk's test reads would stall every chunk). st packs off (entries of A used, 0..8),
+  // base and the row's count (both <= 1024).
+  uint32_t aw[TPG], bw[TPG], st[TPG];
+#if TWELL_GATED
+  float ah[TPG], bh[TPG];
+#endif
   float acc[TPG][8];
 #pragma unroll
   for (int i = 0; i < TPG; ++i) {
     const long long t = tok0 + i;
-    left[i] = (t < M && !heavy[t]) ? row_nnz[t] : 0;
-    pos[i] = 0;
-    word[i] = 0u;
-    hv[i] = 0.f;
-    if (sub < left[i]) {
-      word[i] = entries[t * row_cap + sub];
+    const int cnt = (t < M && !heavy[t]) ? row_nnz[t] : 0;
+    st[i] = (uint32_t)cnt << 16;
+    aw[i] = bw[i] = 0u;
 #if TWELL_GATED
-      hv[i] = h[t * row_cap + sub];
-#else
-      hv[i] = twell_hi_bf16(word[i]);
+    ah[i] = bh[i] = 0.f;
+#endif
+    if (sub < cnt) {
+      aw[i] = entries[t * row_cap + sub];
+#if TWELL_GATED
+      ah[i] = h[t * row_cap + sub];
+#endif
+    }
+    if (sub + 8 < cnt) {
+      bw[i] = entries[t * row_cap + sub + 8];
+#if TWELL_GATED
+      bh[i] = h[t * row_cap + sub + 8];
 #endif
     }
 #pragma unroll
@@ -224,16 +235,22 @@ twell_reuse_down(const __grid_constant__ TwellTmaDesc map_w,  // w_down_t [N, K]
 #pragma unroll
     for (int i = 0; i < TPG; ++i) {
       for (;;) {
-        const bool in = sub < left[i] && (word[i] & 0xffffu) < unit_end;
+        const int off = st[i] & 15u, base = (st[i] >> 4) & 2047u, cnt = st[i] >> 16;
+        const bool in = sub >= off && base + sub < cnt && (aw[i] & 0xffffu) < unit_end;
         const uint32_t ball = (__ballot_sync(gmask, in) >> first_lane) & 0xffu;
-        const int take = __ffs(~ball) - 1;  // the window's in-chunk prefix (0..8)
-        if (take == 0) break;
-        int q = 0;
-        for (; q + 1 < take; q += 2) {  // two entries' loads in flight, added in order
-          const uint32_t w0 = __shfl_sync(gmask, word[i], q, 8);
-          const uint32_t w1 = __shfl_sync(gmask, word[i], q + 1, 8);
-          const float h0 = __shfl_sync(gmask, hv[i], q, 8);
-          const float h1 = __shfl_sync(gmask, hv[i], q + 1, 8);
+        const int end = off + __ffs(~(ball >> off)) - 1;  // A's in-chunk run from off
+        int q = off;
+        // Two entries' loads in flight, added in order (not at 8 tokens per group of the
+        // gated build: its registers would spill).
+        for (; RD_PAIRS && q + 1 < end; q += 2) {
+          const uint32_t w0 = __shfl_sync(gmask, aw[i], q, 8);
+          const uint32_t w1 = __shfl_sync(gmask, aw[i], q + 1, 8);
+#if TWELL_GATED
+          const float h0 = __shfl_sync(gmask, ah[i], q, 8);
+          const float h1 = __shfl_sync(gmask, ah[i], q + 1, 8);
+#else
+          const float h0 = twell_hi_bf16(w0), h1 = twell_hi_bf16(w1);
+#endif
           const uint32_t r0 = (w0 & 0xffffu) - unit0, r1 = (w1 & 0xffffu) - unit0;
           const uint4 v0 = r0 < RD_CHUNK ? *reinterpret_cast<const uint4*>(
                                                stage + r0 * 128 + ((sub ^ (r0 & 7)) << 4))
@@ -244,33 +261,37 @@ twell_reuse_down(const __grid_constant__ TwellTmaDesc map_w,  // w_down_t [N, K]
           twell_axpy8(h0, v0, acc[i]);
           twell_axpy8(h1, v1, acc[i]);
         }
-        if (q < take) {
-          const uint32_t w0 = __shfl_sync(gmask, word[i], q, 8);
-          const float h0 = __shfl_sync(gmask, hv[i], q, 8);
+        for (; q < end; ++q) {
+          const uint32_t w0 = __shfl_sync(gmask, aw[i], q, 8);
+#if TWELL_GATED
+          const float h0 = __shfl_sync(gmask, ah[i], q, 8);
+#else
+          const float h0 = twell_hi_bf16(w0);
+#endif
           const uint32_t r0 = (w0 & 0xffffu) - unit0;
           const uint4 v0 = r0 < RD_CHUNK ? *reinterpret_cast<const uint4*>(
                                                stage + r0 * 128 + ((sub ^ (r0 & 7)) << 4))
                                          : make_uint4(0, 0, 0, 0);
           twell_axpy8(h0, v0, acc[i]);
         }
-        // Slide the window past the `take` entries used.
-        const uint32_t next_w = __shfl_sync(gmask, word[i], (sub + take) & 7, 8);
-        const float next_h = __shfl_sync(gmask, hv[i], (sub + take) & 7, 8);
-        left[i] -= take;
-        pos[i] += take;
-        if (sub + take < 8) {
-          word[i] = next_w;
-          hv[i] = next_h;
-        } else if (sub < left[i]) {
-          const long long e = (tok0 + i) * row_cap + pos[i] + sub;
-          word[i] = entries[e];
+        if (end < 8 || base + 8 >= cnt) {  // the rest of the row lies past this chunk
+          st[i] = ((uint32_t)cnt << 16) | ((uint32_t)base << 4) | (uint32_t)end;
+          break;
+        }
+        // A used up: B becomes A, the window after it is loaded into B.
+        aw[i] = bw[i];
 #if TWELL_GATED
-          hv[i] = h[e];
-#else
-          hv[i] = twell_hi_bf16(word[i]);
+        ah[i] = bh[i];
+#endif
+        const int next = base + 16 + sub;
+        if (next < cnt) {
+          const long long e = (tok0 + i) * row_cap + next;
+          bw[i] = entries[e];
+#if TWELL_GATED
+          bh[i] = h[e];
 #endif
         }
-        if (take < 8) break;
+        st[i] = ((uint32_t)cnt << 16) | ((uint32_t)(base + 8) << 4);
       }
     }
     __syncwarp();

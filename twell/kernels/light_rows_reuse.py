@@ -21,30 +21,32 @@ from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare, device_info
 from twell.kernels.gate_gemm import tensor_map
 
-#: Consumer warps of the down kernel (four groups of 8 lanes each), and the depth of its
-#: ring of 32 KB chunks of ``w_down_t``.
-RD_WARPS = 15
-RD_STAGES = 4
-#: Output columns and units per chunk of the down kernel (its TMA box).
+#: Output columns and units per chunk of the down kernel (its TMA box: 32 KB).
 RD_COLS, RD_CHUNK = 64, 256
-#: Dynamic shared memory of the down kernel: the ring, its mbarriers, alignment slack.
-RD_SMEM_BYTES = RD_STAGES * RD_CHUNK * 128 + 2 * RD_STAGES * 8 + 1024
 #: Entries whose ``w_up`` rows a warp of the up kernel loads at once.
 UP_UNITS = 2
 #: Tokens per group of 8 lanes in the down kernel: the launcher takes the largest whose
 #: grid still fills every SM once (more tokens per CTA: each chunk serves more of them).
 TOKENS_PER_GROUP = (8, 4, 2, 1)
+#: Consumer warps of the down kernel for each number of tokens per group: 8 tokens' sums
+#: and windows need more than the 128 registers a 16-warp block leaves a thread.
+WARPS = {8: 11, 4: 15, 2: 15, 1: 15}
+#: Depth of the down kernel's ring of 32 KB chunks of ``w_down_t``.
+STAGES = 4
+
+
+def smem_bytes(stages: int) -> int:
+    """Dynamic shared memory of the down kernel: the ring, its mbarriers, alignment slack."""
+    return stages * RD_CHUNK * 128 + 2 * stages * 8 + 1024
+
 
 SOURCE = declare(
     Source(
         "light_rows_reuse.cu",
-        parameters=("KDIM", "GATED", "TPG"),
-        constants={
-            "RD_WARPS": RD_WARPS, "RD_STAGES": RD_STAGES, "RD_SMEM_BYTES": RD_SMEM_BYTES,
-            "UP_UNITS": UP_UNITS,
-        },
+        parameters=("KDIM", "GATED", "TPG", "WARPS", "STAGES"),
+        constants={"UP_UNITS": UP_UNITS},
         examples=tuple(
-            {"KDIM": k, "GATED": g, "TPG": t}
+            {"KDIM": k, "GATED": g, "TPG": t, "WARPS": WARPS[t], "STAGES": STAGES}
             for k, t in [(2048, 8), (2048, 4), (4096, 8), (8, 1), (264, 2)]
             for g in (0, 1)
         ),
@@ -59,9 +61,14 @@ def tokens_per_group(m: int, k: int, sms: int) -> int:
     :data:`TOKENS_PER_GROUP` whose grid has at least one CTA per SM (else 1)."""
     slices = math.ceil(k / RD_COLS)
     for tpg in TOKENS_PER_GROUP:
-        if slices * math.ceil(m / (RD_WARPS * 4 * tpg)) >= sms:
+        if slices * math.ceil(m / block_tokens(tpg)) >= sms:
             return tpg
     return 1
+
+
+def block_tokens(tpg: int, warps: int | None = None) -> int:
+    """Tokens per CTA of the down kernel: 4 groups of 8 lanes per consumer warp."""
+    return (WARPS[tpg] if warps is None else warps) * 4 * tpg
 
 
 def from_twell(
@@ -91,12 +98,12 @@ def from_twell(
 def pairs(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, n: int, k: int, *, tile: int,
     slots: int, max_row_nnz: int, row_l1: Any | None = None, up: Any | None = None,
-    tpg: int = 1,
+    tpg: int = 1, warps: int | None = None, stages: int = STAGES,
 ) -> list[Any]:  # fmt: skip
     """The light rows' entries in the pair layout and their ``h``: ``[entries, row_nnz,
     h]`` (``light_rows_sliced.lists``; ``h`` float32 ``[M, R]``, gated only, else None),
     and the training outputs of :func:`from_twell`. Flags the rows over ``max_row_nnz``.
-    ``tpg`` only picks the compiled module (the one :func:`down` will use)."""
+    ``tpg``, ``warps`` and ``stages`` only pick the compiled module (:func:`down`'s)."""
     m = packed.shape[0]
     gated = w_up is not None
     params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
@@ -110,7 +117,7 @@ def pairs(
     h = alloc((m, cap), np.float32) if gated else None
     if gated or row_l1 is not None:
         i32 = np.int32
-        SOURCE.kernel("twell_reuse_up", KDIM=k, GATED=int(gated), TPG=tpg)(
+        SOURCE.kernel("twell_reuse_up", **_params(k, gated, tpg, warps, stages))(
             (math.ceil(m / 8),), (256,),
             (u16(x) if gated else _NULL, u16(w_up) if gated else _NULL, entries, row_nnz, heavy,
              _NULL if h is None else h, _NULL if up is None else up,
@@ -122,25 +129,38 @@ def pairs(
 
 def down(
     entries: Any, row_nnz: Any, h: Any | None, heavy: Any, w_down_t: Any, y: Any, *,
-    tpg: int | None = None,
+    tpg: int | None = None, warps: int | None = None, stages: int = STAGES,
 ) -> None:  # fmt: skip
     """The light rows of ``y`` from the pair layout (``h`` None: non-gated, ``h`` is the
     entries' bf16 values), each 256-unit chunk of ``w_down_t`` read once per block of
-    ``RD_WARPS * 4 * tpg`` tokens."""
+    :func:`block_tokens` tokens. ``tpg``, ``warps``, ``stages``: the block geometry
+    (default: :func:`tokens_per_group`, :data:`WARPS`, :data:`STAGES`)."""
     m, k = y.shape
     if m == 0:
         return
     if tpg is None:
         tpg = tokens_per_group(m, k, device_info().multiprocessors)
-    if tpg not in TOKENS_PER_GROUP:
-        raise ValueError(f"tpg: expected one of {TOKENS_PER_GROUP}, got {tpg!r}")
-    fn = SOURCE.kernel("twell_reuse_down", KDIM=k, GATED=int(h is not None), TPG=tpg)
-    if fn.max_dynamic_shared_size_bytes < RD_SMEM_BYTES:
-        fn.max_dynamic_shared_size_bytes = RD_SMEM_BYTES
+    params = _params(k, h is not None, tpg, warps, stages)
+    fn = SOURCE.kernel("twell_reuse_down", **params)
+    smem = smem_bytes(params["STAGES"])
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
     i32 = np.int32
     fn(
-        (math.ceil(k / RD_COLS), math.ceil(m / (RD_WARPS * 4 * tpg))), (RD_WARPS * 32 + 32,),
+        (math.ceil(k / RD_COLS), math.ceil(m / block_tokens(tpg, params["WARPS"]))),
+        (params["WARPS"] * 32 + 32,),
         (tensor_map(w_down_t, RD_CHUNK), entries, _NULL if h is None else h, row_nnz, heavy,
          u16(y), i32(m), i32(w_down_t.shape[0]), i32(entries.shape[1])),
-        shared_mem=RD_SMEM_BYTES,
+        shared_mem=smem,
     )  # fmt: skip
+
+
+def _params(k: int, gated: bool, tpg: int, warps: int | None, stages: int) -> dict[str, int]:
+    if tpg not in TOKENS_PER_GROUP:
+        raise ValueError(f"tpg: expected one of {TOKENS_PER_GROUP}, got {tpg!r}")
+    if not 2 <= stages <= 6:
+        raise ValueError(f"stages: expected 2..6, got {stages!r}")
+    warps = WARPS[tpg] if warps is None else warps
+    if not 1 <= warps <= 31:
+        raise ValueError(f"warps: expected 1..31, got {warps!r}")
+    return {"KDIM": k, "GATED": int(gated), "TPG": tpg, "WARPS": warps, "STAGES": stages}
