@@ -25,7 +25,7 @@ MAX_K = 4096
 #: a row with more goes to the dense path, so ``max_row_nnz`` is at most this.
 LIST_CAPACITY = 1024
 #: The GPU pipelines of a prepared block; see docs/design.md.
-PATHS = ("fused", "epilogue", "pack", "sliced", "reuse")
+PATHS = ("fused", "epilogue", "pack", "sliced")
 #: The dense capacities (fractions of M) that ``dense_capacity="auto"`` picks from.
 AUTO_CAPACITIES = (0.0, 1 / 64, 1 / 16, 1 / 4, 1.0)
 #: ``"auto"`` sizes the capacity for this many times the heavy rows it last saw.

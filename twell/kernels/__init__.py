@@ -13,8 +13,6 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
 - ``light_rows`` / ``light_rows.cu``: the light rows' gathered up/down projections.
 - ``light_rows_sliced`` / ``light_rows_sliced.cu``: the same from TwELL by 256-column
   slices of the weights (the "sliced" route: weights far larger than L2).
-- ``light_rows_reuse`` / ``light_rows_reuse.cu``: the same from TwELL with the down
-  projection's weight chunks read once per block of 512 tokens (the "reuse" route).
 - ``light_rows_decode`` / ``light_rows_decode.cu``: the same from the pre-activation for
   few tokens (decode; ``light_rows.from_pre`` picks it), weight rows split over a
   thread-block cluster.

@@ -19,9 +19,6 @@ pass has two stages (docs/design.md draws them):
      weights (light_rows_sliced.cu), so that the slice being read stays in L2; ``"fused"``
      takes it for large batches of weights far larger than L2
      (``light_rows_sliced.pays``).
-   - ``"reuse"``: the gate as in ``"epilogue"``, the up products gathered per token, then
-     the down projection by blocks of tokens that read each chunk of ``w_down_t`` once
-     (light_rows_reuse.cu); the same bits as ``"epilogue"``.
 
 2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
    device (by a kernel of their own, or, for inference batches of at most
@@ -56,14 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels import (
-    decode_units,
-    gate_gemm,
-    heavy_rows,
-    light_rows,
-    light_rows_reuse,
-    light_rows_sliced,
-)
+from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.backward import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16
 from twell.kernels.convert import as_bf16, from_bf16, transpose
@@ -503,24 +493,12 @@ def _route_sliced(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None
     return LightRows(heavy, pre=pre, packed=packed, scratch=scratch)
 
 
-def _route_reuse(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
-    packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
-    scratch = light_rows_reuse.from_twell(
-        x if block.gated else None, packed, heavy, block.w_up if block.gated else None,
-        block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
-        max_row_nnz=block.max_row_nnz, row_l1=None if save is None else save.row_l1,
-        up=None if save is None else save.up,
-    )  # fmt: skip
-    return LightRows(heavy, packed=packed, scratch=scratch)
-
-
 #: The light-row stage of each ``path``.
 ROUTES: dict[str, Route] = {
     "fused": _route_fused,
     "epilogue": _route_epilogue,
     "pack": _route_pack,
     "sliced": _route_sliced,
-    "reuse": _route_reuse,
 }
 
 
