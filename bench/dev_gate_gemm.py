@@ -112,6 +112,8 @@ def main():
             "cublas": lambda: gemm_nt(x, ws[rot()], pre),
             "wgmma_dense": ours(output=gate_gemm.OUTPUT_DENSE, pre=pre),
             "wgmma_main_loop": ours(output=gate_gemm.OUTPUT_NONE),
+            "wgmma_handover_only": ours(output=gate_gemm.OUTPUT_HANDOVER_ONLY),
+            "wgmma_tile_only": ours(output=gate_gemm.OUTPUT_TILE_ONLY),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
             "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }

@@ -31,8 +31,9 @@ SMEM_BYTES = (
 _THREADS = 128 * (CONSUMERS + 1)
 
 #: What the kernel stores (compile-time): TwELL words and heavy flags (what the ops use),
-#: the dense bf16 pre-activation (tests), or nothing (timing of the main loop).
-OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE = 0, 1, 2
+#: the dense bf16 pre-activation (tests), or nothing (timing of the main loop; with the
+#: epilogue's bf16 tile filled but not packed, or only handed over: timing of its parts).
+OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY = 0, 1, 2, 3, 4
 
 SOURCE = declare(
     Source(
@@ -45,8 +46,8 @@ SOURCE = declare(
         examples=tuple(
             {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED}
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
-        ) + ({"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_DENSE},
-             {"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_NONE}),
+        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o}
+                  for o in (OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY)),
     )
 )  # fmt: skip
 
