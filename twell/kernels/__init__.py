@@ -3,7 +3,8 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
 
 - ``compile``: the one compile path (``common.cuh`` + parameters + source; declared
   parameters per source; the CPU-side NVRTC build).
-- ``common.cuh``: device code every source shares (types, bf16 helpers, routing rule).
+- ``common.cuh``: device code every source shares (types, bf16 helpers, routing rule,
+  cluster, mbarrier and TMA helpers).
 - ``buffers``: the one allocation function (CuPy's pool or torch's allocator), bf16 views.
 - ``convert`` / ``convert.cu``: dtype conversions and the bf16 transpose.
 - ``cublas``: the dense GEMM ``x @ w.T`` from cuBLAS.
