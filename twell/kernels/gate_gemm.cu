@@ -7,7 +7,7 @@
 //               caller zeroes heavy first, every CTA touching the row may set it)
 //
 // The dense pre-activation never reaches global memory (TWELL_OUTPUT 0, what twell runs).
-// Two other builds of the same source serve checks and measurements, never the ops:
+// Four other builds of the same source serve checks and measurements, never the ops:
 // TWELL_OUTPUT 1 writes the bf16 pre-activation [M, N] instead of packing (tests compare
 // the packed words with pack.cu applied to it), TWELL_OUTPUT 2 stores nothing (the main
 // loop's time, bench/dev_gate_gemm.py); 3 and 4 time parts of the epilogue: 3 fills the
@@ -291,12 +291,13 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     if (TWELL_OUTPUT == 2 || TWELL_OUTPUT == 4) {
       // The timing builds store nothing, but the accumulators must stay live: without a
       // use, ptxas drops the wgmma instructions (18 registers) and the "main loop" times
-      // the TMA loads alone. M is never negative, so the sum is never stored.
+      // the TMA loads alone. M is never negative, so the branch never runs (heavy may be
+      // null here).
       if (M < 0) {
         float sum = 0.f;
 #pragma unroll
         for (int i = 0; i < 128; ++i) sum += d[i];
-        heavy[threadIdx.x] = (uint8_t)sum;
+        heavy[threadIdx.x] = (uint8_t)__float_as_uint(sum);
       }
       if (TWELL_OUTPUT == 2) continue;  // the main loop alone
     }

@@ -135,7 +135,8 @@ def launch(
 
     ``OUTPUT_PACKED``: relu + TwELL into ``packed`` (uint32 ``[M, N/tile*slots]``) and
     ``heavy`` (uint8 ``[M]``, zeroed by the caller). ``OUTPUT_DENSE``: the bf16 GEMM into
-    ``pre`` ``[M, N]``. ``OUTPUT_NONE``: nothing stored (timing).
+    ``pre`` ``[M, N]``. ``OUTPUT_NONE``, ``OUTPUT_TILE_ONLY``, ``OUTPUT_HANDOVER_ONLY``:
+    nothing stored (timing of the main loop and of the epilogue's parts).
     """
     m, k = x.shape
     n = w.shape[0]

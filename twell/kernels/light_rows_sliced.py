@@ -59,10 +59,11 @@ def lists(
     packed: Any, heavy: Any, n: int, max_row_nnz: int, params: dict[str, int]
 ) -> tuple[Any, Any]:
     """The light rows' TwELL entries in the pair layout (``twell_sliced_lists``): uint32
-    ``entries [M, R]`` (column | bf16 << 16, TwELL order) with ``R =
-    backward.row_capacity(...)``, and int32 ``row_nnz [M]`` (0 for heavy rows); rows over
-    ``max_row_nnz`` entries (or ``R``) get ``heavy[m] = 1``. ``params``: this source's
-    compile-time parameters (``KDIM``, ``TILE``, ``SLOTS``, ``GATED``)."""
+    ``entries [M, max(1, R)]`` (column | bf16 << 16, TwELL order; ``R =
+    backward.row_capacity(...)``, the row stride later kernels take from ``entries``), and
+    int32 ``row_nnz [M]`` (0 for heavy rows); rows over ``max_row_nnz`` entries (or ``R``;
+    with ``R = 0`` every row with an entry) get ``heavy[m] = 1``. ``params``: this
+    source's compile-time parameters (``KDIM``, ``TILE``, ``SLOTS``, ``GATED``)."""
     m = packed.shape[0]
     cap = row_capacity(max_row_nnz, n, params["TILE"], params["SLOTS"], m)
     entries = alloc((m, max(1, cap)), np.uint32)
