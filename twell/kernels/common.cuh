@@ -15,8 +15,8 @@
 //   machine's C++ compiler and checks it against twell.formats, bit pattern by bit
 //   pattern;
 // - thread-block cluster helpers (rank, barrier, DSMEM loads) for the cluster kernels;
-// - mbarriers, TMA and bulk copies (inline PTX, sm_90) for the kernels that stream
-//   weights through shared-memory rings.
+// - mbarriers and TMA tensor loads (inline PTX, sm_90) for the kernels that stream
+//   tiles through shared-memory rings (gate_gemm.cu, light_rows_decode.cu).
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define TWELL_DEVICE __device__ __forceinline__
