@@ -391,12 +391,13 @@ def test_train_distributed_smoke_with_ddp_and_fsdp2_over_gloo(tmp_path: Path) ->
         pytest.skip("torchrun is not installed beside the interpreter")
     out = tmp_path / "dist.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
+    run = subprocess.run(
         [str(torchrun), "--standalone", "--nproc_per_node", "2",
          str(ROOT / "bench" / "train_distributed.py"), "--smoke", "--variants", "twell",
          "--steps", "4", "--baseline-steps", "2", "--quiet", "--out", str(out)],
-        check=True, cwd=ROOT, env=env, timeout=240, capture_output=True,
+        cwd=ROOT, env=env, timeout=240, capture_output=True, text=True,
     )  # fmt: skip
+    assert run.returncode == 0, f"torchrun exited {run.returncode}:\n{run.stderr[-4000:]}"
     report = json.loads(out.read_text())
     runs = {run["strategy"]: run for run in report["runs"]}
     assert set(runs) == {"single", "ddp", "fsdp"}
