@@ -1,7 +1,14 @@
-"""Development check of gate_gemm.cu on the GPU: GEMM bits against cuBLAS, the packing
-epilogue against pack.cu applied to the same kernel's dense output, and timings.
+"""Development check of gate_gemm.cu on the GPU: GEMM bits against cuBLAS, both packing
+epilogues (packer warps; consumers from registers) against pack.cu applied to the same
+kernel's dense output, and timings.
 
-    python bench/dev_gate_gemm.py small|full [--out DIR]
+    python bench/dev_gate_gemm.py small|full|block [--out DIR]
+
+``small``: correctness on odd shapes, every tile/slots geometry, and a problem whose
+pre-activations are special values (zeros of both signs, bf16 subnormals, values at the
+rounding edges 2^-134 and 0x7f7f8000, Inf, NaN). ``full``: M=16384 timings of the kernel's
+builds. ``block``: the FFN block (``twell.benchmark.bench_config``, "epilogue" and "fused"
+routes) with each epilogue.
 """
 
 from __future__ import annotations
@@ -36,8 +43,56 @@ def sparse_problem(m, n, k, seed):
     return as_bf16(x), as_bf16(w)
 
 
-def check(m, n, k, tile=256, slots=32, seed=0):
+def bf16_from_bits(bits):
+    return cp.asarray(np.asarray(bits, np.uint16)).view(cp.uint16)
+
+
+def special_problem(m, n, k, seed, non_finite=True):
+    """x, w whose products hit relu's and rounding's edges exactly. Columns 0 and 1 of x
+    are zero but in rows 8i, 8i+1, 8i+2 (1, 0.5, 0.75 times e_0: pre = that times
+    w[:, 0]) and 8i+3 (e_0 + e_1: pre = w[:, 0] + w[:, 1] in fp32; the bf16 maximum plus
+    ~1e36 is finite in fp32 and rounds to Inf in bf16). Every 16th column of w[:, 0]
+    cycles through zeros of both signs, bf16 subnormals, the largest bf16 and ordinary
+    values (the other columns -1); with ``non_finite``,
+    w[:16, 0] also holds Inf and NaN (which 0 * NaN spreads to every row: all rows heavy).
+    The other rows are sparse_problem's (its bias moved to column 2)."""
     x, w = sparse_problem(m, n, k, seed)
+    x = from_bf16(x, np.float32)
+    w = from_bf16(w, np.float32)
+    x[:, 2], w[:, 2] = x[:, 0], w[:, 0]
+    x[:, :2] = 0.0
+    rows = cp.arange(m)
+    for r, (a, b) in enumerate([(1.0, 0.0), (0.5, 0.0), (0.75, 0.0), (1.0, 1.0)]):
+        sel = rows[rows % 8 == r]
+        x[sel] = 0.0
+        x[sel, 0] = a
+        x[sel, 1] = b
+    # bf16 bit patterns (0x0001 = 2^-133, the smallest subnormal; 0x7F7F the largest)
+    col0 = [0x0000, 0x8000, 0x0001, 0x8001, 0x0002, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80, 0x0080,
+            0x0003, 0x7F00, 0x0001, 0x7F7F, 0x4000, 0xC000]  # fmt: skip
+    col1 = [0x0000, 0x7BC0, 0xFBC0, 0x0001, 0x8001, 0x3F80]
+    # every 16th column special (a tile keeps up to ~10 of its 16: entries, and overflow
+    # at small SLOTS); the others -1 (never kept) and 0
+    t = np.arange(n) // 16
+    w0 = np.where(np.arange(n) % 16 == 0, np.array(col0, np.uint16)[t % 16], 0xBF80)
+    w1 = np.where(np.arange(n) % 16 == 0, np.array(col1, np.uint16)[(t // 16) % 6], 0)
+    w0, w1 = w0.astype(np.uint16), w1.astype(np.uint16)
+    if non_finite:
+        specials = [0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0000, 0x3F80, 0x7F80, 0x0001,
+                    0xFFC1, 0x8000, 0x7F7F, 0xFF80, 0x0002, 0x7FC0, 0x3F80, 0xBF80]  # fmt: skip
+        w0[: min(n, 16)] = specials[: min(n, 16)]
+    w = as_bf16(w)
+    w.view(cp.uint16)[:, 0] = cp.asarray(w0)
+    w.view(cp.uint16)[:, 1] = cp.asarray(w1)
+    return as_bf16(x), w
+
+
+def check(m, n, k, tile=256, slots=32, seed=0, special=None):
+    """``special``: None (sparse_problem), "finite" or "non_finite" (special_problem)."""
+    if special is None:
+        x, w = sparse_problem(m, n, k, seed)
+    else:
+        x, w = special_problem(m, n, k, seed, non_finite=special == "non_finite")
     ref = gemm_nt(x, w)
     pre = empty_bf16((m, n))
     pre.view(cp.uint16).fill(0xFFFF)
@@ -46,16 +101,22 @@ def check(m, n, k, tile=256, slots=32, seed=0):
     b = from_bf16(ref, np.float32)
     rel = float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
     same = float((pre.view(cp.uint16) == ref.view(cp.uint16)).mean())
-    # packing epilogue vs pack.cu on this kernel's own dense output
-    packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
-    heavy = cp.zeros((m,), dtype=cp.uint8)
-    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy)
+    # each packing epilogue vs pack.cu on this kernel's own dense output
     p_ref, h_ref = pack(pre, tile, slots)
-    cp.cuda.runtime.deviceSynchronize()
-    pack_equal = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
-    return {"m": m, "n": n, "k": k, "tile": tile, "slots": slots, "rel_vs_cublas": rel,
-            "bits_equal_frac": same, "nan": bool(cp.isnan(a).any()),
-            "pack_equal": pack_equal, "heavy_rows": int(h_ref.sum())}  # fmt: skip
+    pack_equal = {}
+    for name, epilogue, stages in (("packers", gate_gemm.EPILOGUE_PACKERS, 3),
+                                   ("registers", gate_gemm.EPILOGUE_REGISTERS, 3),
+                                   ("registers_s4", gate_gemm.EPILOGUE_REGISTERS, 4)):  # fmt: skip
+        packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
+        heavy = cp.zeros((m,), dtype=cp.uint8)
+        gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
+                         epilogue=epilogue, stages=stages)  # fmt: skip
+        cp.cuda.runtime.deviceSynchronize()
+        pack_equal[name] = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
+    return {"m": m, "n": n, "k": k, "tile": tile, "slots": slots, "special": special,
+            "rel_vs_cublas": rel, "bits_equal_frac": same, "nan": bool(cp.isnan(a).any()),
+            "pack_equal": pack_equal, "heavy_rows": int(h_ref.sum()),
+            "nonzero_words": int((p_ref != 0).sum())}  # fmt: skip
 
 
 def time_ms(fn, reps=20, warm=5):
@@ -72,18 +133,60 @@ def time_ms(fn, reps=20, warm=5):
     return float(np.median(times))
 
 
+def block_timings():
+    """The FFN block (``twell.benchmark.bench_config``: per call, and the first path in CUDA
+    graphs) on the "epilogue" route with each epilogue, and on "fused" (which does not use
+    this kernel): uniform at three batch sizes, heavy and paperlike at 16384."""
+    from twell.benchmark import bench_config
+
+    registers = ("registers_s4", gate_gemm.EPILOGUE_REGISTERS, 4)
+    packers = ("packers", gate_gemm.EPILOGUE_PACKERS, 3)
+    runs = []
+    for m in (2048, 4096, 16384):
+        runs += [("uniform", m, registers, ("epilogue", "fused")),
+                 ("uniform", m, packers, ("epilogue",))]  # fmt: skip
+        if m != 4096:
+            runs.append(("uniform", m, packers, ("fused",)))
+    for workload in ("heavy", "paperlike"):
+        runs.append((workload, 16384, registers, ("epilogue", "fused")))
+    out = []
+    for workload, m, (name, epilogue, stages), paths in runs:
+        gate_gemm.EPILOGUE, gate_gemm.STAGES = epilogue, stages
+        try:
+            for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
+                r["gate_epilogue"] = name
+                r["graph_path"] = paths[0]
+                keys = ("workload", "M", "path", "graph_path", "gate_epilogue", "t_ms",
+                        "t_dense_ms", "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
+                        "heavy_rows")  # fmt: skip
+                print(json.dumps({k: r.get(k) for k in keys}), flush=True)
+                out.append(r)
+        except Exception as error:  # noqa: BLE001
+            out.append({"workload": workload, "M": m, "gate_epilogue": name,
+                        "error": repr(error)})  # fmt: skip
+            print(out[-1], flush=True)
+    gate_gemm.EPILOGUE, gate_gemm.STAGES = gate_gemm.EPILOGUE_PACKERS, 3
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["small", "full"])
+    parser.add_argument("phase", choices=["small", "full", "block"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
     t0 = time.time()
     if args.phase == "small":
         configs = [(300, 512, 128), (128, 256, 64), (1, 256, 8), (257, 768, 264),
-                   (1000, 5632, 2048), (64, 384, 72, 128, 64), (130, 512, 40, 32, 32)]  # fmt: skip
-    else:
+                   (1000, 5632, 2048), (64, 384, 72, 128, 64), (130, 512, 40, 32, 32),
+                   (300, 512, 64, 256, 32, 1, "finite"), (300, 512, 64, 256, 32, 1, "non_finite"),
+                   (300, 512, 64, 256, 2, 1, "finite"), (300, 768, 64, 128, 16, 1, "finite"),
+                   (260, 512, 64, 32, 2, 1, "non_finite"), (300, 512, 64, 64, 8, 2, "finite"),
+                   (2000, 5632, 2048, 256, 64, 3, "finite")]  # fmt: skip
+    elif args.phase == "full":
         configs = [(16384, 5632, 2048), (16384 + 37, 5632, 2048, 128, 64)]
+    else:
+        configs = []
     for cfg in configs:
         try:
             r = check(*cfg)
@@ -115,6 +218,13 @@ def main():
             "wgmma_handover_only": ours(output=gate_gemm.OUTPUT_HANDOVER_ONLY),
             "wgmma_tile_only": ours(output=gate_gemm.OUTPUT_TILE_ONLY),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
+            "wgmma_pack_registers": ours(
+                packed=packed, heavy=heavy, epilogue=gate_gemm.EPILOGUE_REGISTERS
+            ),
+            "wgmma_pack_registers_s4": ours(
+                packed=packed, heavy=heavy, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
+            ),
+            "wgmma_main_loop_s4": ours(output=gate_gemm.OUTPUT_NONE, stages=4),
             "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}
@@ -125,11 +235,14 @@ def main():
         timings = {key: {"ms": v, "tflops": flops / v / 1e9} for key, v in timings.items()}
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
+    if args.phase == "block":
+        results += block_timings()
     print(f"elapsed {time.time() - t0:.1f} s")
     if args.out:
         with open(f"{args.out}/gate_gemm_{args.phase}.json", "w") as f:
             json.dump(results, f, indent=1)
-    bad = [r for r in results if "error" in r or r.get("pack_equal") is False]
+    bad = [r for r in results
+           if "error" in r or not all(r.get("pack_equal", {"-": True}).values())]  # fmt: skip
     sys.exit(1 if bad else 0)
 
 

@@ -475,12 +475,21 @@ def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -
     gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_DENSE, pre=pre)
     ref = to_f64(gemm_nt(x, w))
     assert_close(to_f64(pre), ref, 1e-2)
-    packed, heavy = gate_gemm.gate_pack(x, w, tile, slots)
     want_packed, want_heavy = pack(pre, tile, slots)
-    assert cp.array_equal(heavy, want_heavy)
-    assert cp.array_equal(packed, want_packed)
-    if m > 2:
-        assert bool(heavy[1]) and bool(heavy[2])  # NaN and Inf rows go dense
+    builds = [(gate_gemm.EPILOGUE_PACKERS, 3), (gate_gemm.EPILOGUE_REGISTERS, 3),
+              (gate_gemm.EPILOGUE_REGISTERS, 4)]  # fmt: skip
+    for epilogue, stages in [(None, None), *builds]:  # the default, then each build
+        if epilogue is None:
+            packed, heavy = gate_gemm.gate_pack(x, w, tile, slots)
+        else:
+            packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
+            heavy = cp.zeros((m,), dtype=cp.uint8)
+            gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
+                             epilogue=epilogue, stages=stages)  # fmt: skip
+        assert cp.array_equal(heavy, want_heavy), (epilogue, stages)
+        assert cp.array_equal(packed, want_packed), (epilogue, stages)
+        if m > 2:
+            assert bool(heavy[1]) and bool(heavy[2])  # NaN and Inf rows go dense
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,19 @@
 // are deterministic) and set the heavy flags. Two named barriers pass the tile back and
 // forth, so packing overlaps the tensor-core work of the next tile.
 //
+// TWELL_EPILOGUE 1 (OUTPUT 0 only) packs without the hand-over: each consumer thread
+// turns the two rows it holds in registers into TwELL words itself (a quad of lanes holds
+// a row's 256 columns; the masks of kept columns are exchanged within the quad, a kept
+// column's slot is the number of kept columns before it in its TwELL tile), so the bf16
+// tile, the named barriers and the packer warps are not used and the ring may be deeper.
+// Both epilogues write the same words (pack_row's rule on the same bf16 rounding).
+//
 // Limits: K % 8 == 0 (TMA row pitch), N % TWELL_TILE == 0, TWELL_TILE divides 256,
 // TWELL_SLOTS <= TWELL_TILE; x and w 16-byte aligned. Rows and columns past M, N and K
 // come in as zeros (TMA out-of-bounds fill) and are never stored.
 //
-// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT; constants from the
-// launcher: TWELL_BLOCK_M/N/K, TWELL_STAGES, TWELL_CONSUMERS, TWELL_SMEM_BYTES.
+// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT, TWELL_EPILOGUE; constants
+// from the launcher: TWELL_BLOCK_M/N/K, TWELL_STAGES, TWELL_CONSUMERS, TWELL_SMEM_BYTES.
 
 // Constants shared with the launcher (gate_gemm.py passes them in the prelude).
 #define BM TWELL_BLOCK_M
@@ -50,7 +57,8 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define PACKER_WARPS 3          // warps 1-3 of warpgroup 0
 #define ROWS_IN_FLIGHT 4
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
-#define EPI_BYTES (BM * EPI_PITCH)
+#define EPI_BYTES (TWELL_EPILOGUE ? 0 : BM * EPI_PITCH)
+static_assert(TWELL_EPILOGUE == 0 || TWELL_OUTPUT == 0, "the register epilogue only packs");
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
 static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
@@ -178,6 +186,116 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
   }
 }
 
+// The register epilogue (TWELL_EPILOGUE 1). relu keeps the bf16 rounding (to nearest,
+// ties to even) of the fp32 with bits b: a positive value above 2^-134 (bits 0x8000; it
+// and smaller ones round to +0) or a NaN. The rounding is non-finite: NaN, Inf, or a
+// magnitude of at least 0x7f7f8000 (halfway above the largest bf16: it rounds to Inf).
+// Integer tests on the fp32 bits: the same answers as twell_relu_keeps_top and
+// twell_non_finite_top on the rounded bits, without rounding every value.
+__device__ __forceinline__ bool keeps_rounded(uint32_t b) {
+  return (int)b > 0x8000 || b > 0xff800000u;
+}
+__device__ __forceinline__ bool non_finite_rounded(uint32_t b) {
+  return (b & 0x7fffffffu) >= 0x7f7f8000u;
+}
+__device__ __forceinline__ uint64_t low_bits(int n) { return n >= 64 ? ~0ull : (1ull << n) - 1ull; }
+#define SEG_BITS (TWELL_TILE / 4)  // bits of a lane's 64-bit row mask per TwELL tile
+#define SEGS (BN / TWELL_TILE)     // TwELL tiles in the CTA's 256 columns
+#define SEG_MASK(s) (low_bits(SEG_BITS) << ((s) * SEG_BITS))
+
+// The two rows a consumer thread holds (the wgmma accumulator layout: lane q = lane % 4
+// has columns 8j + 2q + {0, 1}, j < 32, of the quad's row r in d[4j], d[4j + 1] and of row
+// r + 8 in d[4j + 2], d[4j + 3]), rounded to bf16 pairs (row h: words[h][j]), with each
+// row's mask of kept columns (bit 2j + b: column 8j + 2q + b) and whether any of its values
+// rounds to a non-finite bf16. The accumulators are dead afterwards.
+struct QuadRows {
+  uint32_t words[2][32];
+  uint64_t kept[2];
+  bool bad[2];
+};
+__device__ __forceinline__ void round_quad_rows(const float (&d)[128], QuadRows& rows) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    rows.kept[h] = 0;
+    rows.bad[h] = false;
+  }
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rows.words[h][j] = twell_pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t bits = __float_as_uint(d[4 * j + 2 * h + b]);
+        if (keeps_rounded(bits)) rows.kept[h] |= 1ull << (2 * j + b);
+        rows.bad[h] |= non_finite_rounded(bits);
+      }
+    }
+  }
+}
+
+// Row m of the tile (row h of the quad's pair) -> its TwELL words for the CTA's 256
+// columns and its heavy flag, as pack_row writes them. A whole warp (shuffles within quads).
+template <int H>
+__device__ __forceinline__ void pack_quad_row(const QuadRows& rows, uint32_t* __restrict__ packed,
+                                              long long m, int M, long long row_words,
+                                              long long first, int tiles_here, int col0,
+                                              int lane, uint8_t* __restrict__ heavy) {
+  const int q = lane & 3;
+  const uint64_t mine = rows.kept[H];
+  uint64_t quad[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) quad[i] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | i);
+  const uint32_t bad_lanes = __ballot_sync(0xffffffffu, rows.bad[H]);
+  if (m >= M) return;
+  int total[SEGS];
+  bool over_any = false;
+#pragma unroll
+  for (int s = 0; s < SEGS; ++s) {
+    total[s] = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) total[s] += __popcll(quad[i] & SEG_MASK(s));
+    over_any |= twell_tile_overflows(total[s], TWELL_SLOTS);
+  }
+  if (q == 0 && (over_any || ((bad_lanes >> (lane & ~3)) & 0xfu))) heavy[m] = 1;
+  uint32_t* dst = packed + m * row_words + first;
+  // Words: 0 = count (the quad's lanes take every fourth word); 1..total = entries (their
+  // owners write them); the rest 0.
+#pragma unroll
+  for (int s = 0; s < SEGS; ++s) {
+    if (s >= tiles_here) break;  // columns past N (zeros from TMA): nothing to store
+    const bool over = twell_tile_overflows(total[s], TWELL_SLOTS);
+#pragma unroll
+    for (int w0 = 0; w0 < TWELL_SLOTS; w0 += 4) {
+      const int w = w0 + q;
+      if (w == 0) dst[s * TWELL_SLOTS] = (uint32_t)total[s];
+      else if (w < TWELL_SLOTS && (over || w > total[s])) dst[s * TWELL_SLOTS + w] = 0u;
+    }
+  }
+  // Entries: a kept column's slot is 1 + the kept columns before it in its TwELL tile
+  // (lanes below q up to column 8j + 2q - 1, lanes above q up to 8j - 1, itself below).
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int s = (8 * j) / TWELL_TILE;
+    if (((mine >> (2 * j)) & 3ull) == 0 || s >= tiles_here ||
+        twell_tile_overflows(total[s], TWELL_SLOTS))
+      continue;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      if (!((mine >> (2 * j + b)) & 1ull)) continue;
+      const uint64_t seg = SEG_MASK(s);
+      const uint64_t lt = low_bits(2 * j + 2) & seg, gt = low_bits(2 * j) & seg,
+                     self = low_bits(2 * j + b) & seg;
+      int rank = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rank += __popcll(quad[i] & (i < q ? lt : (i > q ? gt : self)));
+      const uint32_t word = rows.words[H][j];
+      const uint32_t value = b ? (word & 0xffff0000u) : (word << 16);
+      dst[s * TWELL_SLOTS + 1 + rank] = (uint32_t)(col0 + 8 * j + 2 * q + b) | value;
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
@@ -224,7 +342,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         }
       }
     }
-    if (tid < 32 || TWELL_OUTPUT == 2) return;
+    if (tid < 32 || TWELL_OUTPUT == 2 || TWELL_EPILOGUE == 1) return;
     // Packer warps: drain each finished bf16 tile while the consumers compute the next.
     const int pw = tid / 32 - 1;
     bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
@@ -300,6 +418,18 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         heavy[threadIdx.x] = (uint8_t)__float_as_uint(sum);
       }
       if (TWELL_OUTPUT == 2) continue;  // the main loop alone
+    }
+    if (TWELL_EPILOGUE == 1) {
+      const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+      const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
+      const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
+      const int tiles_here = min(BN, N - n0) / TWELL_TILE;
+      const long long m = (long long)m0 + c * 64 + warp * 16 + lane / 4;
+      QuadRows rows;
+      round_quad_rows(d, rows);
+      pack_quad_row<0>(rows, packed, m, M, row_words, first, tiles_here, n0, lane, heavy);
+      pack_quad_row<1>(rows, packed, m + 8, M, row_words, first, tiles_here, n0, lane, heavy);
+      continue;
     }
 
     // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns

@@ -23,11 +23,21 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 #: Depth of the TMA ring, and consumer warpgroups (64 rows of the tile each).
 STAGES, CONSUMERS = 3, 2
 _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
-#: Dynamic shared memory of the kernel: the TMA ring, the epilogue's bf16 tile, the
-#: mbarriers, and slack to align the ring to 1024 bytes (the kernel checks the sum).
-SMEM_BYTES = (
-    STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + BLOCK_M * _EPI_PITCH + 2 * STAGES * 8 + 1024
-)
+#: How the packed output is written (compile-time): packer warps draining a bf16 tile in
+#: shared memory, or the consumer threads from their registers (OUTPUT_PACKED only).
+EPILOGUE_PACKERS, EPILOGUE_REGISTERS = 0, 1
+EPILOGUE = EPILOGUE_PACKERS
+
+
+def smem_bytes(stages: int = STAGES, epilogue: int = EPILOGUE_PACKERS) -> int:
+    """Dynamic shared memory of the kernel: the TMA ring, the epilogue's bf16 tile (packer
+    epilogue), the mbarriers, and slack to align the ring to 1024 bytes (the kernel checks
+    the sum)."""
+    tile = 0 if epilogue == EPILOGUE_REGISTERS else BLOCK_M * _EPI_PITCH
+    return stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + tile + 2 * stages * 8 + 1024
+
+
+SMEM_BYTES = smem_bytes()
 _THREADS = 128 * (CONSUMERS + 1)
 
 #: What the kernel stores (compile-time): TwELL words and heavy flags (what the ops use),
@@ -38,15 +48,20 @@ OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY
 SOURCE = declare(
     Source(
         "gate_gemm.cu",
-        parameters=("TILE", "SLOTS", "OUTPUT"),
+        # STAGES and SMEM_BYTES (smem_bytes of the two) are parameters so that
+        # measurements can build deeper rings; the kernel checks their agreement.
+        parameters=("TILE", "SLOTS", "OUTPUT", "EPILOGUE", "STAGES", "SMEM_BYTES"),
         constants={
-            "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K,
-            "STAGES": STAGES, "CONSUMERS": CONSUMERS, "SMEM_BYTES": SMEM_BYTES,
+            "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "CONSUMERS": CONSUMERS,
         },
         examples=tuple(
-            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED}
+            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "EPILOGUE": e, "STAGES": st,
+             "SMEM_BYTES": smem_bytes(st, e)}
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
-        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o}
+            for e, st in ((EPILOGUE_PACKERS, STAGES), (EPILOGUE_REGISTERS, STAGES),
+                          (EPILOGUE_REGISTERS, 4))
+        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "EPILOGUE": EPILOGUE_PACKERS,
+                   "STAGES": STAGES, "SMEM_BYTES": SMEM_BYTES}
                   for o in (OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY)),
     )
 )  # fmt: skip
@@ -130,13 +145,17 @@ def launch(
     packed: Any | None = None,
     heavy: Any | None = None,
     pre: Any | None = None,
+    epilogue: int | None = None,
+    stages: int | None = None,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
     ``OUTPUT_PACKED``: relu + TwELL into ``packed`` (uint32 ``[M, N/tile*slots]``) and
     ``heavy`` (uint8 ``[M]``, zeroed by the caller). ``OUTPUT_DENSE``: the bf16 GEMM into
     ``pre`` ``[M, N]``. ``OUTPUT_NONE``, ``OUTPUT_TILE_ONLY``, ``OUTPUT_HANDOVER_ONLY``:
-    nothing stored (timing of the main loop and of the epilogue's parts).
+    nothing stored (timing of the main loop and of the epilogue's parts). ``epilogue``
+    (``EPILOGUE`` by default for ``OUTPUT_PACKED``) and ``stages`` (``STAGES`` by default)
+    pick a build for measurements.
     """
     m, k = x.shape
     n = w.shape[0]
@@ -148,9 +167,17 @@ def launch(
         raise ValueError("launch: OUTPUT_DENSE needs pre")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
     grid = (max(1, min(tiles, device_info().multiprocessors)),)
-    fn = SOURCE.kernel("twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output)
-    if fn.max_dynamic_shared_size_bytes < SMEM_BYTES:
-        fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    if epilogue is None:
+        epilogue = EPILOGUE if output == OUTPUT_PACKED else EPILOGUE_PACKERS
+    if stages is None:
+        stages = STAGES
+    smem = smem_bytes(stages, epilogue)
+    fn = SOURCE.kernel(
+        "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, EPILOGUE=epilogue,
+        STAGES=stages, SMEM_BYTES=smem,
+    )  # fmt: skip
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
     null = np.uint64(0)
     fn(
         grid, (_THREADS,),
@@ -160,5 +187,5 @@ def launch(
             null if pre is None else pre.view(np.uint16),
             np.int32(m), np.int32(n), np.int32(k),
         ),
-        shared_mem=SMEM_BYTES,
+        shared_mem=smem,
     )  # fmt: skip
