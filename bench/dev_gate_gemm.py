@@ -133,6 +133,29 @@ def time_ms(fn, reps=20, warm=5):
     return float(np.median(times))
 
 
+def profile(x, w, packed, heavy):
+    """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
+    time in ms beside them): where the packer epilogue's time goes."""
+    buf = cp.zeros((device_sms() * 8,), dtype=cp.uint64)
+    gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
+                     heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
+    cp.cuda.runtime.deviceSynchronize()
+    rows = buf.reshape(-1, 8).get().astype(np.float64)
+    names = ["kernel", "consumer_wait_free", "consumer_epilogue", "packer_busy",
+             "packer_wait_full", "packer_last_tile", "tiles"]  # fmt: skip
+    out = {name: float(rows[:, i].mean()) for i, name in enumerate(names)}
+    out["kernel_max"] = float(rows[:, 0].max())
+    out["packer_busy_per_tile"] = out["packer_busy"] / max(out["tiles"], 1)
+    out["clock_hz"] = (
+        cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0) * 1e3
+    )
+    return out
+
+
+def device_sms():
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
 def block_timings():
     """The FFN block (``twell.benchmark.bench_config``: per call, and the first path in CUDA
     graphs) on the "epilogue" route with each epilogue, and on "fused" (which does not use
@@ -224,7 +247,9 @@ def main():
             "wgmma_pack_registers_s4": ours(
                 packed=packed, heavy=heavy, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
             ),
-            "wgmma_main_loop_s4": ours(output=gate_gemm.OUTPUT_NONE, stages=4),
+            "wgmma_main_loop_s4": ours(
+                output=gate_gemm.OUTPUT_NONE, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
+            ),
             "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}
@@ -235,6 +260,8 @@ def main():
         timings = {key: {"ms": v, "tflops": flops / v / 1e9} for key, v in timings.items()}
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
+        results.append({"profile": profile(x, ws[0], packed, heavy)})
+        print(json.dumps(results[-1]), flush=True)
     if args.phase == "block":
         results += block_timings()
     print(f"elapsed {time.time() - t0:.1f} s")

@@ -12,7 +12,10 @@
 // the packed words with pack.cu applied to it), TWELL_OUTPUT 2 stores nothing (the main
 // loop's time, bench/dev_gate_gemm.py); 3 and 4 time parts of the epilogue: 3 fills the
 // bf16 tile and hands it over, but the packer warps do nothing with it; 4 only hands it
-// over (the barriers, no tile stores).
+// over (the barriers, no tile stores); 5 packs as 0 and records, per CTA, clock64 cycles
+// of its parts into `pre` (8 uint64: the kernel, the consumers' waits for a free tile,
+// their epilogue, the packers' work, their waits for a full tile, the last tile's
+// packing, the tiles).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
@@ -58,7 +61,10 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define ROWS_IN_FLIGHT 4
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
 #define EPI_BYTES (TWELL_EPILOGUE ? 0 : BM * EPI_PITCH)
-static_assert(TWELL_EPILOGUE == 0 || TWELL_OUTPUT == 0, "the register epilogue only packs");
+#define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
+#define PROFILE (TWELL_OUTPUT == 5)
+static_assert(TWELL_EPILOGUE == 0 || TWELL_OUTPUT == 0 || TWELL_OUTPUT == 2,
+              "the register epilogue only packs (or times the main loop)");
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
 static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
@@ -317,6 +323,8 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
+  const long long t_start = PROFILE ? clock64() : 0;
+  uint64_t* prof = reinterpret_cast<uint64_t*>(pre) + blockIdx.x * 8;  // OUTPUT 5
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -345,12 +353,15 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     if (tid < 32 || TWELL_OUTPUT == 2 || TWELL_EPILOGUE == 1) return;
     // Packer warps: drain each finished bf16 tile while the consumers compute the next.
     const int pw = tid / 32 - 1;
+    long long wait_full = 0, busy = 0, last = 0;
     bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
       const int cols = min(BN, N - n0);
+      const long long t0 = PROFILE ? clock64() : 0;
       bar_sync(BAR_TILE_FULL);
-      if (TWELL_OUTPUT == 0) {
+      const long long t1 = PROFILE ? clock64() : 0;
+      if (PACKS) {
         const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
         const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
         const uint32_t tile_addr = twell_smem_addr(tile_smem) + lane * 16;
@@ -377,7 +388,18 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
                 *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
         }
       }
+      if (PROFILE) {
+        const long long t2 = clock64();
+        wait_full += t1 - t0;
+        busy += t2 - t1;
+        last = t2 - t1;
+      }
       if (tile + (int)gridDim.x < tiles) bar_arrive(BAR_TILE_FREE);  // the next sync's
+    }
+    if (PROFILE && pw == 0 && lane == 0) {
+      prof[3] = busy;
+      prof[4] = wait_full;
+      prof[5] = last;
     }
     return;
   }
@@ -385,6 +407,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
   const int warp = tid / 32;
   int it = 0;
+  long long wait_free = 0, epilogue = 0, count = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     float d[128];
 #pragma unroll
@@ -434,7 +457,9 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
 
     // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns
     // 8j + 2(lane % 4) + {0, 1}: the wgmma accumulator layout), then hand it over.
+    const long long t0 = PROFILE ? clock64() : 0;
     bar_sync(BAR_TILE_FREE);
+    const long long t1 = PROFILE ? clock64() : 0;
     const int r = c * 64 + warp * 16 + lane / 4;
     uint8_t* p0 = tile_smem + r * EPI_PITCH + (lane % 4) * 4;
     uint8_t* p1 = p0 + 8 * EPI_PITCH;
@@ -444,5 +469,16 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       *reinterpret_cast<uint32_t*>(p1 + j * 16) = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
     }
     bar_arrive(BAR_TILE_FULL);
+    if (PROFILE) {
+      wait_free += t1 - t0;
+      epilogue += clock64() - t0;
+      ++count;
+    }
+  }
+  if (PROFILE && threadIdx.x == 128) {
+    prof[0] = clock64() - t_start;
+    prof[1] = wait_free;
+    prof[2] = epilogue;
+    prof[6] = count;
   }
 }

@@ -42,8 +42,10 @@ _THREADS = 128 * (CONSUMERS + 1)
 
 #: What the kernel stores (compile-time): TwELL words and heavy flags (what the ops use),
 #: the dense bf16 pre-activation (tests), or nothing (timing of the main loop; with the
-#: epilogue's bf16 tile filled but not packed, or only handed over: timing of its parts).
+#: epilogue's bf16 tile filled but not packed, or only handed over: timing of its parts);
+#: or the packed output plus clock64 cycles of the parts per CTA (8 uint64 each in ``pre``).
 OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY = 0, 1, 2, 3, 4
+OUTPUT_PROFILE = 5
 
 SOURCE = declare(
     Source(
@@ -62,7 +64,10 @@ SOURCE = declare(
                           (EPILOGUE_REGISTERS, 4))
         ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "EPILOGUE": EPILOGUE_PACKERS,
                    "STAGES": STAGES, "SMEM_BYTES": SMEM_BYTES}
-                  for o in (OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY)),
+                  for o in (OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY,
+                            OUTPUT_PROFILE)
+        ) + ({"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_NONE, "EPILOGUE": EPILOGUE_REGISTERS,
+              "STAGES": 4, "SMEM_BYTES": smem_bytes(4, EPILOGUE_REGISTERS)},),
     )
 )  # fmt: skip
 
@@ -161,9 +166,9 @@ def launch(
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    if output == OUTPUT_PACKED and (packed is None or heavy is None):
+    if output in (OUTPUT_PACKED, OUTPUT_PROFILE) and (packed is None or heavy is None):
         raise ValueError("launch: OUTPUT_PACKED needs packed and heavy")
-    if output == OUTPUT_DENSE and pre is None:
+    if output in (OUTPUT_DENSE, OUTPUT_PROFILE) and pre is None:
         raise ValueError("launch: OUTPUT_DENSE needs pre")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
     grid = (max(1, min(tiles, device_info().multiprocessors)),)
