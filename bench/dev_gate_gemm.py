@@ -106,7 +106,8 @@ def check(m, n, k, tile=256, slots=32, seed=0, special=None):
     pack_equal = {}
     for name, epilogue, stages in (("packers", gate_gemm.EPILOGUE_PACKERS, 3),
                                    ("registers", gate_gemm.EPILOGUE_REGISTERS, 3),
-                                   ("registers_s4", gate_gemm.EPILOGUE_REGISTERS, 4)):  # fmt: skip
+                                   ("registers_s4", gate_gemm.EPILOGUE_REGISTERS, 4),
+                                   ("packers_ilp", gate_gemm.EPILOGUE_PACKERS_ILP, 3)):  # fmt: skip
         packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
         heavy = cp.zeros((m,), dtype=cp.uint8)
         gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
@@ -133,17 +134,18 @@ def time_ms(fn, reps=20, warm=5):
     return float(np.median(times))
 
 
-def profile(x, w, packed, heavy):
+def profile(x, w, packed, heavy, epilogue):
     """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
     time in ms beside them): where the packer epilogue's time goes."""
     buf = cp.zeros((device_sms() * 8,), dtype=cp.uint64)
     gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
-                     heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
+                     heavy=heavy, pre=buf.view(cp.uint16), epilogue=epilogue)  # fmt: skip
     cp.cuda.runtime.deviceSynchronize()
     rows = buf.reshape(-1, 8).get().astype(np.float64)
     names = ["kernel", "consumer_wait_free", "consumer_epilogue", "packer_busy",
              "packer_wait_full", "packer_last_tile", "tiles"]  # fmt: skip
-    out = {name: float(rows[:, i].mean()) for i, name in enumerate(names)}
+    out = {"epilogue": epilogue}
+    out.update({name: float(rows[:, i].mean()) for i, name in enumerate(names)})
     out["kernel_max"] = float(rows[:, 0].max())
     out["packer_busy_per_tile"] = out["packer_busy"] / max(out["tiles"], 1)
     out["clock_hz"] = (
@@ -162,16 +164,14 @@ def block_timings():
     this kernel): uniform at three batch sizes, heavy and paperlike at 16384."""
     from twell.benchmark import bench_config
 
-    registers = ("registers_s4", gate_gemm.EPILOGUE_REGISTERS, 4)
+    ilp = ("packers_ilp", gate_gemm.EPILOGUE_PACKERS_ILP, 3)
     packers = ("packers", gate_gemm.EPILOGUE_PACKERS, 3)
     runs = []
-    for m in (2048, 4096, 16384):
-        runs += [("uniform", m, registers, ("epilogue", "fused")),
-                 ("uniform", m, packers, ("epilogue",))]  # fmt: skip
-        if m != 4096:
-            runs.append(("uniform", m, packers, ("fused",)))
-    for workload in ("heavy", "paperlike"):
-        runs.append((workload, 16384, registers, ("epilogue", "fused")))
+    for workload, m in [("uniform", 2048), ("uniform", 4096), ("uniform", 8192),
+                        ("uniform", 16384), ("heavy", 16384), ("paperlike", 16384)]:  # fmt: skip
+        runs += [(workload, m, ilp, ("epilogue", "fused")), (workload, m, ilp, ("fused",))]
+        if workload == "uniform" and m in (2048, 16384):
+            runs.append((workload, m, packers, ("epilogue",)))
     out = []
     for workload, m, (name, epilogue, stages), paths in runs:
         gate_gemm.EPILOGUE, gate_gemm.STAGES = epilogue, stages
@@ -247,6 +247,9 @@ def main():
             "wgmma_pack_registers_s4": ours(
                 packed=packed, heavy=heavy, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
             ),
+            "wgmma_pack_ilp": ours(
+                packed=packed, heavy=heavy, epilogue=gate_gemm.EPILOGUE_PACKERS_ILP
+            ),
             "wgmma_main_loop_s4": ours(
                 output=gate_gemm.OUTPUT_NONE, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
             ),
@@ -260,8 +263,9 @@ def main():
         timings = {key: {"ms": v, "tflops": flops / v / 1e9} for key, v in timings.items()}
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
-        results.append({"profile": profile(x, ws[0], packed, heavy)})
-        print(json.dumps(results[-1]), flush=True)
+        for epilogue in (gate_gemm.EPILOGUE_PACKERS, gate_gemm.EPILOGUE_PACKERS_ILP):
+            results.append({"profile": profile(x, ws[0], packed, heavy, epilogue)})
+            print(json.dumps(results[-1]), flush=True)
     if args.phase == "block":
         results += block_timings()
     print(f"elapsed {time.time() - t0:.1f} s")

@@ -477,7 +477,7 @@ def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -
     assert_close(to_f64(pre), ref, 1e-2)
     want_packed, want_heavy = pack(pre, tile, slots)
     builds = [(gate_gemm.EPILOGUE_PACKERS, 3), (gate_gemm.EPILOGUE_REGISTERS, 3),
-              (gate_gemm.EPILOGUE_REGISTERS, 4)]  # fmt: skip
+              (gate_gemm.EPILOGUE_REGISTERS, 4), (gate_gemm.EPILOGUE_PACKERS_ILP, 3)]  # fmt: skip
     for epilogue, stages in [(None, None), *builds]:  # the default, then each build
         if epilogue is None:
             packed, heavy = gate_gemm.gate_pack(x, w, tile, slots)

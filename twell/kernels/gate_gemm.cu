@@ -60,10 +60,10 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define PACKER_WARPS 3          // warps 1-3 of warpgroup 0
 #define ROWS_IN_FLIGHT 4
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
-#define EPI_BYTES (TWELL_EPILOGUE ? 0 : BM * EPI_PITCH)
+#define EPI_BYTES (TWELL_EPILOGUE == 1 ? 0 : BM * EPI_PITCH)
 #define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
 #define PROFILE (TWELL_OUTPUT == 5)
-static_assert(TWELL_EPILOGUE == 0 || TWELL_OUTPUT == 0 || TWELL_OUTPUT == 2,
+static_assert(TWELL_EPILOGUE != 1 || TWELL_OUTPUT == 0 || TWELL_OUTPUT == 2,
               "the register epilogue only packs (or times the main loop)");
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
@@ -302,6 +302,73 @@ __device__ __forceinline__ void pack_quad_row(const QuadRows& rows, uint32_t* __
   }
 }
 
+// The packer epilogue in two halves (TWELL_EPILOGUE 2): scan_row has no memory side
+// effects (a row's mask, slots and flags from its bf16 words: arithmetic and ballots), so
+// the scans of the ROWS_IN_FLIGHT rows of a step can interleave; store_row then writes
+// each row's words. Same rule and words as pack_row.
+struct RowScan {
+  uint32_t raw[4];
+  uint32_t mask;
+  int excl, total;
+  bool over, flag;
+};
+__device__ __forceinline__ RowScan scan_row(uint4 q, int lane) {
+  RowScan r;
+  r.raw[0] = q.x;
+  r.raw[1] = q.y;
+  r.raw[2] = q.z;
+  r.raw[3] = q.w;
+  uint32_t mask = 0, bad = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t hi = r.raw[i] & 0xffff0000u, lo = r.raw[i] << 16;
+    const uint32_t nz_lo = twell_relu_keeps_top(lo), nz_hi = twell_relu_keeps_top(hi);
+    mask |= (nz_lo | (nz_hi << 1)) << (2 * i);
+    bad |= twell_non_finite_top(lo) | twell_non_finite_top(hi);
+  }
+  r.mask = mask;
+  const uint32_t mine = __popc(mask);
+  const uint32_t seg_mask =
+      LANES_PER_TILE == 32 ? 0xffffffffu
+                           : ((1u << LANES_PER_TILE) - 1u) << (lane & ~(LANES_PER_TILE - 1));
+  const uint32_t below = seg_mask & ((1u << lane) - 1u);
+  const uint32_t b0 = __ballot_sync(0xffffffffu, mine & 1u);
+  const uint32_t b1 = __ballot_sync(0xffffffffu, mine & 2u);
+  const uint32_t b2 = __ballot_sync(0xffffffffu, mine & 4u);
+  const uint32_t b3 = __ballot_sync(0xffffffffu, mine & 8u);
+  r.excl = __popc(b0 & below) + 2 * __popc(b1 & below) + 4 * __popc(b2 & below) +
+           8 * __popc(b3 & below);
+  r.total = __popc(b0 & seg_mask) + 2 * __popc(b1 & seg_mask) + 4 * __popc(b2 & seg_mask) +
+            8 * __popc(b3 & seg_mask);
+  r.over = twell_tile_overflows(r.total, TWELL_SLOTS);
+  r.flag = __ballot_sync(0xffffffffu, r.over || bad) != 0;
+  return r;
+}
+__device__ __forceinline__ void store_row(const RowScan& r, uint32_t* __restrict__ dst,
+                                          int tiles_here, int col0, int lane,
+                                          uint8_t* __restrict__ heavy_flag) {
+  if (r.flag && lane == 0) *heavy_flag = 1;
+  const int seg = lane / LANES_PER_TILE, seg_lane = lane % LANES_PER_TILE;
+  if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
+  uint32_t* out = dst + seg * TWELL_SLOTS;
+#pragma unroll
+  for (int w0 = 0; w0 < TWELL_SLOTS; w0 += LANES_PER_TILE) {
+    const int w = w0 + seg_lane;
+    if (w == 0) out[0] = (uint32_t)r.total;
+    else if (w < TWELL_SLOTS && (r.over || w > r.total)) out[w] = 0u;
+  }
+  if (!r.over) {
+    int slot = 1 + r.excl;
+    const uint32_t col = (uint32_t)(col0 + lane * 8);
+    for (uint32_t left = r.mask; left; left &= left - 1u) {
+      const int e = __ffs(left) - 1;
+      const uint32_t word = e < 4 ? (e < 2 ? r.raw[0] : r.raw[1]) : (e < 6 ? r.raw[2] : r.raw[3]);
+      const uint32_t bits = (e & 1) ? (word & 0xffff0000u) : (word << 16);
+      out[slot++] = (col + e) | bits;
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
@@ -371,13 +438,27 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
 #pragma unroll
           for (int i = 0; i < ROWS_IN_FLIGHT; ++i)
             q[i] = twell_lds128(tile_addr + min(r0 + i * PACKER_WARPS, BM - 1) * EPI_PITCH);
+          if (TWELL_EPILOGUE == 2) {
+            RowScan scans[ROWS_IN_FLIGHT];
 #pragma unroll
-          for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
-            const int r = r0 + i * PACKER_WARPS;
-            const long long m = (long long)m0 + r;
-            if (r < BM && m < M)
-              pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane,
-                       heavy + m);
+            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) scans[i] = scan_row(q[i], lane);
+#pragma unroll
+            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
+              const int r = r0 + i * PACKER_WARPS;
+              const long long m = (long long)m0 + r;
+              if (r < BM && m < M)
+                store_row(scans[i], packed + m * row_words + first, cols / TWELL_TILE, n0,
+                          lane, heavy + m);
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
+              const int r = r0 + i * PACKER_WARPS;
+              const long long m = (long long)m0 + r;
+              if (r < BM && m < M)
+                pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane,
+                         heavy + m);
+            }
           }
         }
       } else if (TWELL_OUTPUT == 1) {

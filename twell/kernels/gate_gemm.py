@@ -25,7 +25,7 @@ STAGES, CONSUMERS = 3, 2
 _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
 #: How the packed output is written (compile-time): packer warps draining a bf16 tile in
 #: shared memory, or the consumer threads from their registers (OUTPUT_PACKED only).
-EPILOGUE_PACKERS, EPILOGUE_REGISTERS = 0, 1
+EPILOGUE_PACKERS, EPILOGUE_REGISTERS, EPILOGUE_PACKERS_ILP = 0, 1, 2
 EPILOGUE = EPILOGUE_PACKERS
 
 
@@ -61,13 +61,15 @@ SOURCE = declare(
              "SMEM_BYTES": smem_bytes(st, e)}
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
             for e, st in ((EPILOGUE_PACKERS, STAGES), (EPILOGUE_REGISTERS, STAGES),
-                          (EPILOGUE_REGISTERS, 4))
+                          (EPILOGUE_REGISTERS, 4), (EPILOGUE_PACKERS_ILP, STAGES))
         ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "EPILOGUE": EPILOGUE_PACKERS,
                    "STAGES": STAGES, "SMEM_BYTES": SMEM_BYTES}
                   for o in (OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY,
                             OUTPUT_PROFILE)
-        ) + ({"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_NONE, "EPILOGUE": EPILOGUE_REGISTERS,
-              "STAGES": 4, "SMEM_BYTES": smem_bytes(4, EPILOGUE_REGISTERS)},),
+        ) + ({"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_PROFILE,
+              "EPILOGUE": EPILOGUE_PACKERS_ILP, "STAGES": STAGES, "SMEM_BYTES": SMEM_BYTES},
+             {"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_NONE, "EPILOGUE": EPILOGUE_REGISTERS,
+              "STAGES": 4, "SMEM_BYTES": smem_bytes(4, EPILOGUE_REGISTERS)}),
     )
 )  # fmt: skip
 
