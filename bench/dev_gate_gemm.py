@@ -1,14 +1,14 @@
-"""Development check of gate_gemm.cu on the GPU: GEMM bits against cuBLAS, both packing
-epilogues (packer warps; consumers from registers) against pack.cu applied to the same
-kernel's dense output, and timings.
+"""Development check of gate_gemm.cu on the GPU: GEMM bits against cuBLAS, the packing
+epilogue against pack.cu applied to the same kernel's dense output, and timings.
 
     python bench/dev_gate_gemm.py small|full|block [--out DIR]
 
 ``small``: correctness on odd shapes, every tile/slots geometry, and a problem whose
 pre-activations are special values (zeros of both signs, bf16 subnormals, values at the
 rounding edges 2^-134 and 0x7f7f8000, Inf, NaN). ``full``: M=16384 timings of the kernel's
-builds. ``block``: the FFN block (``twell.benchmark.bench_config``, "epilogue" and "fused"
-routes) with each epilogue.
+builds (a 4-stage ring for the main loop alone) and the cycles of the epilogue's parts
+(OUTPUT_PROFILE). ``block``: the FFN block on the "epilogue" and "fused" routes
+(``twell.benchmark.bench_config``), per call and in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -101,19 +101,13 @@ def check(m, n, k, tile=256, slots=32, seed=0, special=None):
     b = from_bf16(ref, np.float32)
     rel = float(cp.linalg.norm(a - b) / max(float(cp.linalg.norm(b)), 1e-30))
     same = float((pre.view(cp.uint16) == ref.view(cp.uint16)).mean())
-    # each packing epilogue vs pack.cu on this kernel's own dense output
+    # the packing epilogue vs pack.cu on this kernel's own dense output
     p_ref, h_ref = pack(pre, tile, slots)
-    pack_equal = {}
-    for name, epilogue, stages in (("packers", gate_gemm.EPILOGUE_PACKERS, 3),
-                                   ("registers", gate_gemm.EPILOGUE_REGISTERS, 3),
-                                   ("registers_s4", gate_gemm.EPILOGUE_REGISTERS, 4),
-                                   ("packers_ilp", gate_gemm.EPILOGUE_PACKERS_ILP, 3)):  # fmt: skip
-        packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
-        heavy = cp.zeros((m,), dtype=cp.uint8)
-        gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
-                         epilogue=epilogue, stages=stages)  # fmt: skip
-        cp.cuda.runtime.deviceSynchronize()
-        pack_equal[name] = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
+    packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
+    heavy = cp.zeros((m,), dtype=cp.uint8)
+    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy)
+    cp.cuda.runtime.deviceSynchronize()
+    pack_equal = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
     return {"m": m, "n": n, "k": k, "tile": tile, "slots": slots, "special": special,
             "rel_vs_cublas": rel, "bits_equal_frac": same, "nan": bool(cp.isnan(a).any()),
             "pack_equal": pack_equal, "heavy_rows": int(h_ref.sum()),
@@ -134,18 +128,17 @@ def time_ms(fn, reps=20, warm=5):
     return float(np.median(times))
 
 
-def profile(x, w, packed, heavy, epilogue):
+def profile(x, w, packed, heavy):
     """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
     time in ms beside them): where the packer epilogue's time goes."""
     buf = cp.zeros((device_sms() * 8,), dtype=cp.uint64)
     gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
-                     heavy=heavy, pre=buf.view(cp.uint16), epilogue=epilogue)  # fmt: skip
+                     heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
     cp.cuda.runtime.deviceSynchronize()
     rows = buf.reshape(-1, 8).get().astype(np.float64)
     names = ["kernel", "consumer_wait_free", "consumer_epilogue", "packer_busy",
              "packer_wait_full", "packer_last_tile", "tiles"]  # fmt: skip
-    out = {"epilogue": epilogue}
-    out.update({name: float(rows[:, i].mean()) for i, name in enumerate(names)})
+    out = {name: float(rows[:, i].mean()) for i, name in enumerate(names)}
     out["kernel_max"] = float(rows[:, 0].max())
     out["packer_busy_per_tile"] = out["packer_busy"] / max(out["tiles"], 1)
     out["clock_hz"] = (
@@ -159,36 +152,31 @@ def device_sms():
 
 
 def block_timings():
-    """The FFN block (``twell.benchmark.bench_config``: per call, and the first path in CUDA
-    graphs) on the "epilogue" route with each epilogue, and on "fused" (which does not use
-    this kernel): uniform at three batch sizes, heavy and paperlike at 16384."""
+    """The FFN block (``twell.benchmark.bench_config``) on the "epilogue" route (this
+    kernel) and on "fused" held to cuBLAS and the scan of the dense pre-activation at every
+    M (``pipeline.EPILOGUE_ROWS`` lifted), per call and in CUDA graphs (a bench_config call
+    graphs its first path only)."""
     from twell.benchmark import bench_config
+    from twell.kernels import pipeline
 
-    ilp = ("packers_ilp", gate_gemm.EPILOGUE_PACKERS_ILP, 3)
-    packers = ("packers", gate_gemm.EPILOGUE_PACKERS, 3)
-    runs = []
-    for workload, m in [("uniform", 2048), ("uniform", 4096), ("uniform", 8192),
-                        ("uniform", 16384), ("heavy", 16384), ("paperlike", 16384)]:  # fmt: skip
-        runs += [(workload, m, ilp, ("epilogue", "fused")), (workload, m, ilp, ("fused",))]
-        if workload == "uniform" and m in (2048, 16384):
-            runs.append((workload, m, packers, ("epilogue",)))
+    pipeline.EPILOGUE_ROWS = 1 << 62  # "fused" as cuBLAS + the scan at every M
+    cases = [("uniform", 2048), ("uniform", 4096), ("uniform", 8192), ("uniform", 16384),
+             ("heavy", 16384), ("paperlike", 16384)]  # fmt: skip
     out = []
-    for workload, m, (name, epilogue, stages), paths in runs:
-        gate_gemm.EPILOGUE, gate_gemm.STAGES = epilogue, stages
-        try:
-            for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
-                r["gate_epilogue"] = name
-                r["graph_path"] = paths[0]
-                keys = ("workload", "M", "path", "graph_path", "gate_epilogue", "t_ms",
-                        "t_dense_ms", "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
-                        "heavy_rows")  # fmt: skip
-                print(json.dumps({k: r.get(k) for k in keys}), flush=True)
-                out.append(r)
-        except Exception as error:  # noqa: BLE001
-            out.append({"workload": workload, "M": m, "gate_epilogue": name,
-                        "error": repr(error)})  # fmt: skip
-            print(out[-1], flush=True)
-    gate_gemm.EPILOGUE, gate_gemm.STAGES = gate_gemm.EPILOGUE_PACKERS, 3
+    for workload, m in cases:
+        for paths in (("epilogue", "fused"), ("fused",)):
+            try:
+                for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
+                    r["graph_path"] = paths[0]
+                    keys = ("workload", "M", "path", "graph_path", "t_ms", "t_dense_ms",
+                            "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
+                            "heavy_rows")  # fmt: skip
+                    print(json.dumps({k: r.get(k) for k in keys}), flush=True)
+                    out.append(r)
+            except Exception as error:  # noqa: BLE001
+                out.append({"workload": workload, "M": m, "paths": paths, "error": repr(error)})
+                print(out[-1], flush=True)
+    pipeline.EPILOGUE_ROWS = 4096
     return out
 
 
@@ -241,18 +229,7 @@ def main():
             "wgmma_handover_only": ours(output=gate_gemm.OUTPUT_HANDOVER_ONLY),
             "wgmma_tile_only": ours(output=gate_gemm.OUTPUT_TILE_ONLY),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
-            "wgmma_pack_registers": ours(
-                packed=packed, heavy=heavy, epilogue=gate_gemm.EPILOGUE_REGISTERS
-            ),
-            "wgmma_pack_registers_s4": ours(
-                packed=packed, heavy=heavy, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
-            ),
-            "wgmma_pack_ilp": ours(
-                packed=packed, heavy=heavy, epilogue=gate_gemm.EPILOGUE_PACKERS_ILP
-            ),
-            "wgmma_main_loop_s4": ours(
-                output=gate_gemm.OUTPUT_NONE, stages=4, epilogue=gate_gemm.EPILOGUE_REGISTERS
-            ),
+            "wgmma_main_loop_s4": ours(output=gate_gemm.OUTPUT_NONE, stages=4),
             "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}
@@ -263,17 +240,15 @@ def main():
         timings = {key: {"ms": v, "tflops": flops / v / 1e9} for key, v in timings.items()}
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
-        for epilogue in (gate_gemm.EPILOGUE_PACKERS, gate_gemm.EPILOGUE_PACKERS_ILP):
-            results.append({"profile": profile(x, ws[0], packed, heavy, epilogue)})
-            print(json.dumps(results[-1]), flush=True)
+        results.append({"profile": profile(x, ws[0], packed, heavy)})
+        print(json.dumps(results[-1]), flush=True)
     if args.phase == "block":
         results += block_timings()
     print(f"elapsed {time.time() - t0:.1f} s")
     if args.out:
         with open(f"{args.out}/gate_gemm_{args.phase}.json", "w") as f:
             json.dump(results, f, indent=1)
-    bad = [r for r in results
-           if "error" in r or not all(r.get("pack_equal", {"-": True}).values())]  # fmt: skip
+    bad = [r for r in results if "error" in r or r.get("pack_equal") is False]
     sys.exit(1 if bad else 0)
 
 

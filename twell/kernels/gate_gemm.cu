@@ -31,19 +31,13 @@
 // are deterministic) and set the heavy flags. Two named barriers pass the tile back and
 // forth, so packing overlaps the tensor-core work of the next tile.
 //
-// TWELL_EPILOGUE 1 (OUTPUT 0 only) packs without the hand-over: each consumer thread
-// turns the two rows it holds in registers into TwELL words itself (a quad of lanes holds
-// a row's 256 columns; the masks of kept columns are exchanged within the quad, a kept
-// column's slot is the number of kept columns before it in its TwELL tile), so the bf16
-// tile, the named barriers and the packer warps are not used and the ring may be deeper.
-// Both epilogues write the same words (pack_row's rule on the same bf16 rounding).
-//
 // Limits: K % 8 == 0 (TMA row pitch), N % TWELL_TILE == 0, TWELL_TILE divides 256,
 // TWELL_SLOTS <= TWELL_TILE; x and w 16-byte aligned. Rows and columns past M, N and K
 // come in as zeros (TMA out-of-bounds fill) and are never stored.
 //
-// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT, TWELL_EPILOGUE; constants
-// from the launcher: TWELL_BLOCK_M/N/K, TWELL_STAGES, TWELL_CONSUMERS, TWELL_SMEM_BYTES.
+// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT, TWELL_STAGES and
+// TWELL_SMEM_BYTES (the launcher's sum for that ring, checked here); constants from the
+// launcher: TWELL_BLOCK_M/N/K, TWELL_CONSUMERS.
 
 // Constants shared with the launcher (gate_gemm.py passes them in the prelude).
 #define BM TWELL_BLOCK_M
@@ -60,11 +54,9 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define PACKER_WARPS 3          // warps 1-3 of warpgroup 0
 #define ROWS_IN_FLIGHT 4
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
-#define EPI_BYTES (TWELL_EPILOGUE == 1 ? 0 : BM * EPI_PITCH)
+#define EPI_BYTES (TWELL_OUTPUT == 2 ? 0 : BM * EPI_PITCH)  // the main loop alone needs no tile
 #define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
 #define PROFILE (TWELL_OUTPUT == 5)
-static_assert(TWELL_EPILOGUE != 1 || TWELL_OUTPUT == 0 || TWELL_OUTPUT == 2,
-              "the register epilogue only packs (or times the main loop)");
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
 static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
@@ -192,183 +184,6 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
   }
 }
 
-// The register epilogue (TWELL_EPILOGUE 1). relu keeps the bf16 rounding (to nearest,
-// ties to even) of the fp32 with bits b: a positive value above 2^-134 (bits 0x8000; it
-// and smaller ones round to +0) or a NaN. The rounding is non-finite: NaN, Inf, or a
-// magnitude of at least 0x7f7f8000 (halfway above the largest bf16: it rounds to Inf).
-// Integer tests on the fp32 bits: the same answers as twell_relu_keeps_top and
-// twell_non_finite_top on the rounded bits, without rounding every value.
-__device__ __forceinline__ bool keeps_rounded(uint32_t b) {
-  return (int)b > 0x8000 || b > 0xff800000u;
-}
-__device__ __forceinline__ bool non_finite_rounded(uint32_t b) {
-  return (b & 0x7fffffffu) >= 0x7f7f8000u;
-}
-__device__ __forceinline__ uint64_t low_bits(int n) { return n >= 64 ? ~0ull : (1ull << n) - 1ull; }
-#define SEG_BITS (TWELL_TILE / 4)  // bits of a lane's 64-bit row mask per TwELL tile
-#define SEGS (BN / TWELL_TILE)     // TwELL tiles in the CTA's 256 columns
-#define SEG_MASK(s) (low_bits(SEG_BITS) << ((s) * SEG_BITS))
-
-// The two rows a consumer thread holds (the wgmma accumulator layout: lane q = lane % 4
-// has columns 8j + 2q + {0, 1}, j < 32, of the quad's row r in d[4j], d[4j + 1] and of row
-// r + 8 in d[4j + 2], d[4j + 3]), rounded to bf16 pairs (row h: words[h][j]), with each
-// row's mask of kept columns (bit 2j + b: column 8j + 2q + b) and whether any of its values
-// rounds to a non-finite bf16. The accumulators are dead afterwards.
-struct QuadRows {
-  uint32_t words[2][32];
-  uint64_t kept[2];
-  bool bad[2];
-};
-__device__ __forceinline__ void round_quad_rows(const float (&d)[128], QuadRows& rows) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    rows.kept[h] = 0;
-    rows.bad[h] = false;
-  }
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      rows.words[h][j] = twell_pack_bf16x2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const uint32_t bits = __float_as_uint(d[4 * j + 2 * h + b]);
-        if (keeps_rounded(bits)) rows.kept[h] |= 1ull << (2 * j + b);
-        rows.bad[h] |= non_finite_rounded(bits);
-      }
-    }
-  }
-}
-
-// Row m of the tile (row h of the quad's pair) -> its TwELL words for the CTA's 256
-// columns and its heavy flag, as pack_row writes them. A whole warp (shuffles within quads).
-template <int H>
-__device__ __forceinline__ void pack_quad_row(const QuadRows& rows, uint32_t* __restrict__ packed,
-                                              long long m, int M, long long row_words,
-                                              long long first, int tiles_here, int col0,
-                                              int lane, uint8_t* __restrict__ heavy) {
-  const int q = lane & 3;
-  const uint64_t mine = rows.kept[H];
-  uint64_t quad[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) quad[i] = __shfl_sync(0xffffffffu, mine, (lane & ~3) | i);
-  const uint32_t bad_lanes = __ballot_sync(0xffffffffu, rows.bad[H]);
-  if (m >= M) return;
-  int total[SEGS];
-  bool over_any = false;
-#pragma unroll
-  for (int s = 0; s < SEGS; ++s) {
-    total[s] = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) total[s] += __popcll(quad[i] & SEG_MASK(s));
-    over_any |= twell_tile_overflows(total[s], TWELL_SLOTS);
-  }
-  if (q == 0 && (over_any || ((bad_lanes >> (lane & ~3)) & 0xfu))) heavy[m] = 1;
-  uint32_t* dst = packed + m * row_words + first;
-  // Words: 0 = count (the quad's lanes take every fourth word); 1..total = entries (their
-  // owners write them); the rest 0.
-#pragma unroll
-  for (int s = 0; s < SEGS; ++s) {
-    if (s >= tiles_here) break;  // columns past N (zeros from TMA): nothing to store
-    const bool over = twell_tile_overflows(total[s], TWELL_SLOTS);
-#pragma unroll
-    for (int w0 = 0; w0 < TWELL_SLOTS; w0 += 4) {
-      const int w = w0 + q;
-      if (w == 0) dst[s * TWELL_SLOTS] = (uint32_t)total[s];
-      else if (w < TWELL_SLOTS && (over || w > total[s])) dst[s * TWELL_SLOTS + w] = 0u;
-    }
-  }
-  // Entries: a kept column's slot is 1 + the kept columns before it in its TwELL tile
-  // (lanes below q up to column 8j + 2q - 1, lanes above q up to 8j - 1, itself below).
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int s = (8 * j) / TWELL_TILE;
-    if (((mine >> (2 * j)) & 3ull) == 0 || s >= tiles_here ||
-        twell_tile_overflows(total[s], TWELL_SLOTS))
-      continue;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      if (!((mine >> (2 * j + b)) & 1ull)) continue;
-      const uint64_t seg = SEG_MASK(s);
-      const uint64_t lt = low_bits(2 * j + 2) & seg, gt = low_bits(2 * j) & seg,
-                     self = low_bits(2 * j + b) & seg;
-      int rank = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) rank += __popcll(quad[i] & (i < q ? lt : (i > q ? gt : self)));
-      const uint32_t word = rows.words[H][j];
-      const uint32_t value = b ? (word & 0xffff0000u) : (word << 16);
-      dst[s * TWELL_SLOTS + 1 + rank] = (uint32_t)(col0 + 8 * j + 2 * q + b) | value;
-    }
-  }
-}
-
-// The packer epilogue in two halves (TWELL_EPILOGUE 2): scan_row has no memory side
-// effects (a row's mask, slots and flags from its bf16 words: arithmetic and ballots), so
-// the scans of the ROWS_IN_FLIGHT rows of a step can interleave; store_row then writes
-// each row's words. Same rule and words as pack_row.
-struct RowScan {
-  uint32_t raw[4];
-  uint32_t mask;
-  int excl, total;
-  bool over, flag;
-};
-__device__ __forceinline__ RowScan scan_row(uint4 q, int lane) {
-  RowScan r;
-  r.raw[0] = q.x;
-  r.raw[1] = q.y;
-  r.raw[2] = q.z;
-  r.raw[3] = q.w;
-  uint32_t mask = 0, bad = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t hi = r.raw[i] & 0xffff0000u, lo = r.raw[i] << 16;
-    const uint32_t nz_lo = twell_relu_keeps_top(lo), nz_hi = twell_relu_keeps_top(hi);
-    mask |= (nz_lo | (nz_hi << 1)) << (2 * i);
-    bad |= twell_non_finite_top(lo) | twell_non_finite_top(hi);
-  }
-  r.mask = mask;
-  const uint32_t mine = __popc(mask);
-  const uint32_t seg_mask =
-      LANES_PER_TILE == 32 ? 0xffffffffu
-                           : ((1u << LANES_PER_TILE) - 1u) << (lane & ~(LANES_PER_TILE - 1));
-  const uint32_t below = seg_mask & ((1u << lane) - 1u);
-  const uint32_t b0 = __ballot_sync(0xffffffffu, mine & 1u);
-  const uint32_t b1 = __ballot_sync(0xffffffffu, mine & 2u);
-  const uint32_t b2 = __ballot_sync(0xffffffffu, mine & 4u);
-  const uint32_t b3 = __ballot_sync(0xffffffffu, mine & 8u);
-  r.excl = __popc(b0 & below) + 2 * __popc(b1 & below) + 4 * __popc(b2 & below) +
-           8 * __popc(b3 & below);
-  r.total = __popc(b0 & seg_mask) + 2 * __popc(b1 & seg_mask) + 4 * __popc(b2 & seg_mask) +
-            8 * __popc(b3 & seg_mask);
-  r.over = twell_tile_overflows(r.total, TWELL_SLOTS);
-  r.flag = __ballot_sync(0xffffffffu, r.over || bad) != 0;
-  return r;
-}
-__device__ __forceinline__ void store_row(const RowScan& r, uint32_t* __restrict__ dst,
-                                          int tiles_here, int col0, int lane,
-                                          uint8_t* __restrict__ heavy_flag) {
-  if (r.flag && lane == 0) *heavy_flag = 1;
-  const int seg = lane / LANES_PER_TILE, seg_lane = lane % LANES_PER_TILE;
-  if (seg >= tiles_here) return;  // columns past N (zeros from TMA): nothing to store
-  uint32_t* out = dst + seg * TWELL_SLOTS;
-#pragma unroll
-  for (int w0 = 0; w0 < TWELL_SLOTS; w0 += LANES_PER_TILE) {
-    const int w = w0 + seg_lane;
-    if (w == 0) out[0] = (uint32_t)r.total;
-    else if (w < TWELL_SLOTS && (r.over || w > r.total)) out[w] = 0u;
-  }
-  if (!r.over) {
-    int slot = 1 + r.excl;
-    const uint32_t col = (uint32_t)(col0 + lane * 8);
-    for (uint32_t left = r.mask; left; left &= left - 1u) {
-      const int e = __ffs(left) - 1;
-      const uint32_t word = e < 4 ? (e < 2 ? r.raw[0] : r.raw[1]) : (e < 6 ? r.raw[2] : r.raw[3]);
-      const uint32_t bits = (e & 1) ? (word & 0xffff0000u) : (word << 16);
-      out[slot++] = (col + e) | bits;
-    }
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
@@ -391,7 +206,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
   const long long t_start = PROFILE ? clock64() : 0;
-  uint64_t* prof = reinterpret_cast<uint64_t*>(pre) + blockIdx.x * 8;  // OUTPUT 5
+  uint64_t* prof = PROFILE ? reinterpret_cast<uint64_t*>(pre) + blockIdx.x * 8 : nullptr;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -417,7 +232,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         }
       }
     }
-    if (tid < 32 || TWELL_OUTPUT == 2 || TWELL_EPILOGUE == 1) return;
+    if (tid < 32 || TWELL_OUTPUT == 2) return;
     // Packer warps: drain each finished bf16 tile while the consumers compute the next.
     const int pw = tid / 32 - 1;
     long long wait_full = 0, busy = 0, last = 0;
@@ -432,33 +247,22 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
         const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
         const uint32_t tile_addr = twell_smem_addr(tile_smem) + lane * 16;
-        // ROWS_IN_FLIGHT independent rows per step: the packers are latency-bound.
+        // ROWS_IN_FLIGHT rows' tile loads in flight per step. (The packers are busy for the
+        // whole main loop and take ~25k cycles for the last tile alone; scanning the four
+        // rows before any of their stores, so that they interleave, was no faster:
+        // docs/perf-log.md, 2026-11-26, eleventh session.)
         for (int r0 = pw; r0 < BM; r0 += ROWS_IN_FLIGHT * PACKER_WARPS) {
           uint4 q[ROWS_IN_FLIGHT];
 #pragma unroll
           for (int i = 0; i < ROWS_IN_FLIGHT; ++i)
             q[i] = twell_lds128(tile_addr + min(r0 + i * PACKER_WARPS, BM - 1) * EPI_PITCH);
-          if (TWELL_EPILOGUE == 2) {
-            RowScan scans[ROWS_IN_FLIGHT];
 #pragma unroll
-            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) scans[i] = scan_row(q[i], lane);
-#pragma unroll
-            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
-              const int r = r0 + i * PACKER_WARPS;
-              const long long m = (long long)m0 + r;
-              if (r < BM && m < M)
-                store_row(scans[i], packed + m * row_words + first, cols / TWELL_TILE, n0,
-                          lane, heavy + m);
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
-              const int r = r0 + i * PACKER_WARPS;
-              const long long m = (long long)m0 + r;
-              if (r < BM && m < M)
-                pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane,
-                         heavy + m);
-            }
+          for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
+            const int r = r0 + i * PACKER_WARPS;
+            const long long m = (long long)m0 + r;
+            if (r < BM && m < M)
+              pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane,
+                       heavy + m);
           }
         }
       } else if (TWELL_OUTPUT == 1) {
@@ -522,18 +326,6 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         heavy[threadIdx.x] = (uint8_t)__float_as_uint(sum);
       }
       if (TWELL_OUTPUT == 2) continue;  // the main loop alone
-    }
-    if (TWELL_EPILOGUE == 1) {
-      const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
-      const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
-      const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
-      const int tiles_here = min(BN, N - n0) / TWELL_TILE;
-      const long long m = (long long)m0 + c * 64 + warp * 16 + lane / 4;
-      QuadRows rows;
-      round_quad_rows(d, rows);
-      pack_quad_row<0>(rows, packed, m, M, row_words, first, tiles_here, n0, lane, heavy);
-      pack_quad_row<1>(rows, packed, m + 8, M, row_words, first, tiles_here, n0, lane, heavy);
-      continue;
     }
 
     // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns

@@ -23,22 +23,6 @@ BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 #: Depth of the TMA ring, and consumer warpgroups (64 rows of the tile each).
 STAGES, CONSUMERS = 3, 2
 _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
-#: How the packed output is written (compile-time): packer warps draining a bf16 tile in
-#: shared memory, or the consumer threads from their registers (OUTPUT_PACKED only).
-EPILOGUE_PACKERS, EPILOGUE_REGISTERS, EPILOGUE_PACKERS_ILP = 0, 1, 2
-EPILOGUE = EPILOGUE_PACKERS
-
-
-def smem_bytes(stages: int = STAGES, epilogue: int = EPILOGUE_PACKERS) -> int:
-    """Dynamic shared memory of the kernel: the TMA ring, the epilogue's bf16 tile (packer
-    epilogue), the mbarriers, and slack to align the ring to 1024 bytes (the kernel checks
-    the sum)."""
-    tile = 0 if epilogue == EPILOGUE_REGISTERS else BLOCK_M * _EPI_PITCH
-    return stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + tile + 2 * stages * 8 + 1024
-
-
-SMEM_BYTES = smem_bytes()
-_THREADS = 128 * (CONSUMERS + 1)
 
 #: What the kernel stores (compile-time): TwELL words and heavy flags (what the ops use),
 #: the dense bf16 pre-activation (tests), or nothing (timing of the main loop; with the
@@ -47,29 +31,36 @@ _THREADS = 128 * (CONSUMERS + 1)
 OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY = 0, 1, 2, 3, 4
 OUTPUT_PROFILE = 5
 
+
+def smem_bytes(stages: int = STAGES, output: int = OUTPUT_PACKED) -> int:
+    """Dynamic shared memory of the kernel: the TMA ring, the epilogue's bf16 tile (every
+    build but ``OUTPUT_NONE``, the main loop alone), the mbarriers, and slack to align the
+    ring to 1024 bytes (the kernel checks the sum)."""
+    tile = 0 if output == OUTPUT_NONE else BLOCK_M * _EPI_PITCH
+    return stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + tile + 2 * stages * 8 + 1024
+
+
+SMEM_BYTES = smem_bytes()
+_THREADS = 128 * (CONSUMERS + 1)
+
 SOURCE = declare(
     Source(
         "gate_gemm.cu",
-        # STAGES and SMEM_BYTES (smem_bytes of the two) are parameters so that
-        # measurements can build deeper rings; the kernel checks their agreement.
-        parameters=("TILE", "SLOTS", "OUTPUT", "EPILOGUE", "STAGES", "SMEM_BYTES"),
+        # STAGES and SMEM_BYTES (smem_bytes of the build) are parameters so that the main
+        # loop can be timed with a deeper ring; the kernel checks their agreement.
+        parameters=("TILE", "SLOTS", "OUTPUT", "STAGES", "SMEM_BYTES"),
         constants={
             "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "CONSUMERS": CONSUMERS,
         },
         examples=tuple(
-            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "EPILOGUE": e, "STAGES": st,
-             "SMEM_BYTES": smem_bytes(st, e)}
+            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "STAGES": STAGES,
+             "SMEM_BYTES": SMEM_BYTES}
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
-            for e, st in ((EPILOGUE_PACKERS, STAGES), (EPILOGUE_REGISTERS, STAGES),
-                          (EPILOGUE_REGISTERS, 4), (EPILOGUE_PACKERS_ILP, STAGES))
-        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "EPILOGUE": EPILOGUE_PACKERS,
-                   "STAGES": STAGES, "SMEM_BYTES": SMEM_BYTES}
-                  for o in (OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY,
-                            OUTPUT_PROFILE)
-        ) + ({"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_PROFILE,
-              "EPILOGUE": EPILOGUE_PACKERS_ILP, "STAGES": STAGES, "SMEM_BYTES": SMEM_BYTES},
-             {"TILE": 256, "SLOTS": 32, "OUTPUT": OUTPUT_NONE, "EPILOGUE": EPILOGUE_REGISTERS,
-              "STAGES": 4, "SMEM_BYTES": smem_bytes(4, EPILOGUE_REGISTERS)}),
+        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "STAGES": st,
+                   "SMEM_BYTES": smem_bytes(st, o)}
+                  for o, st in ((OUTPUT_DENSE, STAGES), (OUTPUT_NONE, STAGES), (OUTPUT_NONE, 4),
+                                (OUTPUT_TILE_ONLY, STAGES), (OUTPUT_HANDOVER_ONLY, STAGES),
+                                (OUTPUT_PROFILE, STAGES))),
     )
 )  # fmt: skip
 
@@ -152,17 +143,17 @@ def launch(
     packed: Any | None = None,
     heavy: Any | None = None,
     pre: Any | None = None,
-    epilogue: int | None = None,
-    stages: int | None = None,
+    stages: int = STAGES,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
     ``OUTPUT_PACKED``: relu + TwELL into ``packed`` (uint32 ``[M, N/tile*slots]``) and
     ``heavy`` (uint8 ``[M]``, zeroed by the caller). ``OUTPUT_DENSE``: the bf16 GEMM into
     ``pre`` ``[M, N]``. ``OUTPUT_NONE``, ``OUTPUT_TILE_ONLY``, ``OUTPUT_HANDOVER_ONLY``:
-    nothing stored (timing of the main loop and of the epilogue's parts). ``epilogue``
-    (``EPILOGUE`` by default for ``OUTPUT_PACKED``) and ``stages`` (``STAGES`` by default)
-    pick a build for measurements.
+    nothing stored (timing of the main loop and of the epilogue's parts).
+    ``OUTPUT_PROFILE``: as ``OUTPUT_PACKED``, plus cycles of the epilogue's parts in
+    ``pre`` (uint64 [SMs, 8] viewed as uint16). ``stages``: the ring's depth (timing of the
+    main loop only; the other builds' shared memory has room for ``STAGES``).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -171,18 +162,15 @@ def launch(
     if output in (OUTPUT_PACKED, OUTPUT_PROFILE) and (packed is None or heavy is None):
         raise ValueError("launch: OUTPUT_PACKED needs packed and heavy")
     if output in (OUTPUT_DENSE, OUTPUT_PROFILE) and pre is None:
-        raise ValueError("launch: OUTPUT_DENSE needs pre")
+        raise ValueError("launch: OUTPUT_DENSE and OUTPUT_PROFILE need pre")
+    if smem_bytes(stages, output) > 232448:
+        raise ValueError(f"launch: a ring of {stages} stages does not fit with this build")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
     grid = (max(1, min(tiles, device_info().multiprocessors)),)
-    if epilogue is None:
-        epilogue = EPILOGUE if output == OUTPUT_PACKED else EPILOGUE_PACKERS
-    if stages is None:
-        stages = STAGES
-    smem = smem_bytes(stages, epilogue)
+    smem = smem_bytes(stages, output)
     fn = SOURCE.kernel(
-        "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, EPILOGUE=epilogue,
-        STAGES=stages, SMEM_BYTES=smem,
-    )  # fmt: skip
+        "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, STAGES=stages, SMEM_BYTES=smem
+    )
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     null = np.uint64(0)

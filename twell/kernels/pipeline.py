@@ -11,7 +11,8 @@ pass has two stages (docs/design.md draws them):
    products, a :class:`SaveTargets`, or None):
 
    - ``"fused"``: cuBLAS gate GEMM into a dense bf16 pre-activation, then one kernel
-     scans it and gathers (light_rows.from_pre);
+     scans it and gathers (light_rows.from_pre); a gated block of at least
+     :data:`EPILOGUE_ROWS` tokens takes ``"epilogue"`` instead;
    - ``"epilogue"``: the gate GEMM packs TwELL in its epilogue (gate_gemm.cu), then the
      gather reads TwELL; no dense pre-activation exists, so heavy rows recompute theirs;
    - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL;
@@ -440,6 +441,16 @@ class SaveTargets:
 Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 
 
+#: Tokens from which the "fused" path of a gated block takes the "epilogue" route: the
+#: gate GEMM packs TwELL in its epilogue, so the 2 * M * N bytes of dense pre-activation
+#: are neither written nor scanned. Measured per call and in CUDA graphs, K=2048,
+#: N=5632 (docs/perf-log.md, 2026-11-26, eleventh session), H200, graphs: uniform M=2048
+#: 177.5 against 172.2 µs (fused better), M=4096 300.6 against 307.9, M=8192 564.1
+#: against 594.3, M=16384 1089 against 1174; heavy 1106 against 1167; paperlike 1192
+#: against 1241.
+EPILOGUE_ROWS = 4096
+
+
 def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
     if save is not None:
         raise ValueError(
@@ -447,6 +458,8 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None)
         )
     if light_rows_sliced.pays(x.shape[0], block.k, block.n, block.gated):
         return _route_sliced(block, x, y, save)
+    if block.gated and x.shape[0] >= EPILOGUE_ROWS:
+        return _route_epilogue(block, x, y, save)
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
     light_rows.from_pre(
