@@ -233,6 +233,29 @@ def test_fused_route_takes_the_slices_where_they_pay(monkeypatch: pytest.MonkeyP
     assert cp.array_equal(after.view(cp.uint16), sliced.view(cp.uint16))
 
 
+def test_fused_route_takes_the_epilogue_from_epilogue_rows(monkeypatch: pytest.MonkeyPatch):
+    """A gated block's fused route is the epilogue route (bits) from
+    pipeline.EPILOGUE_ROWS tokens; a non-gated block's never."""
+    from twell.kernels import pipeline
+
+    p = with_special_rows(problem("heavy", 300, 512, 1024, seed=5))
+    x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
+    epilogue = PreparedBlock(wg, wu, wd, Options(path="epilogue", density_switch=False))(x)
+    fused = PreparedBlock(wg, wu, wd, Options(density_switch=False))
+    nongated = PreparedBlock(None, wu, wd, Options(density_switch=False))
+    calls = []
+    real = gate_gemm.gate_pack
+    monkeypatch.setattr(gate_gemm, "gate_pack", lambda *a: calls.append(1) or real(*a))
+    fused(x)
+    assert not calls  # 300 tokens: cuBLAS and the scan of the pre-activation
+    monkeypatch.setattr(pipeline, "EPILOGUE_ROWS", 300)
+    after = fused(x)
+    assert calls == [1]
+    assert cp.array_equal(after.view(cp.uint16), epilogue.view(cp.uint16))
+    nongated(x)
+    assert calls == [1]
+
+
 def test_sliced_route_with_more_tiles_than_a_warp_has_lanes():
     """64 tiles of 32 units: the lists kernel's second batch of tiles, rows that pass
     max_row_nnz only there (they go to the dense path), and the rest right."""

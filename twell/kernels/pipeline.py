@@ -443,11 +443,12 @@ Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 
 #: Tokens from which the "fused" path of a gated block takes the "epilogue" route: the
 #: gate GEMM packs TwELL in its epilogue, so the 2 * M * N bytes of dense pre-activation
-#: are neither written nor scanned. Measured per call and in CUDA graphs, K=2048,
-#: N=5632 (docs/perf-log.md, 2026-11-26, eleventh session), H200, graphs: uniform M=2048
-#: 177.5 against 172.2 µs (fused better), M=4096 300.6 against 307.9, M=8192 564.1
-#: against 594.3, M=16384 1089 against 1174; heavy 1106 against 1167; paperlike 1192
-#: against 1241.
+#: are neither written nor scanned. Measured in CUDA graphs, K=2048, N=5632, µs,
+#: epilogue against cuBLAS + scan (docs/perf-log.md, 2026-11-26, eleventh session):
+#: H200: uniform M=2048 177.5 / 172.2, 4096 300.6 / 307.9, 8192 564.1 / 594.3, 16384
+#: 1089 / 1174, heavy 1106 / 1167, paperlike 1192 / 1241; H100: 2048 185.6 / 179.4,
+#: 4096 324.1 / 324.2, 8192 587.8 / 598.9, 16384 1148 / 1187, heavy 1191 / 1196,
+#: paperlike 1193 / 1229.
 EPILOGUE_ROWS = 4096
 
 
