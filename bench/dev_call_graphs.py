@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 import twell
 from twell import _graphs
-from twell.benchmark import gpu_name, make_problem, versions
-from twell.sweeps import back_to_back_ms, host_us, per_call_ms
+from twell.benchmark import gpu_name, versions
+from twell.sweeps import back_to_back_ms, host_us, per_call_ms, torch_problem
 
 
 def main() -> None:
@@ -30,12 +28,7 @@ def main() -> None:
     k, n = 2048, 5632
     records = []
     for m in args.M:
-        p = make_problem("uniform", m, k, n)
-        cuda = [torch.from_numpy(a.astype(np.float32)).cuda().bfloat16() for a in p.arrays()]
-        x = cuda[0]
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        sets = max(1, min(8, math.ceil(3 * l2 / (2 * (m * k + 3 * n * k)))))
-        weights = [cuda[1:]] + [[w.clone() for w in cuda[1:]] for _ in range(sets - 1)]
+        _, x, weights, sets = torch_problem("uniform", m, k, n)
         blocks = [twell.SparseFFN(*w) for w in weights]
 
         def ours(i: int) -> torch.Tensor:

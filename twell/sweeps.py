@@ -95,13 +95,20 @@ def host_us(fn: Any, sets: int, calls: int = 200) -> float:
     return elapsed / calls * 1e6
 
 
-def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> list[dict]:
+def torch_problem(workload: str, m: int, k: int, n: int) -> tuple[Any, Any, list, int]:
+    """The workload on the GPU as torch bf16 tensors: ``(problem, x, weight sets, sets)``,
+    the gated weights ``(w_gate, w_up, w_down)`` copied into enough sets that rotating
+    through them reads the weights from DRAM (working set about 3x the L2)."""
     p = make_problem(workload, m, k, n)
     cuda = [torch.from_numpy(a.astype(np.float32)).cuda().bfloat16() for a in p.arrays()]
-    x = cuda[0]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sets = max(1, min(8, math.ceil(3 * l2 / (2 * (m * k + 3 * n * k)))))
     weights = [cuda[1:]] + [[w.clone() for w in cuda[1:]] for _ in range(sets - 1)]
+    return p, cuda[0], weights, sets
+
+
+def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> list[dict]:
+    p, x, weights, sets = torch_problem(workload, m, k, n)
     blocks = [twell.SparseFFN(*w) for w in weights]
 
     def ours(i: int) -> Any:
