@@ -247,10 +247,11 @@ def test_fused_route_takes_the_epilogue_from_epilogue_rows(monkeypatch: pytest.M
     real = gate_gemm.gate_pack
     monkeypatch.setattr(gate_gemm, "gate_pack", lambda *a: calls.append(1) or real(*a))
     fused(x)
-    assert not calls  # 300 tokens: cuBLAS and the scan of the pre-activation
+    assert not calls and fused.route(300) == "fused"  # cuBLAS and the scan
     monkeypatch.setattr(pipeline, "EPILOGUE_ROWS", 300)
     after = fused(x)
-    assert calls == [1]
+    assert calls == [1] and fused.route(300) == "epilogue" and fused.route(299) == "fused"
+    assert fused.route(300, save=True) == "epilogue" and nongated.route(300) == "fused"
     assert cp.array_equal(after.view(cp.uint16), epilogue.view(cp.uint16))
     nongated(x)
     assert calls == [1]
@@ -515,6 +516,7 @@ def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -
                      packed=packed, heavy=heavy, pre=cycles.view(cp.uint16))  # fmt: skip
     assert cp.array_equal(heavy, want_heavy) and cp.array_equal(packed, want_packed)
     assert int(cycles[:, 6].sum()) == tiles and bool((cycles[:, 0] > 0).all())
+    assert bool((cycles[:, 7] >= cycles[:, 5]).all())  # the packers' end, after their last tile
 
 
 @pytest.mark.parametrize(

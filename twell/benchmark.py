@@ -269,6 +269,9 @@ def bench_config(
             op="ffn_forward" if gated else "ffn_forward_nongated",
             workload=workload,
             path=path,
+            # the light-row route a sparse call of this size takes ("fused" stands for
+            # the fastest measured route of the shape)
+            route=blocks[0][path].route(m),
             M=m,
             K=k,
             N=n,

@@ -7,15 +7,15 @@
 //               caller zeroes heavy first, every CTA touching the row may set it)
 //
 // The dense pre-activation never reaches global memory (TWELL_OUTPUT 0, what twell runs).
-// Four other builds of the same source serve checks and measurements, never the ops:
+// Five other builds of the same source serve checks and measurements, never the ops:
 // TWELL_OUTPUT 1 writes the bf16 pre-activation [M, N] instead of packing (tests compare
 // the packed words with pack.cu applied to it), TWELL_OUTPUT 2 stores nothing (the main
 // loop's time, bench/dev_gate_gemm.py); 3 and 4 time parts of the epilogue: 3 fills the
 // bf16 tile and hands it over, but the packer warps do nothing with it; 4 only hands it
 // over (the barriers, no tile stores); 5 packs as 0 and records, per CTA, clock64 cycles
-// of its parts into `pre` (8 uint64: the kernel, the consumers' waits for a free tile,
-// their epilogue, the packers' work, their waits for a full tile, the last tile's
-// packing, the tiles).
+// of its parts into `pre` (uint64 [grid, 8]: the consumers' time to their last tile's
+// hand-over, their waits for a free tile, their epilogue, the packers' work, their waits
+// for a full tile, the last tile's packing, the tiles, the packers' time to their end).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
@@ -187,9 +187,9 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
-                uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0)
-                uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (OUTPUT 0)
-                uint16_t* __restrict__ pre,             // [M, N] bf16 (OUTPUT 1)
+                uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0, 5)
+                uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (0, 5)
+                uint16_t* __restrict__ pre,             // [M, N] bf16 (1); uint64 [grid, 8] (5)
                 int M, int N, int K) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = twell_smem_addr(smem_raw);
@@ -285,6 +285,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       prof[3] = busy;
       prof[4] = wait_full;
       prof[5] = last;
+      prof[7] = clock64() - t_start;
     }
     return;
   }

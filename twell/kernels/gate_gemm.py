@@ -152,21 +152,24 @@ def launch(
     ``pre`` ``[M, N]``. ``OUTPUT_NONE``, ``OUTPUT_TILE_ONLY``, ``OUTPUT_HANDOVER_ONLY``:
     nothing stored (timing of the main loop and of the epilogue's parts).
     ``OUTPUT_PROFILE``: as ``OUTPUT_PACKED``, plus cycles of the epilogue's parts in
-    ``pre`` (uint64 [SMs, 8] viewed as uint16). ``stages``: the ring's depth (timing of the
-    main loop only; the other builds' shared memory has room for ``STAGES``).
+    ``pre`` (uint64 ``[grid, 8]``, grid = min(tiles, SMs), viewed as uint16).
+    ``stages``: the ring's depth (timing of the main loop only; the other builds' shared
+    memory has room for ``STAGES``).
     """
     m, k = x.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return
     if output in (OUTPUT_PACKED, OUTPUT_PROFILE) and (packed is None or heavy is None):
-        raise ValueError("launch: OUTPUT_PACKED needs packed and heavy")
+        raise ValueError("launch: OUTPUT_PACKED and OUTPUT_PROFILE need packed and heavy")
     if output in (OUTPUT_DENSE, OUTPUT_PROFILE) and pre is None:
         raise ValueError("launch: OUTPUT_DENSE and OUTPUT_PROFILE need pre")
-    if smem_bytes(stages, output) > 232448:
-        raise ValueError(f"launch: a ring of {stages} stages does not fit with this build")
+    if stages < 2 or smem_bytes(stages, output) > 232448:
+        raise ValueError(f"launch: a ring of {stages} stages does not work with this build")
     tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
     grid = (max(1, min(tiles, device_info().multiprocessors)),)
+    if output == OUTPUT_PROFILE and pre.nbytes < grid[0] * 64:
+        raise ValueError(f"launch: OUTPUT_PROFILE needs {grid[0] * 64} bytes of pre")
     smem = smem_bytes(stages, output)
     fn = SOURCE.kernel(
         "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, STAGES=stages, SMEM_BYTES=smem

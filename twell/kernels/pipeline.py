@@ -137,6 +137,23 @@ class PreparedBlock:
         """The block's output for ``x [M, K]`` (``x``'s dtype)."""
         return self.forward(x)
 
+    def route(self, m: int, save: bool = False) -> str:
+        """The light-row route (a key of :data:`ROUTES`) of a sparse call of ``m`` tokens
+        (decode and the density switch's dense calls take neither): the ``path`` option,
+        where ``"fused"`` stands for the route measured fastest at the shape (the sliced
+        gather for large weights, ``light_rows_sliced.pays``; ``"epilogue"`` for a gated
+        block from :data:`EPILOGUE_ROWS` tokens), and a training call (``save``) takes
+        ``"epilogue"`` where the path keeps no training outputs."""
+        path = self.options.path
+        if save and path in ("fused", "sliced"):
+            return "epilogue"
+        if path == "fused":
+            if light_rows_sliced.pays(m, self.k, self.n, self.gated):
+                return "sliced"
+            if self.gated and m >= EPILOGUE_ROWS:
+                return "epilogue"
+        return path
+
     def forward(self, x: Any, *, save: bool = False) -> Any:
         """The block's output for ``x [M, K]`` (``x``'s dtype); no host synchronisation.
 
@@ -169,9 +186,7 @@ class PreparedBlock:
             else:
                 self.density.observe_masks(scratch[1])
             return from_bf16(y, x.dtype)
-        path = self.options.path
-        if save and path in ("fused", "sliced"):  # routes that keep no training outputs
-            path = "epilogue"
+        path = self.route(m, save)
         # The training forward's L1 term, per row: light rows by the route, heavy rows by
         # the heavy-row stage (every row written).
         row_l1 = alloc((m,), np.float32) if save else None
@@ -441,14 +456,21 @@ class SaveTargets:
 Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 
 
-#: Tokens from which the "fused" path of a gated block takes the "epilogue" route: the
-#: gate GEMM packs TwELL in its epilogue, so the 2 * M * N bytes of dense pre-activation
-#: are neither written nor scanned. Measured in CUDA graphs, K=2048, N=5632, µs,
-#: epilogue against cuBLAS + scan (docs/perf-log.md, 2026-11-26, eleventh session):
-#: H200: uniform M=2048 177.5 / 172.2, 4096 300.6 / 307.9, 8192 564.1 / 594.3, 16384
-#: 1089 / 1174, heavy 1106 / 1167, paperlike 1192 / 1241; H100: 2048 185.6 / 179.4,
-#: 4096 324.1 / 324.2, 8192 587.8 / 598.9, 16384 1148 / 1187, heavy 1191 / 1196,
-#: paperlike 1193 / 1229.
+#: Tokens from which the "fused" path of a gated block takes the "epilogue" route
+#: (:meth:`PreparedBlock.route`): the gate GEMM packs TwELL in its epilogue, so the
+#: 2 * M * N bytes of dense pre-activation are neither written nor scanned. Its scratch is
+#: larger, though: the TwELL words (M * N / 2 bytes at 32 slots) beside the [M, N] bf16
+#: buffer where heavy rows recompute their pre-activations (about 2.5 * M * N bytes
+#: against 2 * M * N). Measured at K=2048, N=5632, epilogue against cuBLAS + scan
+#: (docs/perf-log.md, 2026-11-26, eleventh session), CUDA graphs, µs: H100 uniform
+#: M=2048 185.6 / 179.4, 4096 324.1 / 324.2, 8192 587.8 / 598.9, 16384 1148 / 1187,
+#: heavy 1191 / 1196, paperlike 1193 / 1229; H200 (a build of the packers that was
+#: within 1% of this one where both ran) 2048 177.5 / 172.2, 4096 300.6 / 307.9, 8192
+#: 564.1 / 594.3, 16384 1089 / 1174, heavy 1106 / 1167, paperlike 1192 / 1241. Per call
+#: (what SparseFFN above its graph bound of 4096 tokens meets), ms: H100 4096 0.383 /
+#: 0.463, 8192 0.638 / 0.650, 16384 1.179 / 1.270, heavy 1.251 / 1.233, paperlike 1.330 /
+#: 1.289; H200 4096 0.351 / 0.349, 8192 0.589 / 0.604, 16384 1.071 / 1.117, heavy
+#: 1.121 / 1.154, paperlike 1.197 / 1.233.
 EPILOGUE_ROWS = 4096
 
 
@@ -457,10 +479,6 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None)
         raise ValueError(
             "the fused route writes no TwELL, row_l1 or up products (use epilogue or pack)"
         )
-    if light_rows_sliced.pays(x.shape[0], block.k, block.n, block.gated):
-        return _route_sliced(block, x, y, save)
-    if block.gated and x.shape[0] >= EPILOGUE_ROWS:
-        return _route_epilogue(block, x, y, save)
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
     light_rows.from_pre(
