@@ -23,6 +23,7 @@ import numpy as np
 
 from twell.kernels import gate_gemm
 from twell.kernels.buffers import empty_bf16
+from twell.kernels.compile import device_info
 from twell.kernels.convert import as_bf16, from_bf16
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.pack import pack
@@ -41,10 +42,6 @@ def sparse_problem(m, n, k, seed):
     x[::50, 0] = 0.0
     w[:, 0] = -2.6
     return as_bf16(x), as_bf16(w)
-
-
-def bf16_from_bits(bits):
-    return cp.asarray(np.asarray(bits, np.uint16)).view(cp.uint16)
 
 
 def special_problem(m, n, k, seed, non_finite=True):
@@ -131,7 +128,7 @@ def time_ms(fn, reps=20, warm=5):
 def profile(x, w, packed, heavy):
     """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
     time in ms beside them): where the packer epilogue's time goes."""
-    buf = cp.zeros((device_sms() * 8,), dtype=cp.uint64)
+    buf = cp.zeros((device_info().multiprocessors * 8,), dtype=cp.uint64)
     gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
                      heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
     cp.cuda.runtime.deviceSynchronize()
@@ -147,10 +144,6 @@ def profile(x, w, packed, heavy):
         cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0) * 1e3
     )
     return out
-
-
-def device_sms():
-    return cp.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def block_timings():
