@@ -23,7 +23,6 @@ import numpy as np
 
 from twell.kernels import gate_gemm
 from twell.kernels.buffers import empty_bf16
-from twell.kernels.compile import device_info
 from twell.kernels.convert import as_bf16, from_bf16
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.pack import pack
@@ -100,11 +99,14 @@ def check(m, n, k, tile=256, slots=32, seed=0, special=None):
     same = float((pre.view(cp.uint16) == ref.view(cp.uint16)).mean())
     # the packing epilogue vs pack.cu on this kernel's own dense output
     p_ref, h_ref = pack(pre, tile, slots)
-    packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
-    heavy = cp.zeros((m,), dtype=cp.uint8)
-    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy)
-    cp.cuda.runtime.deviceSynchronize()
-    pack_equal = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
+    pack_equal = True
+    for cluster in (1, 2):  # both cluster sizes: the same words
+        packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
+        heavy = cp.zeros((m,), dtype=cp.uint8)
+        gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
+                         cluster=cluster)  # fmt: skip
+        cp.cuda.runtime.deviceSynchronize()
+        pack_equal &= bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
     return {"m": m, "n": n, "k": k, "tile": tile, "slots": slots, "special": special,
             "rel_vs_cublas": rel, "bits_equal_frac": same, "nan": bool(cp.isnan(a).any()),
             "pack_equal": pack_equal, "heavy_rows": int(h_ref.sum()),
@@ -125,12 +127,13 @@ def time_ms(fn, reps=20, warm=5):
     return float(np.median(times))
 
 
-def profile(x, w, packed, heavy):
+def profile(x, w, packed, heavy, cluster=1):
     """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
     time in ms beside them): where the packer epilogue's time goes."""
-    buf = cp.zeros((device_info().multiprocessors * 8,), dtype=cp.uint64)
+    ctas = gate_gemm.ctas(x.shape[0], w.shape[0], cluster, output=gate_gemm.OUTPUT_PROFILE)
+    buf = cp.zeros((ctas * 8,), dtype=cp.uint64)
     gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
-                     heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
+                     heavy=heavy, pre=buf.view(cp.uint16), cluster=cluster)  # fmt: skip
     cp.cuda.runtime.deviceSynchronize()
     rows = buf.reshape(-1, 8).get().astype(np.float64)
     names = ["consumers_to_last_handover", "consumer_wait_free", "consumer_epilogue",
@@ -148,33 +151,36 @@ def profile(x, w, packed, heavy):
 
 def block_timings():
     """The FFN block (``twell.benchmark.bench_config``) on the "epilogue" route (this
-    kernel) and on "fused" held to cuBLAS and the scan of the dense pre-activation at every
-    M (``pipeline.EPILOGUE_ROWS`` lifted), per call and in CUDA graphs (a bench_config call
-    graphs its first path only)."""
+    kernel, with ``gate_gemm.CLUSTER`` 1 and 2) and on "fused" held to cuBLAS and the scan
+    of the dense pre-activation at every M (``pipeline.EPILOGUE_ROWS`` lifted), per call and
+    in CUDA graphs (a bench_config call graphs its first path only)."""
     from twell.benchmark import bench_config
     from twell.kernels import pipeline
 
-    saved = pipeline.EPILOGUE_ROWS
+    saved = pipeline.EPILOGUE_ROWS, gate_gemm.CLUSTER
     pipeline.EPILOGUE_ROWS = 1 << 62  # "fused" as cuBLAS + the scan at every M
     cases = [("uniform", 2048), ("uniform", 4096), ("uniform", 8192), ("uniform", 16384),
              ("heavy", 16384), ("paperlike", 16384)]  # fmt: skip
     try:
         out = []
         for workload, m in cases:
-            for paths in (("epilogue", "fused"), ("fused",)):
+            for paths, cluster in ((("epilogue", "fused"), 1), (("fused",), 1),
+                                   (("epilogue",), 2)):  # fmt: skip
+                gate_gemm.CLUSTER = cluster
                 try:
                     for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
                         r["graph_path"] = paths[0]
-                        keys = ("workload", "M", "path", "graph_path", "t_ms", "t_dense_ms",
-                                "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
-                                "heavy_rows")  # fmt: skip
+                        r["cluster"] = cluster
+                        keys = ("workload", "M", "path", "graph_path", "cluster", "t_ms",
+                                "t_dense_ms", "speedup", "t_graph_ms", "t_dense_graph_ms",
+                                "rel_err", "heavy_rows")  # fmt: skip
                         print(json.dumps({k: r.get(k) for k in keys}), flush=True)
                         out.append(r)
                 except Exception as error:  # noqa: BLE001
                     out.append({"workload": workload, "M": m, "paths": paths, "error": repr(error)})
                     print(out[-1], flush=True)
     finally:
-        pipeline.EPILOGUE_ROWS = saved
+        pipeline.EPILOGUE_ROWS, gate_gemm.CLUSTER = saved
     return out
 
 
@@ -228,6 +234,10 @@ def main():
             "wgmma_tile_only": ours(output=gate_gemm.OUTPUT_TILE_ONLY),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
             "wgmma_main_loop_s4": ours(output=gate_gemm.OUTPUT_NONE, stages=4),
+            "wgmma_main_loop_c2": ours(output=gate_gemm.OUTPUT_NONE, cluster=2),
+            "wgmma_main_loop_s4_c2": ours(output=gate_gemm.OUTPUT_NONE, stages=4, cluster=2),
+            "wgmma_pack_c2": ours(packed=packed, heavy=heavy, cluster=2),
+            "wgmma_dense_c2": ours(output=gate_gemm.OUTPUT_DENSE, pre=pre, cluster=2),
             "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}
@@ -239,6 +249,10 @@ def main():
         print(json.dumps(timings), flush=True)
         results.append({"timings": timings})
         results.append({"profile": profile(x, ws[0], packed, heavy)})
+        print(json.dumps(results[-1]), flush=True)
+        results.append({"profile_c2": profile(x, ws[0], packed, heavy, cluster=2)})
+        print(json.dumps(results[-1]), flush=True)
+        results.append({"ctas": {c: gate_gemm.ctas(m, n, c) for c in (1, 2)}})
         print(json.dumps(results[-1]), flush=True)
     if args.phase == "block":
         results += block_timings()

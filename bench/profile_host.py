@@ -1,5 +1,7 @@
 """Where the host time of one SparseFFN call goes (cProfile over many calls, torch
-tensors, M=64), beside the dense torch block's host time.
+tensors, M=64), beside the dense torch block's host time; and how long a call's host
+work runs before its first big kernel (the gate GEMM) is launched: time the GPU idles in
+a single eager call.
 
     PYTHONPATH=. python bench/profile_host.py [--M 64]
 """
@@ -15,6 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import twell
 from twell import workloads
+from twell.kernels import cublas, gate_gemm, pipeline
 
 
 def per_call_us(fn, calls: int = 300) -> float:  # noqa: ANN001
@@ -51,6 +54,35 @@ def host_us(fn, calls: int = 8, repeats: int = 5) -> float:  # noqa: ANN001
     return best
 
 
+def until_gate_us(fn, calls: int = 20) -> float:  # noqa: ANN001
+    """Median host time from a call's start to its gate GEMM's launch (cuBLAS or
+    gate_gemm.cu), the GPU idle before."""
+    marks: list[float] = []
+    saved = gate_gemm.launch, cublas.gemm_nt, pipeline.gemm_nt
+
+    def mark(real):  # noqa: ANN001, ANN202
+        def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            marks.append(time.perf_counter())
+            return real(*args, **kwargs)
+
+        return wrapped
+
+    gate_gemm.launch, cublas.gemm_nt, pipeline.gemm_nt = (mark(f) for f in saved)
+    try:
+        times = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            marks.clear()
+            start = time.perf_counter()
+            fn()
+            if marks:
+                times.append((marks[0] - start) * 1e6)
+        torch.cuda.synchronize()
+    finally:
+        gate_gemm.launch, cublas.gemm_nt, pipeline.gemm_nt = saved
+    return float(np.median(times)) if times else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, default=64)
@@ -64,14 +96,19 @@ def main() -> None:
                      ("dense torch", dense)):  # fmt: skip
         print(f"M={m} {name} host {per_call_us(fn):.1f} us per call in a loop, "
               f"{host_us(fn):.1f} us behind a GPU sleep")  # fmt: skip
+    print(f"M={m} SparseFFN: {until_gate_us(lambda: block(x)):.1f} us from the call to the "
+          "gate GEMM's launch")  # fmt: skip
+    calls = 300 if m <= 4096 else 20  # large M: stay within the launch queue
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(300):
+    for _ in range(calls):
         block(x)
     profile.disable()
     torch.cuda.synchronize()
     stats = pstats.Stats(profile).sort_stats("tottime")
     stats.print_stats(22)
+    if m > 4096:
+        stats.sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":
