@@ -1,20 +1,23 @@
 """Development check of gate_gemm.cu on the GPU: GEMM bits against cuBLAS, the packing
 epilogue against pack.cu applied to the same kernel's dense output, and timings.
 
-    python bench/dev_gate_gemm.py small|full|block [--out DIR]
+    python bench/dev_gate_gemm.py small|full|block|clocks [--out DIR]
 
 ``small``: correctness on odd shapes, every tile/slots geometry, and a problem whose
 pre-activations are special values (zeros of both signs, bf16 subnormals, values at the
 rounding edges 2^-134 and 0x7f7f8000, Inf, NaN). ``full``: M=16384 timings of the kernel's
 builds (a 4-stage ring for the main loop alone) and the cycles of the epilogue's parts
 (OUTPUT_PROFILE). ``block``: the FFN block on the "epilogue" and "fused" routes
-(``twell.benchmark.bench_config``), per call and in CUDA graphs.
+(``twell.benchmark.bench_config``), per call and in CUDA graphs. ``clocks``: the SM
+clock and power nvidia-smi reads while each build runs back to back for a second (does
+the packing epilogue cost time through the clock?).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 
@@ -23,6 +26,7 @@ import numpy as np
 
 from twell.kernels import gate_gemm
 from twell.kernels.buffers import empty_bf16
+from twell.kernels.compile import device_info
 from twell.kernels.convert import as_bf16, from_bf16
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.pack import pack
@@ -99,14 +103,11 @@ def check(m, n, k, tile=256, slots=32, seed=0, special=None):
     same = float((pre.view(cp.uint16) == ref.view(cp.uint16)).mean())
     # the packing epilogue vs pack.cu on this kernel's own dense output
     p_ref, h_ref = pack(pre, tile, slots)
-    pack_equal = True
-    for cluster in (1, 2):  # both cluster sizes: the same words
-        packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
-        heavy = cp.zeros((m,), dtype=cp.uint8)
-        gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
-                         cluster=cluster)  # fmt: skip
-        cp.cuda.runtime.deviceSynchronize()
-        pack_equal &= bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
+    packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
+    heavy = cp.zeros((m,), dtype=cp.uint8)
+    gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy)
+    cp.cuda.runtime.deviceSynchronize()
+    pack_equal = bool((packed == p_ref).all()) and bool((heavy == h_ref).all())
     return {"m": m, "n": n, "k": k, "tile": tile, "slots": slots, "special": special,
             "rel_vs_cublas": rel, "bits_equal_frac": same, "nan": bool(cp.isnan(a).any()),
             "pack_equal": pack_equal, "heavy_rows": int(h_ref.sum()),
@@ -127,16 +128,15 @@ def time_ms(fn, reps=20, warm=5):
     return float(np.median(times))
 
 
-def profile(x, w, packed, heavy, cluster=1):
+def profile(x, w, packed, heavy):
     """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
     time in ms beside them): where the packer epilogue's time goes."""
-    ctas = gate_gemm.ctas(x.shape[0], w.shape[0], cluster, output=gate_gemm.OUTPUT_PROFILE)
-    buf = cp.zeros((ctas * 8,), dtype=cp.uint64)
+    buf = cp.zeros((device_info().multiprocessors * 8,), dtype=cp.uint64)
     gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
-                     heavy=heavy, pre=buf.view(cp.uint16), cluster=cluster)  # fmt: skip
+                     heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
     cp.cuda.runtime.deviceSynchronize()
     rows = buf.reshape(-1, 8).get().astype(np.float64)
-    names = ["consumers_to_last_handover", "consumer_wait_free", "consumer_epilogue",
+    names = ["consumers_to_end", "consumer_wait_free", "consumer_epilogue",
              "packer_busy", "packer_wait_full", "packer_last_tile", "tiles",
              "packers_to_end"]  # fmt: skip
     out = {name: float(rows[:, i].mean()) for i, name in enumerate(names)}
@@ -149,44 +149,81 @@ def profile(x, w, packed, heavy, cluster=1):
     return out
 
 
+def clocks():
+    """Median SM clock (MHz) and power (W) over a second of back-to-back launches of each
+    build at M=16384 (nvidia-smi sampling every 20 ms), beside the launch's time."""
+    m, n, k = 16384, 5632, 2048
+    x = rand_bf16((m, k), 5)
+    w = rand_bf16((n, k), 6, 1.0 / np.sqrt(k))
+    pre = empty_bf16((m, n))
+    packed = cp.empty((m, n // 256 * 32), dtype=cp.uint32)
+    heavy = cp.zeros((m,), dtype=cp.uint8)
+    builds = {
+        "cublas": lambda: gemm_nt(x, w, pre),
+        "main_loop": lambda: gate_gemm.launch(x, w, tile=256, slots=32,
+                                              output=gate_gemm.OUTPUT_NONE),
+        "main_loop_s4": lambda: gate_gemm.launch(x, w, tile=256, slots=32,
+                                                 output=gate_gemm.OUTPUT_NONE, stages=4),
+        "tile_only": lambda: gate_gemm.launch(x, w, tile=256, slots=32,
+                                              output=gate_gemm.OUTPUT_TILE_ONLY),
+        "pack": lambda: gate_gemm.launch(x, w, tile=256, slots=32, packed=packed, heavy=heavy),
+    }  # fmt: skip
+    out = {}
+    for name, fn in builds.items():
+        ms = time_ms(fn)
+        sampler = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+             "-lms", "20"], stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        t_end = time.time() + 1.2
+        while time.time() < t_end:
+            for _ in range(50):
+                fn()
+            cp.cuda.runtime.deviceSynchronize()
+        sampler.terminate()
+        lines = sampler.communicate()[0].strip().splitlines()[10:]  # skip the ramp
+        samples = np.array([[float(v) for v in line.split(",")] for line in lines if line])
+        out[name] = {"ms": ms, "sm_mhz": float(np.median(samples[:, 0])),
+                     "watts": float(np.median(samples[:, 1])), "samples": len(samples)}  # fmt: skip
+        print(name, json.dumps(out[name]), flush=True)
+    return [{"clocks": out}]
+
+
 def block_timings():
     """The FFN block (``twell.benchmark.bench_config``) on the "epilogue" route (this
-    kernel, with ``gate_gemm.CLUSTER`` 1 and 2) and on "fused" held to cuBLAS and the scan
-    of the dense pre-activation at every M (``pipeline.EPILOGUE_ROWS`` lifted), per call and
-    in CUDA graphs (a bench_config call graphs its first path only)."""
+    kernel) and on "fused" held to cuBLAS and the scan of the dense pre-activation at every
+    M (``pipeline.EPILOGUE_ROWS`` lifted), per call and in CUDA graphs (a bench_config call
+    graphs its first path only)."""
     from twell.benchmark import bench_config
     from twell.kernels import pipeline
 
-    saved = pipeline.EPILOGUE_ROWS, gate_gemm.CLUSTER
+    saved = pipeline.EPILOGUE_ROWS
     pipeline.EPILOGUE_ROWS = 1 << 62  # "fused" as cuBLAS + the scan at every M
     cases = [("uniform", 2048), ("uniform", 4096), ("uniform", 8192), ("uniform", 16384),
              ("heavy", 16384), ("paperlike", 16384)]  # fmt: skip
     try:
         out = []
         for workload, m in cases:
-            for paths, cluster in ((("epilogue", "fused"), 1), (("fused",), 1),
-                                   (("epilogue",), 2)):  # fmt: skip
-                gate_gemm.CLUSTER = cluster
+            for paths in (("epilogue", "fused"), ("fused",)):
                 try:
                     for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
                         r["graph_path"] = paths[0]
-                        r["cluster"] = cluster
-                        keys = ("workload", "M", "path", "graph_path", "cluster", "t_ms",
-                                "t_dense_ms", "speedup", "t_graph_ms", "t_dense_graph_ms",
-                                "rel_err", "heavy_rows")  # fmt: skip
+                        keys = ("workload", "M", "path", "graph_path", "t_ms", "t_dense_ms",
+                                "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
+                                "heavy_rows")  # fmt: skip
                         print(json.dumps({k: r.get(k) for k in keys}), flush=True)
                         out.append(r)
                 except Exception as error:  # noqa: BLE001
                     out.append({"workload": workload, "M": m, "paths": paths, "error": repr(error)})
                     print(out[-1], flush=True)
     finally:
-        pipeline.EPILOGUE_ROWS, gate_gemm.CLUSTER = saved
+        pipeline.EPILOGUE_ROWS = saved
     return out
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["small", "full", "block"])
+    parser.add_argument("phase", choices=["small", "full", "block", "clocks"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
@@ -234,10 +271,6 @@ def main():
             "wgmma_tile_only": ours(output=gate_gemm.OUTPUT_TILE_ONLY),
             "wgmma_pack": ours(packed=packed, heavy=heavy),
             "wgmma_main_loop_s4": ours(output=gate_gemm.OUTPUT_NONE, stages=4),
-            "wgmma_main_loop_c2": ours(output=gate_gemm.OUTPUT_NONE, cluster=2),
-            "wgmma_main_loop_s4_c2": ours(output=gate_gemm.OUTPUT_NONE, stages=4, cluster=2),
-            "wgmma_pack_c2": ours(packed=packed, heavy=heavy, cluster=2),
-            "wgmma_dense_c2": ours(output=gate_gemm.OUTPUT_DENSE, pre=pre, cluster=2),
             "cublas_plus_pack": lambda: pack(gemm_nt(x, ws[rot()], pre), 256, 32),
         }
         rounds = {key: [] for key in candidates}
@@ -250,12 +283,10 @@ def main():
         results.append({"timings": timings})
         results.append({"profile": profile(x, ws[0], packed, heavy)})
         print(json.dumps(results[-1]), flush=True)
-        results.append({"profile_c2": profile(x, ws[0], packed, heavy, cluster=2)})
-        print(json.dumps(results[-1]), flush=True)
-        results.append({"ctas": {c: gate_gemm.ctas(m, n, c) for c in (1, 2)}})
-        print(json.dumps(results[-1]), flush=True)
     if args.phase == "block":
         results += block_timings()
+    if args.phase == "clocks":
+        results += clocks()
     print(f"elapsed {time.time() - t0:.1f} s")
     if args.out:
         with open(f"{args.out}/gate_gemm_{args.phase}.json", "w") as f:

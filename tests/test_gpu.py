@@ -7,6 +7,7 @@ the kernels run, so an unwritten element fails the comparison.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import ml_dtypes
@@ -493,39 +494,29 @@ def _gate_gemm_problem(m: int, n: int, k: int, seed: int, dense_every: int = 50)
 def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -> None:
     """The epilogue's TwELL words and heavy flags equal, bit for bit, pack.cu applied to
     the same kernel's dense output (OUTPUT_DENSE); that output is cuBLAS's GEMM up to
-    rounding. Both cluster sizes give the same bits (two CTAs share the weight's box)."""
+    rounding."""
     x, w = _gate_gemm_problem(m, n, k, seed)
     pre = buffers.empty_bf16((m, n))  # poisoned
     gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_DENSE, pre=pre)
     ref = to_f64(gemm_nt(x, w))
     assert_close(to_f64(pre), ref, 1e-2)
     want_packed, want_heavy = pack(pre, tile, slots)
+    packed, heavy = gate_gemm.gate_pack(x, w, tile, slots)
+    assert cp.array_equal(heavy, want_heavy)
+    assert cp.array_equal(packed, want_packed)
     if m > 2:
-        assert bool(want_heavy[1]) and bool(want_heavy[2])  # NaN and Inf rows go dense
-    for cluster in (1, 2):
-        other = buffers.empty_bf16((m, n))
-        gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_DENSE,
-                         pre=other, cluster=cluster)  # fmt: skip
-        assert cp.array_equal(other.view(cp.uint16), pre.view(cp.uint16)), cluster
-        packed = cp.full((m, n // tile * slots), 0xDEADBEEF, dtype=cp.uint32)
-        heavy = cp.zeros((m,), dtype=cp.uint8)
-        gate_gemm.launch(x, w, tile=tile, slots=slots, packed=packed, heavy=heavy,
-                         cluster=cluster)  # fmt: skip
-        assert cp.array_equal(heavy, want_heavy), cluster
-        assert cp.array_equal(packed, want_packed), cluster
-        # The profiling build packs the same words and records its cycles.
-        ctas = gate_gemm.ctas(m, n, cluster, output=gate_gemm.OUTPUT_PROFILE)
-        assert ctas % cluster == 0 and ctas <= device_info().multiprocessors
-        cycles = cp.zeros((ctas, 8), dtype=cp.uint64)
-        packed.fill(0xDEADBEEF)
-        heavy.fill(0)
-        gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_PROFILE,
-                         packed=packed, heavy=heavy, pre=cycles.view(cp.uint16),
-                         cluster=cluster)  # fmt: skip
-        assert cp.array_equal(heavy, want_heavy) and cp.array_equal(packed, want_packed)
-        row_tiles = gate_gemm.units(m, n, cluster) * cluster  # some past M when clustered
-        assert int(cycles[:, 6].sum()) == row_tiles and bool((cycles[:, 0] > 0).all())
-        assert bool((cycles[:, 7] >= cycles[:, 5]).all())  # the packers end after their last
+        assert bool(heavy[1]) and bool(heavy[2])  # NaN and Inf rows go dense
+    # The profiling build packs the same words and records its cycles.
+    tiles = math.ceil(m / gate_gemm.BLOCK_M) * math.ceil(n / gate_gemm.BLOCK_N)
+    ctas = min(tiles, device_info().multiprocessors)  # the launcher's grid
+    cycles = cp.zeros((ctas, 8), dtype=cp.uint64)
+    packed.fill(0xDEADBEEF)
+    heavy.fill(0)
+    gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_PROFILE,
+                     packed=packed, heavy=heavy, pre=cycles.view(cp.uint16))  # fmt: skip
+    assert cp.array_equal(heavy, want_heavy) and cp.array_equal(packed, want_packed)
+    assert int(cycles[:, 6].sum()) == tiles and bool((cycles[:, 0] > 0).all())
+    assert bool((cycles[:, 7] >= cycles[:, 5]).all())  # the packers' end, after their last tile
 
 
 @pytest.mark.parametrize(

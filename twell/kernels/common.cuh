@@ -285,16 +285,6 @@ TWELL_DEVICE void twell_tma_load_2d(uint32_t dst, const TwellTmaDesc* map, int c
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
-// As twell_tma_load_2d, but the box lands at `dst` in every CTA of the cluster whose bit
-// is set in `ctas`, each counting the bytes on its own mbarrier at `bar`.
-TWELL_DEVICE void twell_tma_load_2d_multicast(uint32_t dst, const TwellTmaDesc* map, int c0,
-                                              int c1, uint32_t bar, uint16_t ctas) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(ctas)
-      : "memory");
-}
 TWELL_DEVICE uint4 twell_lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -326,19 +316,6 @@ TWELL_DEVICE uint32_t twell_cluster_count() {
 TWELL_DEVICE void twell_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
                "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// As twell_cluster_sync, for threads that may have diverged (no .aligned).
-TWELL_DEVICE void twell_cluster_sync_diverged() {
-  asm volatile("barrier.cluster.arrive.release;\n\t"
-               "barrier.cluster.wait.acquire;" ::: "memory");
-}
-// One arrival on the mbarrier that CTA `rank` of the cluster has at the shared-window
-// address `bar` has in ours. (The default .release.cta semantics: an explicit
-// .release.cluster made gate_gemm.cu's main loop 50% slower, docs/perf-log.md.)
-TWELL_DEVICE void twell_mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 // The 32-bit word of CTA `rank`'s shared memory at the shared-window address `local` has
 // in ours (DSMEM).

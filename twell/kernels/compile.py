@@ -23,7 +23,6 @@ built by :func:`full_source`, for both back ends:
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib.resources
 import os
@@ -218,68 +217,6 @@ def _device_info(device_id: int) -> DeviceInfo:
             f"device {device_id} has compute capability {major}.{minor}"
         )
     return DeviceInfo(device_id, sms, (major, minor))
-
-
-#: Clusters that fit at once, per (device id, CTAs per cluster, threads, shared memory).
-_CLUSTERS: dict[tuple[int, int, int, int], int] = {}
-
-
-def active_clusters(kernel: Any, cluster: int, threads: int, smem: int) -> int:
-    """Clusters of ``cluster`` CTAs of ``kernel`` (a compiled kernel that carries its
-    ``__cluster_dims__``) that fit on the current device at once: the driver's
-    ``cuOccupancyMaxActiveClusters`` (a grid of more would run in a second wave), asked
-    once per device and geometry, or SMs // cluster when the driver cannot say. A host
-    query: no synchronisation."""
-    info = device_info()
-    key = (info.id, cluster, threads, smem)
-    found = _CLUSTERS.get(key)
-    if found is None:
-        found = _max_active_clusters(kernel.kernel.ptr, cluster, threads, smem,
-                                     info.multiprocessors)  # fmt: skip
-        if found is None:
-            found = max(1, info.multiprocessors // cluster)
-        _CLUSTERS[key] = found
-    return found
-
-
-class _LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig`` (cuda.h); no attributes: the kernel carries its cluster size."""
-
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared_mem_bytes", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.c_void_p),
-        ("num_attrs", ctypes.c_uint),
-    ]
-
-
-@functools.cache
-def _occupancy_function() -> Any:
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        fn = libcuda.cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    return fn
-
-
-def _max_active_clusters(function: int, cluster: int, threads: int, smem: int,
-                         multiprocessors: int) -> int | None:  # fmt: skip
-    """``cuOccupancyMaxActiveClusters`` for the CUfunction ``function``, or None."""
-    fn = _occupancy_function()
-    if fn is None:
-        return None
-    config = _LaunchConfig()
-    config.grid[:] = (cluster * max(1, multiprocessors // cluster), 1, 1)
-    config.block[:] = (threads, 1, 1)
-    config.shared_mem_bytes = smem
-    count = ctypes.c_int(0)
-    status = fn(ctypes.byref(count), ctypes.c_void_p(function), ctypes.byref(config))
-    return int(count.value) if status == 0 and count.value > 0 else None
 
 
 def _kernel(source: Source, function: str, defines: Mapping[str, int]) -> Any:

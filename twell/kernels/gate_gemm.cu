@@ -13,9 +13,10 @@
 // loop's time, bench/dev_gate_gemm.py); 3 and 4 time parts of the epilogue: 3 fills the
 // bf16 tile and hands it over, but the packer warps do nothing with it; 4 only hands it
 // over (the barriers, no tile stores); 5 packs as 0 and records, per CTA, clock64 cycles
-// of its parts into `pre` (uint64 [grid, 8]: the consumers' time to their last tile's
-// hand-over, their waits for a free tile, their epilogue, the packers' work, their waits
-// for a full tile, the last tile's packing, the tiles, the packers' time to their end).
+// of its parts into `pre` (uint64 [grid, 8]: the consumers' time to their end (their
+// share of the last tile's packing included), their waits for a free tile, their
+// epilogue, the packers' work, their waits for a full tile, the last tile's packing, the
+// tiles, the packers' time to their end).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
@@ -24,24 +25,21 @@
 // the consumers: each owns 64 rows of the tile and runs wgmma.m64n256k16 over the ring
 // (fp32 accumulators in registers, 128 per thread), releasing a stage once the wgmma
 // reading it has retired.
-// With TWELL_CLUSTER 2 the grid runs as clusters of two CTAs that take the two 128-row
-// tiles of 256 rows under the same 256 columns: each loads half of w's box and multicasts
-// it into both rings (a third less read from L2 per CTA), so a stage is free again only
-// once the consumers of both CTAs have released it.
 // Epilogue: the consumers round their accumulators to bf16 into a padded tile in shared
 // memory and go on with the next tile at once; meanwhile the packer warps turn the tile
 // into TwELL words (a warp per row, lane = 8 consecutive columns, segmented prefix sum per
 // TwELL tile, as pack.cu: entries in ascending column order, unused words 0, so the bits
 // are deterministic) and set the heavy flags. Two named barriers pass the tile back and
-// forth, so packing overlaps the tensor-core work of the next tile.
+// forth, so packing overlaps the tensor-core work of the next tile; the CTA's last tile,
+// which no main loop follows, the consumer warps pack with the packers.
 //
 // Limits: K % 8 == 0 (TMA row pitch), N % TWELL_TILE == 0, TWELL_TILE divides 256,
 // TWELL_SLOTS <= TWELL_TILE; x and w 16-byte aligned. Rows and columns past M, N and K
 // come in as zeros (TMA out-of-bounds fill) and are never stored.
 //
-// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT, TWELL_CLUSTER (1 or 2),
-// TWELL_STAGES and TWELL_SMEM_BYTES (the launcher's sum for that ring, checked here);
-// constants from the launcher: TWELL_BLOCK_M/N/K, TWELL_CONSUMERS.
+// Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT, TWELL_STAGES and
+// TWELL_SMEM_BYTES (the launcher's sum for that ring, checked here); constants from the
+// launcher: TWELL_BLOCK_M/N/K, TWELL_CONSUMERS.
 
 // Constants shared with the launcher (gate_gemm.py passes them in the prelude).
 #define BM TWELL_BLOCK_M
@@ -49,17 +47,15 @@
 #define BK TWELL_BLOCK_K
 #define STAGES TWELL_STAGES
 #define CONSUMERS TWELL_CONSUMERS
-#define CLUSTER TWELL_CLUSTER
-static_assert(CLUSTER == 1 || CLUSTER == 2, "CTAs per cluster: 1 or 2");
 static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
               "wgmma.m64n256k16 per consumer warpgroup, 128-byte swizzled k-steps of 64");
 #define THREADS (128 * (CONSUMERS + 1))
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BN * BK * 2)
-#define B_PART_BYTES (B_BYTES / CLUSTER)  // the part of w's box each CTA of a cluster loads
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define PACKER_WARPS 3          // warps 1-3 of warpgroup 0
 #define ROWS_IN_FLIGHT 4
+#define ALL_WARPS (PACKER_WARPS + 4 * CONSUMERS)  // who packs a CTA's last tile
 #define EPI_PITCH (BN * 2 + 16)  // bytes per row of the bf16 tile (padding: no bank conflicts)
 #define EPI_BYTES (TWELL_OUTPUT == 2 ? 0 : BM * EPI_PITCH)  // the main loop alone needs no tile
 #define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
@@ -191,26 +187,33 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
   }
 }
 
-// A consumer warpgroup hands a ring stage back: to the producer of every CTA of the
-// cluster (each writes its part of w into our stage).
-__device__ __forceinline__ void release(uint32_t empty_bar) {
-  if (CLUSTER == 1) {
-    twell_mbar_arrive(empty_bar);
-  } else {
+// Rows g, g + warps, g + 2 warps, ... of the bf16 tile -> their TwELL words and heavy
+// flags; warp g of `warps` (ROWS_IN_FLIGHT rows' tile loads in flight per step).
+__device__ __forceinline__ void pack_rows(uint32_t tile_addr, int g, int warps, int m0, int n0,
+                                          int cols, int M, int N, int lane,
+                                          uint32_t* __restrict__ packed,
+                                          uint8_t* __restrict__ heavy) {
+  const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
+  const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
+  const uint32_t addr = tile_addr + lane * 16;
+  for (int r0 = g; r0 < BM; r0 += ROWS_IN_FLIGHT * warps) {
+    uint4 q[ROWS_IN_FLIGHT];
 #pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) twell_mbar_arrive_cluster(empty_bar, r);
+    for (int i = 0; i < ROWS_IN_FLIGHT; ++i)
+      q[i] = twell_lds128(addr + min(r0 + i * warps, BM - 1) * EPI_PITCH);
+#pragma unroll
+    for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
+      const int r = r0 + i * warps;
+      const long long m = (long long)m0 + r;
+      if (r < BM && m < M)
+        pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane, heavy + m);
+    }
   }
 }
 
-#if CLUSTER > 1
-#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
-#else
-#define CLUSTER_DIMS
-#endif
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1) CLUSTER_DIMS
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
-                const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256/CLUSTER
+                const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
                 uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0, 5)
                 uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (0, 5)
                 uint16_t* __restrict__ pre,             // [M, N] bf16 (1); uint64 [grid, 8] (5)
@@ -223,13 +226,8 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   const uint32_t full_bar = sbase + BARRIER_OFFSET;  // STAGES barriers, 8 bytes each
   const uint32_t empty_bar = full_bar + STAGES * 8;
 
-  // Work units: CLUSTER row tiles x one column tile (the CTAs of a cluster share w's
-  // box: each loads 1/CLUSTER of it into every CTA's ring). Rank r takes row tile r of a
-  // unit; a row tile past M computes on TMA's zeros and stores nothing.
   const int tiles_n = (N + BN - 1) / BN;
-  const int units = ((M + BM * CLUSTER - 1) / (BM * CLUSTER)) * tiles_n;
-  const int rank = blockIdx.x % CLUSTER, first_unit = blockIdx.x / CLUSTER;
-  const int units_step = gridDim.x / CLUSTER;
+  const int tiles = ((M + BM - 1) / BM) * tiles_n;
   const int kblocks = (K + BK - 1) / BK;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
@@ -240,157 +238,142 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       twell_mbar_init(full_bar + 8 * s, 1);
-      twell_mbar_init(empty_bar + 8 * s, CONSUMERS * CLUSTER);  // every CTA's consumers
+      twell_mbar_init(empty_bar + 8 * s, CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (CLUSTER > 1) twell_cluster_sync();  // the peers' barriers exist before any arrival
-  else __syncthreads();
+  __syncthreads();
 
   if (wg == 0) {
     if (tid == 0) {  // the producer: TMA loads into the ring
       int it = 0;
-      for (int unit = first_unit; unit < units; unit += units_step) {
-        const int m0 = ((unit / tiles_n) * CLUSTER + rank) * BM, n0 = (unit % tiles_n) * BN;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
         for (int kb = 0; kb < kblocks; ++kb, ++it) {
           const int s = it % STAGES;
-          // Free in every CTA of the cluster (our part of w lands in each).
           if (it >= STAGES) twell_mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
           const uint32_t a = sbase + s * STAGE_BYTES;
           twell_mbar_expect_tx(full_bar + 8 * s, STAGE_BYTES);
           twell_tma_load_2d(a, &map_x, kb * BK, m0, full_bar + 8 * s);
-          if (CLUSTER > 1)
-            twell_tma_load_2d_multicast(a + A_BYTES + rank * B_PART_BYTES, &map_w, kb * BK,
-                                        n0 + rank * (BN / CLUSTER), full_bar + 8 * s,
-                                        (uint16_t)((1u << CLUSTER) - 1u));
-          else
-            twell_tma_load_2d(a + A_BYTES, &map_w, kb * BK, n0, full_bar + 8 * s);
+          twell_tma_load_2d(a + A_BYTES, &map_w, kb * BK, n0, full_bar + 8 * s);
         }
       }
     }
-    if (tid >= 32 && TWELL_OUTPUT != 2) {
-      // Packer warps: drain each finished bf16 tile while the consumers compute the next.
-      const int pw = tid / 32 - 1;
-      long long wait_full = 0, busy = 0, last = 0;
-      bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
-      for (int unit = first_unit; unit < units; unit += units_step) {
-        const int m0 = ((unit / tiles_n) * CLUSTER + rank) * BM, n0 = (unit % tiles_n) * BN;
-        const int cols = min(BN, N - n0);
-        const long long t0 = PROFILE ? clock64() : 0;
-        bar_sync(BAR_TILE_FULL);
-        const long long t1 = PROFILE ? clock64() : 0;
-        if (PACKS) {
-          const long long row_words = (long long)(N / TWELL_TILE) * TWELL_SLOTS;
-          const long long first = (long long)(n0 / TWELL_TILE) * TWELL_SLOTS;
-          const uint32_t tile_addr = twell_smem_addr(tile_smem) + lane * 16;
-          // ROWS_IN_FLIGHT rows' tile loads in flight per step. (The packers are busy for the
-          // whole main loop and take ~25k cycles for the last tile alone; scanning the four
-          // rows before any of their stores, so that they interleave, was no faster:
-          // docs/perf-log.md, 2026-11-26, eleventh session.)
-          for (int r0 = pw; r0 < BM; r0 += ROWS_IN_FLIGHT * PACKER_WARPS) {
-            uint4 q[ROWS_IN_FLIGHT];
-#pragma unroll
-            for (int i = 0; i < ROWS_IN_FLIGHT; ++i)
-              q[i] = twell_lds128(tile_addr + min(r0 + i * PACKER_WARPS, BM - 1) * EPI_PITCH);
-#pragma unroll
-            for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
-              const int r = r0 + i * PACKER_WARPS;
-              const long long m = (long long)m0 + r;
-              if (r < BM && m < M)
-                pack_row(q[i], packed + m * row_words + first, cols / TWELL_TILE, n0, lane,
-                         heavy + m);
-            }
-          }
-        } else if (TWELL_OUTPUT == 1) {
-          for (int r = pw; r < BM; r += PACKER_WARPS) {
-            const long long m = (long long)m0 + r;
-            if (m < M && lane * 8 < cols)
-              *reinterpret_cast<uint4*>(pre + m * N + n0 + lane * 8) =
-                  *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
-          }
-        }
-        if (PROFILE) {
-          const long long t2 = clock64();
-          wait_full += t1 - t0;
-          busy += t2 - t1;
-          last = t2 - t1;
-        }
-        if (unit + units_step < units) bar_arrive(BAR_TILE_FREE);  // the next sync's
-      }
-      if (PROFILE && pw == 0 && lane == 0) {
-        prof[3] = busy;
-        prof[4] = wait_full;
-        prof[5] = last;
-        prof[7] = clock64() - t_start;
-      }
-    }
-  } else {
-    const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
-    const int warp = tid / 32;
-    int it = 0;
-    long long wait_free = 0, epilogue = 0, count = 0;
-    for (int unit = first_unit; unit < units; unit += units_step) {
-      float d[128];
-#pragma unroll
-      for (int i = 0; i < 128; ++i) d[i] = 0.f;
-      fence_accumulators(d);
-      for (int kb = 0; kb < kblocks; ++kb, ++it) {
-        const int s = it % STAGES;
-        twell_mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
-        const uint32_t a = sbase + s * STAGE_BYTES + c * (64 * 128);
-        const uint32_t b = sbase + s * STAGE_BYTES + A_BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BK / 16; ++k)
-          wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
-        wgmma_commit();
-        wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
-        if (kb > 0 && tid == 0) release(empty_bar + 8 * ((it - 1) % STAGES));
-      }
-      wgmma_wait<0>();
-      fence_accumulators(d);
-      if (tid == 0) release(empty_bar + 8 * ((it - 1) % STAGES));
-      if (TWELL_OUTPUT == 2 || TWELL_OUTPUT == 4) {
-        // The timing builds store nothing, but the accumulators must stay live: without a
-        // use, ptxas drops the wgmma instructions (18 registers) and the "main loop" times
-        // the TMA loads alone. M is never negative, so the branch never runs (heavy may be
-        // null here).
-        if (M < 0) {
-          float sum = 0.f;
-#pragma unroll
-          for (int i = 0; i < 128; ++i) sum += d[i];
-          heavy[threadIdx.x] = (uint8_t)__float_as_uint(sum);
-        }
-        if (TWELL_OUTPUT == 2) continue;  // the main loop alone
-      }
-
-      // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns
-      // 8j + 2(lane % 4) + {0, 1}: the wgmma accumulator layout), then hand it over.
+    if (tid < 32 || TWELL_OUTPUT == 2) return;
+    // Packer warps: drain each finished bf16 tile while the consumers compute the next.
+    const int pw = tid / 32 - 1;
+    long long wait_full = 0, busy = 0, last = 0;
+    bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+      const int cols = min(BN, N - n0);
       const long long t0 = PROFILE ? clock64() : 0;
-      bar_sync(BAR_TILE_FREE);
+      bar_sync(BAR_TILE_FULL);
       const long long t1 = PROFILE ? clock64() : 0;
-      const int r = c * 64 + warp * 16 + lane / 4;
-      uint8_t* p0 = tile_smem + r * EPI_PITCH + (lane % 4) * 4;
-      uint8_t* p1 = p0 + 8 * EPI_PITCH;
-#pragma unroll
-      for (int j = 0; j < 32 && TWELL_OUTPUT != 4; ++j) {
-        *reinterpret_cast<uint32_t*>(p0 + j * 16) = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
-        *reinterpret_cast<uint32_t*>(p1 + j * 16) = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+      if (PACKS) {
+        // The packers are busy for the whole main loop; scanning the four rows of a step
+        // before any of their stores, so that they interleave, was no faster
+        // (docs/perf-log.md, 2026-11-26, eleventh session). The CTA's last tile, which no
+        // main loop hides, the consumer warps pack with them (half the tail, ~2% at M=16384;
+        // twelfth session).
+        const bool last = tile + (int)gridDim.x >= tiles;
+        pack_rows(twell_smem_addr(tile_smem), pw, last ? ALL_WARPS : PACKER_WARPS, m0, n0, cols,
+                  M, N, lane, packed, heavy);
+      } else if (TWELL_OUTPUT == 1) {
+        for (int r = pw; r < BM; r += PACKER_WARPS) {
+          const long long m = (long long)m0 + r;
+          if (m < M && lane * 8 < cols)
+            *reinterpret_cast<uint4*>(pre + m * N + n0 + lane * 8) =
+                *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
+        }
       }
-      bar_arrive(BAR_TILE_FULL);
       if (PROFILE) {
-        wait_free += t1 - t0;
-        epilogue += clock64() - t0;
-        ++count;
+        const long long t2 = clock64();
+        wait_full += t1 - t0;
+        busy += t2 - t1;
+        last = t2 - t1;
       }
+      if (tile + (int)gridDim.x < tiles) bar_arrive(BAR_TILE_FREE);  // the next sync's
     }
-    if (PROFILE && threadIdx.x == 128) {
-      prof[0] = clock64() - t_start;
-      prof[1] = wait_free;
-      prof[2] = epilogue;
-      prof[6] = count;
+    if (PROFILE && pw == 0 && lane == 0) {
+      prof[3] = busy;
+      prof[4] = wait_full;
+      prof[5] = last;
+      prof[7] = clock64() - t_start;
+    }
+    return;
+  }
+
+  const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
+  const int warp = tid / 32;
+  int it = 0;
+  long long wait_free = 0, epilogue = 0, count = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    fence_accumulators(d);
+    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+      const int s = it % STAGES;
+      twell_mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
+      const uint32_t a = sbase + s * STAGE_BYTES + c * (64 * 128);
+      const uint32_t b = sbase + s * STAGE_BYTES + A_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BK / 16; ++k)
+        wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
+      if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    fence_accumulators(d);
+    if (tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+    if (TWELL_OUTPUT == 2 || TWELL_OUTPUT == 4) {
+      // The timing builds store nothing, but the accumulators must stay live: without a
+      // use, ptxas drops the wgmma instructions (18 registers) and the "main loop" times
+      // the TMA loads alone. M is never negative, so the branch never runs (heavy may be
+      // null here).
+      if (M < 0) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 128; ++i) sum += d[i];
+        heavy[threadIdx.x] = (uint8_t)__float_as_uint(sum);
+      }
+      if (TWELL_OUTPUT == 2) continue;  // the main loop alone
+    }
+
+    // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns
+    // 8j + 2(lane % 4) + {0, 1}: the wgmma accumulator layout), then hand it over.
+    const long long t0 = PROFILE ? clock64() : 0;
+    bar_sync(BAR_TILE_FREE);
+    const long long t1 = PROFILE ? clock64() : 0;
+    const int r = c * 64 + warp * 16 + lane / 4;
+    uint8_t* p0 = tile_smem + r * EPI_PITCH + (lane % 4) * 4;
+    uint8_t* p1 = p0 + 8 * EPI_PITCH;
+#pragma unroll
+    for (int j = 0; j < 32 && TWELL_OUTPUT != 4; ++j) {
+      *reinterpret_cast<uint32_t*>(p0 + j * 16) = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
+      *reinterpret_cast<uint32_t*>(p1 + j * 16) = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+    }
+    if (PACKS && tile + (int)gridDim.x >= tiles) {  // the last tile: help pack it
+      bar_sync(BAR_TILE_FULL);
+      pack_rows(twell_smem_addr(tile_smem), PACKER_WARPS + warp + 4 * c, ALL_WARPS, m0, n0,
+                min(BN, N - n0), M, N, lane, packed, heavy);
+    } else {
+      bar_arrive(BAR_TILE_FULL);
+    }
+    if (PROFILE) {
+      wait_free += t1 - t0;
+      epilogue += clock64() - t0;
+      ++count;
     }
   }
-  // No CTA leaves while a peer may still arrive on its barriers.
-  if (CLUSTER > 1) twell_cluster_sync_diverged();
+  if (PROFILE && threadIdx.x == 128) {
+    prof[0] = clock64() - t_start;
+    prof[1] = wait_free;
+    prof[2] = epilogue;
+    prof[6] = count;
+  }
 }

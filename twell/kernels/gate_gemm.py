@@ -16,15 +16,12 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import alloc
-from twell.kernels.compile import Source, active_clusters, declare, device_info
+from twell.kernels.compile import Source, declare, device_info
 
 #: Output tile of one CTA (BM x BN) and its k step; the kernel gets them as constants.
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 #: Depth of the TMA ring, and consumer warpgroups (64 rows of the tile each).
 STAGES, CONSUMERS = 3, 2
-#: CTAs per thread-block cluster: 2 shares each weight box between two 128-row tiles
-#: (each CTA loads half and multicasts it), 1 loads it per CTA.
-CLUSTER = 1
 _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
 
 #: What the kernel stores (compile-time): TwELL words and heavy flags (what the ops use),
@@ -51,21 +48,19 @@ SOURCE = declare(
         "gate_gemm.cu",
         # STAGES and SMEM_BYTES (smem_bytes of the build) are parameters so that the main
         # loop can be timed with a deeper ring; the kernel checks their agreement.
-        parameters=("TILE", "SLOTS", "OUTPUT", "CLUSTER", "STAGES", "SMEM_BYTES"),
+        parameters=("TILE", "SLOTS", "OUTPUT", "STAGES", "SMEM_BYTES"),
         constants={
             "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "CONSUMERS": CONSUMERS,
         },
         examples=tuple(
-            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "CLUSTER": c, "STAGES": STAGES,
+            {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "STAGES": STAGES,
              "SMEM_BYTES": SMEM_BYTES}
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
-            for c in (1, 2)
-        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "CLUSTER": c, "STAGES": st,
+        ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "STAGES": st,
                    "SMEM_BYTES": smem_bytes(st, o)}
                   for o, st in ((OUTPUT_DENSE, STAGES), (OUTPUT_NONE, STAGES), (OUTPUT_NONE, 4),
                                 (OUTPUT_TILE_ONLY, STAGES), (OUTPUT_HANDOVER_ONLY, STAGES),
-                                (OUTPUT_PROFILE, STAGES))
-                  for c in (1, 2)),
+                                (OUTPUT_PROFILE, STAGES))),
     )
 )  # fmt: skip
 
@@ -138,38 +133,6 @@ def gate_pack(x: Any, w: Any, tile: int, slots: int) -> tuple[Any, Any]:
     return packed, heavy
 
 
-def _function(tile: int, slots: int, output: int, cluster: int, stages: int) -> Any:
-    smem = smem_bytes(stages, output)
-    fn = SOURCE.kernel(
-        "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, CLUSTER=cluster,
-        STAGES=stages, SMEM_BYTES=smem,
-    )  # fmt: skip
-    if fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = smem
-    return fn
-
-
-def units(m: int, n: int, cluster: int) -> int:
-    """Work units of a launch: ``cluster`` row tiles of ``BLOCK_M`` under one column tile
-    of ``BLOCK_N`` (a row tile past M computes on zeros and stores nothing)."""
-    return math.ceil(m / (BLOCK_M * cluster)) * math.ceil(n / BLOCK_N)
-
-
-def ctas(m: int, n: int, cluster: int | None = None, *, output: int = OUTPUT_PACKED,
-         stages: int = STAGES, function: Any | None = None) -> int:  # fmt: skip
-    """The launch's grid (CTAs): persistent, at most a cluster per work unit and as many
-    clusters as fit on the device at once (one CTA per SM). ``function``: the compiled
-    build, if at hand (the driver's cluster occupancy is asked once per geometry)."""
-    cluster = CLUSTER if cluster is None else cluster
-    if cluster == 1:
-        fits = device_info().multiprocessors
-    else:
-        if function is None:
-            function = _function(256, 32, output, cluster, stages)
-        fits = active_clusters(function, cluster, _THREADS, smem_bytes(stages, output))
-    return cluster * max(1, min(units(m, n, cluster), fits))
-
-
 def launch(
     x: Any,
     w: Any,
@@ -181,7 +144,6 @@ def launch(
     heavy: Any | None = None,
     pre: Any | None = None,
     stages: int = STAGES,
-    cluster: int | None = None,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
@@ -190,10 +152,9 @@ def launch(
     ``pre`` ``[M, N]``. ``OUTPUT_NONE``, ``OUTPUT_TILE_ONLY``, ``OUTPUT_HANDOVER_ONLY``:
     nothing stored (timing of the main loop and of the epilogue's parts).
     ``OUTPUT_PROFILE``: as ``OUTPUT_PACKED``, plus cycles of the epilogue's parts in
-    ``pre`` (uint64 ``[grid, 8]``, grid = :func:`ctas`, viewed as uint16).
+    ``pre`` (uint64 ``[grid, 8]``, grid = min(tiles, SMs), viewed as uint16).
     ``stages``: the ring's depth (timing of the main loop only; the other builds' shared
-    memory has room for ``STAGES``). ``cluster``: CTAs per cluster (None: ``CLUSTER``);
-    the output bits do not depend on it.
+    memory has room for ``STAGES``).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -205,19 +166,21 @@ def launch(
         raise ValueError("launch: OUTPUT_DENSE and OUTPUT_PROFILE need pre")
     if stages < 2 or smem_bytes(stages, output) > 232448:
         raise ValueError(f"launch: a ring of {stages} stages does not work with this build")
-    cluster = CLUSTER if cluster is None else cluster
-    if cluster not in (1, 2):
-        raise ValueError(f"launch: cluster must be 1 or 2, not {cluster}")
-    smem = smem_bytes(stages, output)
-    fn = _function(tile, slots, output, cluster, stages)
-    grid = (ctas(m, n, cluster, output=output, stages=stages, function=fn),)
+    tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
+    grid = (max(1, min(tiles, device_info().multiprocessors)),)
     if output == OUTPUT_PROFILE and pre.nbytes < grid[0] * 64:
         raise ValueError(f"launch: OUTPUT_PROFILE needs {grid[0] * 64} bytes of pre")
+    smem = smem_bytes(stages, output)
+    fn = SOURCE.kernel(
+        "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, STAGES=stages, SMEM_BYTES=smem
+    )
+    if fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
     null = np.uint64(0)
     fn(
         grid, (_THREADS,),
         (
-            tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N // cluster),
+            tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N),
             null if packed is None else packed, null if heavy is None else heavy,
             null if pre is None else pre.view(np.uint16),
             np.int32(m), np.int32(n), np.int32(k),
