@@ -191,14 +191,14 @@ def clocks():
 
 def block_timings():
     """The FFN block (``twell.benchmark.bench_config``) on the "epilogue" route (this
-    kernel; its gather launched as the gate's programmatic dependent, kept off the gate's
-    SMs (``gate_gemm.RESERVE_SMEM``) or not, or plainly after it) and on "fused" held to cuBLAS and
+    kernel; its gather launched as the gate's programmatic dependent, off the gate's SMs
+    (``light_rows.DEPENDENT_SMEM``), or plainly after it) and on "fused" held to cuBLAS and
     the scan of the dense pre-activation at every M (``pipeline.EPILOGUE_ROWS`` lifted),
     per call and in CUDA graphs (a bench_config call graphs its first path only)."""
     from twell.benchmark import bench_config
     from twell.kernels import light_rows, pipeline
 
-    saved = pipeline.EPILOGUE_ROWS, light_rows.DEPENDENT, gate_gemm.RESERVE_SMEM
+    saved = pipeline.EPILOGUE_ROWS, light_rows.DEPENDENT, light_rows.DEPENDENT_SMEM
     pipeline.EPILOGUE_ROWS = 1 << 62  # "fused" as cuBLAS + the scan at every M
     cases = [("uniform", 2048), ("uniform", 4096), ("uniform", 8192), ("uniform", 16384),
              ("heavy", 16384), ("paperlike", 16384)]  # fmt: skip
@@ -208,10 +208,10 @@ def block_timings():
             for paths, launch in (
                 (("epilogue", "fused"), (True, 0)),
                 (("fused",), (True, 0)),
-                (("epilogue",), (True, 232448)),
+                (("epilogue",), (True, 20480)),
                 (("epilogue",), (False, 0)),
             ):
-                light_rows.DEPENDENT, gate_gemm.RESERVE_SMEM = launch
+                light_rows.DEPENDENT, light_rows.DEPENDENT_SMEM = launch
                 try:
                     for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
                         r["graph_path"] = paths[0]
@@ -227,7 +227,7 @@ def block_timings():
                     out.append({"workload": workload, "M": m, "paths": paths, "error": repr(error)})
                     print(out[-1], flush=True)
     finally:
-        pipeline.EPILOGUE_ROWS, light_rows.DEPENDENT, gate_gemm.RESERVE_SMEM = saved
+        pipeline.EPILOGUE_ROWS, light_rows.DEPENDENT, light_rows.DEPENDENT_SMEM = saved
     return out
 
 

@@ -257,7 +257,7 @@ def test_fused_route_takes_the_epilogue_from_epilogue_rows(monkeypatch: pytest.M
     assert calls == [1]
 
 
-@pytest.mark.parametrize(("kind", "m"), [("uniform", 1), ("heavy", 300), ("uniform", 4133)])
+@pytest.mark.parametrize(("kind", "m"), [("uniform", 1), ("heavy", 300), ("paperlike", 4133)])
 def test_gather_as_the_gates_dependent_gives_the_plain_launchs_bits(
     kind: str, m: int, monkeypatch: pytest.MonkeyPatch
 ):
@@ -273,7 +273,7 @@ def test_gather_as_the_gates_dependent_gives_the_plain_launchs_bits(
     plain = block(x)
     assert cp.array_equal(dependent.view(cp.uint16), plain.view(cp.uint16))
     monkeypatch.setattr(light_rows, "DEPENDENT", True)
-    monkeypatch.setattr(gate_gemm, "RESERVE_SMEM", 232448)  # the gather off the gate's SMs
+    monkeypatch.setattr(light_rows, "DEPENDENT_SMEM", 20480)  # off the gate's SMs
     assert cp.array_equal(block(x).view(cp.uint16), plain.view(cp.uint16))
     packed, heavy, ready = gate_gemm.gate_pack(x, wg, 256, 32, signal=True)
     assert ready.shape == (-(-m // gate_gemm.BLOCK_M),)

@@ -41,10 +41,6 @@ def smem_bytes(stages: int = STAGES, output: int = OUTPUT_PACKED) -> int:
 
 
 SMEM_BYTES = smem_bytes()
-#: Shared memory a packing launch reserves per CTA, if more than it needs (0: what it
-#: needs). The whole SM's (232448) keeps any other kernel's blocks off the gate's SMs
-#: until its CTAs exit (the gather launched as its programmatic dependent).
-RESERVE_SMEM = 0
 _THREADS = 128 * (CONSUMERS + 1)
 
 SOURCE = declare(
@@ -198,8 +194,6 @@ def launch(
     fn = SOURCE.kernel(
         "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, STAGES=stages, SMEM_BYTES=smem
     )
-    if output == OUTPUT_PACKED and ready is not None:
-        smem = max(smem, RESERVE_SMEM)  # reserved, not used
     if fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     null = np.uint64(0)

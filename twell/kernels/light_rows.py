@@ -41,6 +41,10 @@ WIDE2_KDIM = 2048
 #: Launch the TwELL gather as a programmatic dependent of the gate GEMM when given its
 #: row-block counters (False: a plain launch after it; the counters are then full).
 DEPENDENT = True
+#: Dynamic shared memory the dependent launch reserves per block (0: none). A block that
+#: asks for more than the gate GEMM's CTA leaves free (~16 KB) cannot share an SM with it,
+#: so the gather starts only on SMs the gate has finished with (measured both ways).
+DEPENDENT_SMEM = 0
 
 SOURCE = declare(
     Source(
@@ -104,7 +108,9 @@ def _launch(
         np.int32(max_row_nnz), *extra,
     )  # fmt: skip
     if dependent and driver.available():
-        driver.launch_dependent(kernel, grid, block, args)
+        if DEPENDENT_SMEM and kernel.max_dynamic_shared_size_bytes < DEPENDENT_SMEM:
+            kernel.max_dynamic_shared_size_bytes = DEPENDENT_SMEM
+        driver.launch_dependent(kernel, grid, block, args, DEPENDENT_SMEM)
     else:
         kernel((grid,), (block,), args)
 
