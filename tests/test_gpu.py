@@ -28,7 +28,7 @@ if _REASON is not None:
 import cupy as cp  # noqa: E402
 
 from twell.benchmark import to_device as to_gpu  # noqa: E402
-from twell.kernels import buffers, gate_gemm, heavy_rows, hybrid_ops, light_rows  # noqa: E402
+from twell.kernels import buffers, gate_gemm, heavy_rows, hybrid_ops  # noqa: E402
 from twell.kernels.convert import as_bf16  # noqa: E402
 from twell.kernels.cublas import gemm_nt  # noqa: E402
 from twell.kernels.pack import pack  # noqa: E402
@@ -245,7 +245,7 @@ def test_fused_route_takes_the_epilogue_from_epilogue_rows(monkeypatch: pytest.M
     nongated = PreparedBlock(None, wu, wd, Options(density_switch=False))
     calls = []
     real = gate_gemm.gate_pack
-    monkeypatch.setattr(gate_gemm, "gate_pack", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gate_gemm, "gate_pack", lambda *a: calls.append(1) or real(*a))
     fused(x)
     assert not calls and fused.route(300) == "fused"  # cuBLAS and the scan
     monkeypatch.setattr(pipeline, "EPILOGUE_ROWS", 300)
@@ -255,35 +255,6 @@ def test_fused_route_takes_the_epilogue_from_epilogue_rows(monkeypatch: pytest.M
     assert cp.array_equal(after.view(cp.uint16), epilogue.view(cp.uint16))
     nongated(x)
     assert calls == [1]
-
-
-@pytest.mark.parametrize(("kind", "m"), [("uniform", 1), ("heavy", 300), ("paperlike", 4133)])
-def test_gather_as_the_gates_dependent_gives_the_plain_launchs_bits(
-    kind: str, m: int, monkeypatch: pytest.MonkeyPatch
-):
-    """The epilogue route's gather runs as a programmatic dependent of the gate GEMM and
-    waits for each row block's counter: the same bits as a plain launch after the gate,
-    every counter at its target, in a CUDA graph too."""
-    p = with_special_rows(problem(kind, m, 512, 1024, seed=7))
-    x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    block = PreparedBlock(wg, wu, wd, Options(path="epilogue", density_switch=False))
-    dependent = block(x)
-    assert_close(to_f64(dependent), reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
-    monkeypatch.setattr(light_rows, "DEPENDENT", False)
-    plain = block(x)
-    assert cp.array_equal(dependent.view(cp.uint16), plain.view(cp.uint16))
-    monkeypatch.setattr(light_rows, "DEPENDENT", True)
-    monkeypatch.setattr(light_rows, "DEPENDENT_SMEM", 20480)  # off the gate's SMs
-    assert cp.array_equal(block(x).view(cp.uint16), plain.view(cp.uint16))
-    packed, heavy, ready = gate_gemm.gate_pack(x, wg, 256, 32, signal=True)
-    assert ready.shape == (-(-m // gate_gemm.BLOCK_M),)
-    assert bool((ready == gate_gemm.ready_target(wg.shape[0])).all())
-    want_packed, want_heavy = gate_gemm.gate_pack(x, wg, 256, 32)
-    assert cp.array_equal(packed, want_packed) and cp.array_equal(heavy, want_heavy)
-    pytest.importorskip("torch")  # a capture's cuBLAS calls go through torch
-    first, again = captured_replays(lambda: block(x))
-    assert cp.array_equal(first.view(cp.uint16), plain.view(cp.uint16))
-    assert cp.array_equal(again.view(cp.uint16), plain.view(cp.uint16))
 
 
 def test_sliced_route_with_more_tiles_than_a_warp_has_lanes():

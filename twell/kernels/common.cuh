@@ -285,17 +285,6 @@ TWELL_DEVICE void twell_tma_load_2d(uint32_t dst, const TwellTmaDesc* map, int c
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
-// Spins (backing off) until the 32-bit counter at `flag` reaches `target`, with acquire
-// semantics at GPU scope: what the kernel that released the count wrote before is visible
-// to this thread's loads after it. Every lane of a warp may wait on the same flag.
-TWELL_DEVICE void twell_wait_at_least(const uint32_t* flag, uint32_t target) {
-  for (;;) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    if (v >= target) return;
-    __nanosleep(200);
-  }
-}
 TWELL_DEVICE uint4 twell_lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

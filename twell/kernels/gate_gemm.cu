@@ -135,22 +135,6 @@ __device__ __forceinline__ void bar_sync(int id) {
 __device__ __forceinline__ void bar_arrive(int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BAR_COUNT) : "memory");
 }
-// The warps that packed a tile (the packers, or for the last tile every warp but the
-// producer's) meet, then one thread releases the tile's rows: ready[row block] += 1, so a
-// kernel launched as a programmatic dependent (light_rows.cu) may read those rows'
-// words once all column tiles of the block are counted.
-#define BAR_PACKED 3
-#define BAR_PACKED_ALL 4
-__device__ __forceinline__ void release_rows(uint32_t* ready, int block, bool all, int thread) {
-  if (all)
-    asm volatile("bar.sync %0, %1;" ::"n"(BAR_PACKED_ALL), "n"(BAR_COUNT) : "memory");
-  else
-    asm volatile("bar.sync %0, %1;" ::"n"(BAR_PACKED), "n"(PACKER_WARPS * 32) : "memory");
-  if (thread == 0) {
-    __threadfence();
-    atomicAdd(ready + block, 1u);
-  }
-}
 
 // One row of the bf16 tile (this lane's 8 columns [8l, 8l + 8) in q) -> its TwELL words
 // for the CTA's 256 columns (256/TILE TwELL tiles) and its heavy flag; a whole warp.
@@ -233,11 +217,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
                 uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0, 5)
                 uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (0, 5)
                 uint16_t* __restrict__ pre,             // [M, N] bf16 (1); uint64 [grid, 8] (5)
-                int M, int N, int K,
-                uint32_t* __restrict__ ready) {  // [row blocks] (0, 5) counts or null
-  // A kernel launched after this one as a programmatic dependent may be scheduled as soon
-  // as every CTA is resident: it waits on `ready`, never on SMs this grid holds.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+                int M, int N, int K) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = twell_smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
@@ -299,7 +279,6 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         const bool last = tile + (int)gridDim.x >= tiles;
         pack_rows(twell_smem_addr(tile_smem), pw, last ? ALL_WARPS : PACKER_WARPS, m0, n0, cols,
                   M, N, lane, packed, heavy);
-        if (ready != nullptr) release_rows(ready, tile / tiles_n, last, tid - 32);
       } else if (TWELL_OUTPUT == 1) {
         for (int r = pw; r < BM; r += PACKER_WARPS) {
           const long long m = (long long)m0 + r;
@@ -382,7 +361,6 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       bar_sync(BAR_TILE_FULL);
       pack_rows(twell_smem_addr(tile_smem), PACKER_WARPS + warp + 4 * c, ALL_WARPS, m0, n0,
                 min(BN, N - n0), M, N, lane, packed, heavy);
-      if (ready != nullptr) release_rows(ready, tile / tiles_n, true, -1);
     } else {
       bar_arrive(BAR_TILE_FULL);
     }

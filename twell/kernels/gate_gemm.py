@@ -118,36 +118,19 @@ def _encoded(address: int, rows: int, k: int, box_rows: int) -> np.ndarray:
     return out
 
 
-def gate_pack(x: Any, w: Any, tile: int, slots: int, signal: bool = False) -> tuple:
+def gate_pack(x: Any, w: Any, tile: int, slots: int) -> tuple[Any, Any]:
     """``relu(x @ w.T)`` straight into TwELL (packing in the GEMM's epilogue; the
     pre-activation never reaches global memory), for bf16 ``x [M, K]``, ``w [N, K]``.
 
     Returns:
-        ``(packed uint32 [M, N/tile*slots], heavy uint8 [M])``, as ``pack.pack`` does;
-        with ``signal``, also ``ready`` (uint32, one counter per ``BLOCK_M`` rows, which
-        reaches :func:`ready_target` once those rows' words and flags are final:
-        ``light_rows.from_twell`` can then run as a programmatic dependent).
+        ``(packed uint32 [M, N/tile*slots], heavy uint8 [M])``, as ``pack.pack`` does.
     """
     m, n = x.shape[0], w.shape[0]
     packed = alloc((m, n // tile * slots), np.uint32)
-    if not signal:
-        heavy = alloc((m,), np.uint8)
-        heavy.fill(0)
-        launch(x, w, tile=tile, slots=slots, output=OUTPUT_PACKED, packed=packed, heavy=heavy)
-        return packed, heavy
-    # The flags and the counters in one buffer: one memset zeroes both.
-    flags = -(-m // 16) * 16
-    both = alloc((flags + 4 * math.ceil(m / BLOCK_M),), np.uint8)
-    both.fill(0)
-    heavy, ready = both[:m], both[flags:].view(np.uint32)
-    launch(x, w, tile=tile, slots=slots, output=OUTPUT_PACKED, packed=packed, heavy=heavy,
-           ready=ready)  # fmt: skip
-    return packed, heavy, ready
-
-
-def ready_target(n: int) -> int:
-    """The count a row block's ``ready`` counter reaches: its column tiles."""
-    return math.ceil(n / BLOCK_N)
+    heavy = alloc((m,), np.uint8)
+    heavy.fill(0)
+    launch(x, w, tile=tile, slots=slots, output=OUTPUT_PACKED, packed=packed, heavy=heavy)
+    return packed, heavy
 
 
 def launch(
@@ -161,7 +144,6 @@ def launch(
     heavy: Any | None = None,
     pre: Any | None = None,
     stages: int = STAGES,
-    ready: Any | None = None,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
@@ -172,9 +154,7 @@ def launch(
     ``OUTPUT_PROFILE``: as ``OUTPUT_PACKED``, plus cycles of the epilogue's parts in
     ``pre`` (uint64 ``[grid, 8]``, grid = min(tiles, SMs), viewed as uint16).
     ``stages``: the ring's depth (timing of the main loop only; the other builds' shared
-    memory has room for ``STAGES``). ``ready`` (uint32 ``[ceil(M / BLOCK_M)]``, zeroed;
-    packing builds): each row block's counter is incremented, with release semantics,
-    once per column tile packed.
+    memory has room for ``STAGES``).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -203,7 +183,7 @@ def launch(
             tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N),
             null if packed is None else packed, null if heavy is None else heavy,
             null if pre is None else pre.view(np.uint16),
-            np.int32(m), np.int32(n), np.int32(k), null if ready is None else ready,
+            np.int32(m), np.int32(n), np.int32(k),
         ),
         shared_mem=smem,
     )  # fmt: skip

@@ -6,10 +6,7 @@
 //
 // Kernels (they share the gather phase):
 // - twell_light_rows_from_twell reads the active units from a TwELL buffer (gated_down,
-//   down, and the "epilogue" and "pack" routes of the block; on the "epilogue" route it
-//   runs as a programmatic dependent of the gate GEMM and waits for each row block's
-//   words, `ready`, so it starts on the SMs the gate's last wave leaves idle; the words
-//   are read with coherent loads, never through the read-only path); given row_l1, it also
+//   down, and the "epilogue" and "pack" routes of the block); given row_l1, it also
 //   writes each light row's sum of |h| over its entries (the training forward's L1 term),
 //   and given up (gated), each entry's up product x·w_up[n] in fp32 at [row, rank] (rank:
 //   the entry's place in the row's TwELL order; the backward reads it instead of
@@ -359,23 +356,17 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
                  int M, int N, int max_row_nnz,
                  float* __restrict__ row_l1,             // [M] out (light rows) or null
                  float* __restrict__ up,                 // [M, up_cap] out (gated) or null
-                 int up_cap,
-                 const uint32_t* __restrict__ ready,     // [M / ready_rows] or null
-                 int ready_rows, uint32_t ready_target) {
+                 int up_cap) {
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * TWELL_ROW_WARPS + warp;
-  if (row >= M) return;
-  // Launched as a programmatic dependent of the gate GEMM that packs `packed`: its words
-  // and heavy flags are final once the row's block has counted every column tile.
-  if (ready != nullptr) twell_wait_at_least(ready + row / ready_rows, ready_target);
-  if (heavy[row]) return;
+  if (row >= M || heavy[row]) return;
   const int tiles = N / TWELL_TILE;
   const uint32_t* words = packed + row * (long long)tiles * TWELL_SLOTS;
   if (max_row_nnz < tiles * (TWELL_SLOTS - 1)) {
     // Rows with more active units than max_row_nnz go to the dense path (heavy = 1).
     int nnz = 0;
-    for (int j = lane; j < tiles; j += 32) nnz += (int)__ldcs(words + j * TWELL_SLOTS);
+    for (int j = lane; j < tiles; j += 32) nnz += (int)__ldg(words + j * TWELL_SLOTS);
     nnz = __reduce_add_sync(0xffffffffu, nnz);
     if (twell_row_over_limit(nnz, max_row_nnz)) {
       if (lane == 0) heavy[row] = 1;

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels import driver, light_rows_decode
+from twell.kernels import light_rows_decode
 from twell.kernels.buffers import u16
 from twell.kernels.compile import Source, declare, device_info
 from twell.options import LIST_CAPACITY
@@ -38,13 +38,6 @@ WIDE_WARPS = 8
 WIDE = "twell_light_rows_from_pre_wide"
 WIDE2 = "twell_light_rows_from_pre_wide2"
 WIDE2_KDIM = 2048
-#: Launch the TwELL gather as a programmatic dependent of the gate GEMM when given its
-#: row-block counters (False: a plain launch after it; the counters are then full).
-DEPENDENT = True
-#: Dynamic shared memory the dependent launch reserves per block (0: none). A block that
-#: asks for more than the gate GEMM's CTA leaves free (~16 KB) cannot share an SM with it,
-#: so the gather starts only on SMs the gate has finished with (measured both ways).
-DEPENDENT_SMEM = 0
 
 SOURCE = declare(
     Source(
@@ -97,22 +90,18 @@ def _wide_warps_per_sm(function: str, k: int, tile: int, slots: int, gated: bool
 def _launch(
     function: str, grid: int, block: int, x: Any | None, source: Any, heavy: Any,
     w_up: Any | None, w_down_t: Any, y: Any, tile: int, slots: int, max_row_nnz: int,
-    extra: tuple = (), dependent: bool = False,
+    extra: tuple = (),
 ) -> None:  # fmt: skip
     m, k = y.shape
     gated = w_up is not None
-    kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
-    args = (
-        u16(x) if gated else _NULL, source, heavy, u16(w_up) if gated else _NULL,
-        u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
-        np.int32(max_row_nnz), *extra,
+    SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))(
+        (grid,), (block,),
+        (
+            u16(x) if gated else _NULL, source, heavy, u16(w_up) if gated else _NULL,
+            u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
+            np.int32(max_row_nnz), *extra,
+        ),
     )  # fmt: skip
-    if dependent and driver.available():
-        if DEPENDENT_SMEM and kernel.max_dynamic_shared_size_bytes < DEPENDENT_SMEM:
-            kernel.max_dynamic_shared_size_bytes = DEPENDENT_SMEM
-        driver.launch_dependent(kernel, grid, block, args, DEPENDENT_SMEM)
-    else:
-        kernel((grid,), (block,), args)
 
 
 def from_pre(
@@ -153,8 +142,7 @@ def from_pre(
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     tile: int, slots: int, max_row_nnz: int | None = None, row_l1: Any | None = None,
-    up: Any | None = None, ready: Any | None = None, ready_rows: int = 0,
-    ready_target: int = 0,
+    up: Any | None = None,
 ) -> None:  # fmt: skip
     """Light rows of ``y`` from a TwELL buffer (rows with ``heavy[m] != 0`` skipped). With
     ``max_row_nnz``, rows holding more entries get ``heavy[m] = 1`` instead. With
@@ -162,14 +150,7 @@ def from_twell(
     written there (in the row's entry order; heavy rows' elements are left alone). With
     ``up`` (float32 ``[M, R]``, gated only), entry ``r`` of a light row's TwELL order gets
     its up product ``x[m]·w_up[n]`` at ``up[m, r]`` for ``r < R`` (other elements left
-    alone).
-
-    With ``ready`` (uint32 counters, one per ``ready_rows`` rows, that the kernel which
-    writes ``packed`` and ``heavy`` releases: ``gate_gemm.gate_pack(..., signal=True)``),
-    the kernel runs as a programmatic dependent of the previous launch on the stream (the
-    gate GEMM) and reads a row once its counter reaches ``ready_target``: it starts on SMs
-    the gate's last wave leaves idle instead of after the gate's last CTA.
-    """
+    alone)."""
     m = y.shape[0]
     if m == 0:
         return
@@ -182,6 +163,4 @@ def from_twell(
     _launch("twell_light_rows_from_twell", math.ceil(m / ROW_WARPS), 32 * ROW_WARPS, x, packed,
             heavy, w_up, w_down_t, y, tile, slots, limit,
             (_NULL if row_l1 is None else row_l1, _NULL if up is None else up,
-             np.int32(0 if up is None else up.shape[1]), _NULL if ready is None else ready,
-             np.int32(max(ready_rows, 1)), np.uint32(ready_target)),
-            dependent=ready is not None and DEPENDENT)  # fmt: skip
+             np.int32(0 if up is None else up.shape[1])))  # fmt: skip

@@ -490,27 +490,20 @@ def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None)
 
 
 def _from_twell(
-    block: PreparedBlock, x: Any, y: Any, light: LightRows, save: SaveTargets | None,
-    ready: Any | None = None,
-) -> LightRows:  # fmt: skip
-    """The gather from TwELL; ``ready``: the gate GEMM's row-block counters (the gather
-    then runs as its programmatic dependent)."""
+    block: PreparedBlock, x: Any, y: Any, light: LightRows, save: SaveTargets | None
+) -> LightRows:
     light_rows.from_twell(
         x if block.gated else None, light.packed, light.heavy,
         block.w_up if block.gated else None, block.w_down_t, y, tile=block.options.tile,
         slots=block.options.slots, max_row_nnz=block.max_row_nnz,
         row_l1=None if save is None else save.row_l1, up=None if save is None else save.up,
-        ready=ready, ready_rows=gate_gemm.BLOCK_M, ready_target=gate_gemm.ready_target(block.n),
     )  # fmt: skip
     return light
 
 
 def _route_epilogue(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
-    # The gate releases each block of rows as it packs it, and the gather runs as its
-    # programmatic dependent: it starts on the SMs the gate's last wave leaves idle.
-    tile, slots = block.options.tile, block.options.slots
-    packed, heavy, ready = gate_gemm.gate_pack(x, block.w_first, tile, slots, signal=True)
-    return _from_twell(block, x, y, LightRows(heavy, packed=packed), save, ready)
+    packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
+    return _from_twell(block, x, y, LightRows(heavy, packed=packed), save)
 
 
 def _route_pack(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
