@@ -1,5 +1,7 @@
 """Where a single eager SparseFFN call's GPU time goes: kernel spans and the idle gaps
-between them (torch profiler), per call (synchronised before each) and back to back.
+between them (torch profiler, three calls, the second one reported), per call
+(synchronised before each) and back to back. The profiler's own host overhead delays
+the first kernel (M above ``twell._graphs.MAX_TOKENS``: below, a call replays a graph).
 
     PYTHONPATH=. python bench/dev_call_gaps.py [--M 16384] [--out DIR]
 """
@@ -57,6 +59,10 @@ def main() -> None:
                 torch.cuda.synchronize()
             ks = kernels(prof)
             per = len(ks) // 3
+            if per == 0 or len(ks) % 3:  # calls launched different kernels: no fair split
+                print(json.dumps({"M": m, "mode": mode, "kernels": len(ks),
+                                  "note": "not three equal calls"}), flush=True)  # fmt: skip
+                continue
             calls = sorted(e.time_range.start for e in prof.events()
                            if e.name == "twell_call"
                            and e.device_type == torch.autograd.DeviceType.CPU)  # fmt: skip

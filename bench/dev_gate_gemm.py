@@ -150,8 +150,9 @@ def profile(x, w, packed, heavy):
 
 
 def clocks():
-    """Median SM clock (MHz) and power (W) over a second of back-to-back launches of each
-    build at M=16384 (nvidia-smi sampling every 20 ms), beside the launch's time."""
+    """Median SM clock (MHz) and power (W) of the current device over 1.2 s of
+    back-to-back launches of each build at M=16384 (nvidia-smi sampling every 20 ms, the
+    first 10 samples dropped), beside the launch's time."""
     m, n, k = 16384, 5632, 2048
     x = rand_bf16((m, k), 5)
     w = rand_bf16((n, k), 6, 1.0 / np.sqrt(k))
@@ -168,12 +169,13 @@ def clocks():
                                               output=gate_gemm.OUTPUT_TILE_ONLY),
         "pack": lambda: gate_gemm.launch(x, w, tile=256, slots=32, packed=packed, heavy=heavy),
     }  # fmt: skip
+    bus = cp.cuda.Device().pci_bus_id  # this device's samples only
     out = {}
     for name, fn in builds.items():
         ms = time_ms(fn)
         sampler = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-             "-lms", "20"], stdout=subprocess.PIPE, text=True,
+            ["nvidia-smi", "-i", bus, "--query-gpu=clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         t_end = time.time() + 1.2
         while time.time() < t_end:
@@ -182,9 +184,12 @@ def clocks():
             cp.cuda.runtime.deviceSynchronize()
         sampler.terminate()
         lines = sampler.communicate()[0].strip().splitlines()[10:]  # skip the ramp
-        samples = np.array([[float(v) for v in line.split(",")] for line in lines if line])
+        samples = np.array(
+            [[float(v) for v in line.split(",")] for line in lines
+             if line and "N/A" not in line] or [[np.nan, np.nan]]
+        )  # fmt: skip
         out[name] = {"ms": ms, "sm_mhz": float(np.median(samples[:, 0])),
-                     "watts": float(np.median(samples[:, 1])), "samples": len(samples)}  # fmt: skip
+                     "watts": float(np.median(samples[:, 1])), "samples": len(lines)}  # fmt: skip
         print(name, json.dumps(out[name]), flush=True)
     return [{"clocks": out}]
 

@@ -13,10 +13,11 @@
 // loop's time, bench/dev_gate_gemm.py); 3 and 4 time parts of the epilogue: 3 fills the
 // bf16 tile and hands it over, but the packer warps do nothing with it; 4 only hands it
 // over (the barriers, no tile stores); 5 packs as 0 and records, per CTA, clock64 cycles
-// of its parts into `pre` (uint64 [grid, 8]: the consumers' time to their end (their
-// share of the last tile's packing included), their waits for a free tile, their
-// epilogue, the packers' work, their waits for a full tile, the last tile's packing, the
-// tiles, the packers' time to their end).
+// of its parts into `pre` (uint64 [grid, 8]: the consumers' time to their end, their
+// waits for a free tile, their epilogue (both with their share of the last tile's
+// packing; these three as warp 4, the first consumer warp, saw them), the packers' work,
+// their waits for a full tile, the last tile's packing, the tiles, the packers' time to
+// their end).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
@@ -187,6 +188,12 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
   }
 }
 
+// Whether `tile` is the CTA's last (the persistent grid's stride is gridDim.x): the
+// packers and the consumers decide it alike.
+__device__ __forceinline__ bool final_tile(int tile, int tiles) {
+  return tile + (int)gridDim.x >= tiles;
+}
+
 // Rows g, g + warps, g + 2 warps, ... of the bf16 tile -> their TwELL words and heavy
 // flags; warp g of `warps` (ROWS_IN_FLIGHT rows' tile loads in flight per step).
 __device__ __forceinline__ void pack_rows(uint32_t tile_addr, int g, int warps, int m0, int n0,
@@ -276,9 +283,9 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         // (docs/perf-log.md, 2026-11-26, eleventh session). The CTA's last tile, which no
         // main loop hides, the consumer warps pack with them (half the tail, ~2% at M=16384;
         // twelfth session).
-        const bool last = tile + (int)gridDim.x >= tiles;
-        pack_rows(twell_smem_addr(tile_smem), pw, last ? ALL_WARPS : PACKER_WARPS, m0, n0, cols,
-                  M, N, lane, packed, heavy);
+        pack_rows(twell_smem_addr(tile_smem), pw,
+                  final_tile(tile, tiles) ? ALL_WARPS : PACKER_WARPS, m0, n0, cols, M, N, lane,
+                  packed, heavy);
       } else if (TWELL_OUTPUT == 1) {
         for (int r = pw; r < BM; r += PACKER_WARPS) {
           const long long m = (long long)m0 + r;
@@ -293,7 +300,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         busy += t2 - t1;
         last = t2 - t1;
       }
-      if (tile + (int)gridDim.x < tiles) bar_arrive(BAR_TILE_FREE);  // the next sync's
+      if (!final_tile(tile, tiles)) bar_arrive(BAR_TILE_FREE);  // the next sync's
     }
     if (PROFILE && pw == 0 && lane == 0) {
       prof[3] = busy;
@@ -357,7 +364,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       *reinterpret_cast<uint32_t*>(p0 + j * 16) = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
       *reinterpret_cast<uint32_t*>(p1 + j * 16) = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
     }
-    if (PACKS && tile + (int)gridDim.x >= tiles) {  // the last tile: help pack it
+    if (PACKS && final_tile(tile, tiles)) {  // help pack the CTA's last tile
       bar_sync(BAR_TILE_FULL);
       pack_rows(twell_smem_addr(tile_smem), PACKER_WARPS + warp + 4 * c, ALL_WARPS, m0, n0,
                 min(BN, N - n0), M, N, lane, packed, heavy);

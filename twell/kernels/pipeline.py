@@ -470,7 +470,9 @@ Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 #: (what SparseFFN above its graph bound of 4096 tokens meets), ms: H100 4096 0.383 /
 #: 0.463, 8192 0.638 / 0.650, 16384 1.179 / 1.270, heavy 1.251 / 1.233, paperlike 1.330 /
 #: 1.289; H200 4096 0.351 / 0.349, 8192 0.589 / 0.604, 16384 1.071 / 1.117, heavy
-#: 1.121 / 1.154, paperlike 1.197 / 1.233.
+#: 1.121 / 1.154, paperlike 1.197 / 1.233. With the consumers' help on the gate's last
+#: tile (twelfth session) M=2048 is level in graphs (H200 173.4 / 172.6, H100 180.7 /
+#: 178.5) and slower per call (H200 0.226 / 0.218 ms), so the bound stays.
 EPILOGUE_ROWS = 4096
 
 
