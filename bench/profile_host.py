@@ -100,17 +100,21 @@ def main() -> None:
     if m > _graphs.MAX_TOKENS:  # below, a call replays a graph: no launch to time
         print(f"M={m} SparseFFN: {until_gate_us(lambda: block(x)):.1f} us from the call to "
               "the gate GEMM's launch")  # fmt: skip
-    calls = 300 if m <= 4096 else 20  # large M: stay within the launch queue
+    calls = 300 if m <= _graphs.MAX_TOKENS else 40  # large M: stay within the launch queue
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # the GPU busy: no launch waits for it
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(calls):
         block(x)
     profile.disable()
     torch.cuda.synchronize()
-    stats = pstats.Stats(profile).sort_stats("tottime")
-    stats.print_stats(22)
-    if m > 4096:
-        stats.sort_stats("cumulative").print_stats(40)
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:30]  # by own time
+    print(f"{'calls/call':>10} {'own us/call':>12} {'cum us/call':>12}  function")
+    for (path, line, name), (_, ncalls, own, cum, _) in rows:
+        print(f"{ncalls / calls:>10.1f} {own / calls * 1e6:>12.1f} {cum / calls * 1e6:>12.1f}"
+              f"  {path.split('/')[-1]}:{line}({name})")  # fmt: skip
 
 
 if __name__ == "__main__":
