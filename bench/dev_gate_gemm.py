@@ -26,7 +26,6 @@ import numpy as np
 
 from twell.kernels import gate_gemm
 from twell.kernels.buffers import empty_bf16
-from twell.kernels.compile import device_info
 from twell.kernels.convert import as_bf16, from_bf16
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.pack import pack
@@ -131,7 +130,7 @@ def time_ms(fn, reps=20, warm=5):
 def profile(x, w, packed, heavy):
     """OUTPUT_PROFILE's clock64 cycles per CTA (means over the CTAs; the kernel's own
     time in ms beside them): where the packer epilogue's time goes."""
-    buf = cp.zeros((device_info().multiprocessors * 8,), dtype=cp.uint64)
+    buf = cp.zeros((gate_gemm.ctas(x.shape[0], w.shape[0]) * 8,), dtype=cp.uint64)
     gate_gemm.launch(x, w, tile=256, slots=32, output=gate_gemm.OUTPUT_PROFILE, packed=packed,
                      heavy=heavy, pre=buf.view(cp.uint16))  # fmt: skip
     cp.cuda.runtime.deviceSynchronize()

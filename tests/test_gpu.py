@@ -7,7 +7,6 @@ the kernels run, so an unwritten element fails the comparison.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator
 
 import ml_dtypes
@@ -16,7 +15,7 @@ import pytest
 
 from twell import reference, workloads
 from twell.formats import Hybrid, TwELL, to_host
-from twell.kernels.compile import device_info, unavailable_reason
+from twell.kernels.compile import unavailable_reason
 
 pytestmark = pytest.mark.gpu
 
@@ -507,15 +506,13 @@ def _check_gate_gemm(m: int, n: int, k: int, tile: int, slots: int, seed: int) -
     if m > 2:
         assert bool(heavy[1]) and bool(heavy[2])  # NaN and Inf rows go dense
     # The profiling build packs the same words and records its cycles.
-    tiles = math.ceil(m / gate_gemm.BLOCK_M) * math.ceil(n / gate_gemm.BLOCK_N)
-    ctas = min(tiles, device_info().multiprocessors)  # the launcher's grid
-    cycles = cp.zeros((ctas, 8), dtype=cp.uint64)
+    cycles = cp.zeros((gate_gemm.ctas(m, n), 8), dtype=cp.uint64)
     packed.fill(0xDEADBEEF)
     heavy.fill(0)
     gate_gemm.launch(x, w, tile=tile, slots=slots, output=gate_gemm.OUTPUT_PROFILE,
                      packed=packed, heavy=heavy, pre=cycles.view(cp.uint16))  # fmt: skip
     assert cp.array_equal(heavy, want_heavy) and cp.array_equal(packed, want_packed)
-    assert int(cycles[:, 6].sum()) == tiles and bool((cycles[:, 0] > 0).all())
+    assert int(cycles[:, 6].sum()) == gate_gemm.tiles(m, n) and bool((cycles[:, 0] > 0).all())
     assert bool((cycles[:, 7] >= cycles[:, 5]).all())  # the packers' end, after their last tile
 
 

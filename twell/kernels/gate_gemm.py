@@ -133,6 +133,16 @@ def gate_pack(x: Any, w: Any, tile: int, slots: int) -> tuple[Any, Any]:
     return packed, heavy
 
 
+def tiles(m: int, n: int) -> int:
+    """The launch's output tiles (``BLOCK_M`` x ``BLOCK_N``) for ``[m, n]``."""
+    return math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
+
+
+def ctas(m: int, n: int) -> int:
+    """The launch's persistent grid: a CTA per SM, at most one per tile."""
+    return max(1, min(tiles(m, n), device_info().multiprocessors))
+
+
 def launch(
     x: Any,
     w: Any,
@@ -152,7 +162,7 @@ def launch(
     ``pre`` ``[M, N]``. ``OUTPUT_NONE``, ``OUTPUT_TILE_ONLY``, ``OUTPUT_HANDOVER_ONLY``:
     nothing stored (timing of the main loop and of the epilogue's parts).
     ``OUTPUT_PROFILE``: as ``OUTPUT_PACKED``, plus cycles of the epilogue's parts in
-    ``pre`` (uint64 ``[grid, 8]``, grid = min(tiles, SMs), viewed as uint16).
+    ``pre`` (uint64 ``[grid, 8]``, grid = :func:`ctas`, viewed as uint16).
     ``stages``: the ring's depth (timing of the main loop only; the other builds' shared
     memory has room for ``STAGES``).
     """
@@ -164,13 +174,12 @@ def launch(
         raise ValueError("launch: OUTPUT_PACKED and OUTPUT_PROFILE need packed and heavy")
     if output in (OUTPUT_DENSE, OUTPUT_PROFILE) and pre is None:
         raise ValueError("launch: OUTPUT_DENSE and OUTPUT_PROFILE need pre")
-    if stages < 2 or smem_bytes(stages, output) > 232448:
+    smem = smem_bytes(stages, output)
+    if stages < 2 or smem > 232448:
         raise ValueError(f"launch: a ring of {stages} stages does not work with this build")
-    tiles = math.ceil(m / BLOCK_M) * math.ceil(n / BLOCK_N)
-    grid = (max(1, min(tiles, device_info().multiprocessors)),)
+    grid = (ctas(m, n),)
     if output == OUTPUT_PROFILE and pre.nbytes < grid[0] * 64:
         raise ValueError(f"launch: OUTPUT_PROFILE needs {grid[0] * 64} bytes of pre")
-    smem = smem_bytes(stages, output)
     fn = SOURCE.kernel(
         "twell_gate_gemm", TILE=tile, SLOTS=slots, OUTPUT=output, STAGES=stages, SMEM_BYTES=smem
     )
