@@ -1,7 +1,7 @@
 """Where a single eager SparseFFN call's GPU time goes: kernel spans and the idle gaps
 between them (torch profiler, three calls, the second one reported), per call
 (synchronised before each) and back to back. The profiler's own host overhead delays
-the first kernel (M above ``twell._graphs.MAX_TOKENS``: below, a call replays a graph).
+the first kernel (M above ``twell._graphs.COPY_TOKENS``: below, a call replays a graph).
 
     PYTHONPATH=. python bench/dev_call_gaps.py [--M 16384] [--out DIR]
 """

@@ -2,18 +2,27 @@
 
 A forward pass is about ten kernel launches and as many buffer allocations, each of
 which costs several microseconds of Python on the host; at decode-sized batches that,
-not the GPU, sets the time of a call. :class:`GraphedBlock` therefore captures the whole
-launch sequence of a prepared block once per (tokens, dtype, the density switch's decision
-and capacity) with ``torch.cuda.graph`` and replays it: a call is then a copy of ``x`` into the
-graph's input buffer, one replay, and a copy of the output out of the graph's buffer
-(three operations on torch's current stream). The replay runs the same kernels as an
-eager call, so it gives the same bits.
+not the GPU, sets the time of a call, and at prefill sizes the GPU waits for the host
+before the first kernel. :class:`GraphedBlock` therefore captures the whole launch
+sequence of a prepared block once per (tokens, dtype, stream, the density switch's
+decision and capacity) and launches the graph instead. The graph's kernels are pointed
+at the call's ``x`` and at a fresh output tensor before each launch
+(twell._graph_nodes.Repointed): a call is then an allocation, a few argument updates
+and one graph launch, with no copy on the GPU. A graph that cannot be re-pointed (a
+kernel reading ``x`` in a way the scan does not see) is replayed with copies of ``x``
+into its input buffer and of its output out, up to :data:`COPY_TOKENS` tokens. Either
+way the launch runs the eager call's kernels, so it gives the same bits; a graph is
+used re-pointed only after a launch pointed at the call's tensors, with the captured
+buffers poisoned, reproduced the eager output bit for bit.
 
-It steps aside (plain launches) when the caller is capturing a graph of its own (the
-launches then belong to the caller's graph), above :data:`MAX_TOKENS` tokens (where the
-GPU work hides the host cost), and every :data:`REFRESH`-th call, which runs eagerly so
-the density switch keeps seeing fresh statistics. Graphs are kept for the most recent
-:data:`CACHE` shapes.
+A graph is captured the first time a batch of at most :data:`COPY_TOKENS` tokens comes
+(decode shapes repeat), the second time for a larger one (prefill lengths rarely do);
+at most :data:`CACHE` graphs per block are kept, :data:`LARGE` of them above
+:data:`COPY_TOKENS` tokens. All blocks' graphs replayed on one stream share one memory
+pool (their scratch is reused from one graph to the next: the launches on one stream
+never overlap). Plain launches are used when the caller is capturing a graph of its own
+(the launches then belong to the caller's graph) and every :data:`REFRESH`-th call,
+which runs eagerly so the density switch keeps seeing fresh statistics.
 """
 
 from __future__ import annotations
@@ -23,12 +32,48 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-#: Largest batch (tokens) replayed from a graph.
-MAX_TOKENS = 4096
+from twell import _graph_nodes
+
+#: Largest batch (tokens) replayed with copies of x and y when the graph cannot be
+#: re-pointed (the copies cost 4 bytes of traffic per element of x and y each call).
+COPY_TOKENS = 4096
 #: Every REFRESH-th call runs eagerly (fresh density statistics).
 REFRESH = 64
-#: Graphs kept per block.
+#: Graphs kept per block, and of them at most LARGE above COPY_TOKENS tokens.
 CACHE = 8
+LARGE = 2
+#: Keys remembered per block as seen once (large batches), or as failing to re-point.
+SEEN = 64
+
+#: (device index, replay stream) -> (memory pool, capture stream) shared by all blocks.
+_pools: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+class _Graph:
+    """A captured call: launched re-pointed (``repointed``) or with copies (``static_x``
+    in, ``static_y`` out). ``keep``: buffers the captured kernels use that the shared
+    memory pool does not own (none, normally)."""
+
+    def __init__(self, graph: Any, repointed: Any, static_x: Any, static_y: Any,
+                 keep: list[Any]) -> None:  # fmt: skip
+        self.graph = graph
+        self.repointed = repointed
+        self.static_x = None if repointed is not None else static_x
+        self.static_y = None if repointed is not None else static_y
+        self.out = (tuple(static_y.shape), static_y.dtype)
+        self.keep = keep
+
+    def __call__(self, x: Any, stream: Any) -> Any:
+        import torch
+
+        if self.repointed is not None:
+            y = torch.empty(self.out[0], dtype=self.out[1], device=x.device)
+            self.repointed.point((x.data_ptr(), y.data_ptr()))
+            self.repointed.launch(stream.cuda_stream)
+            return y
+        self.static_x.copy_(x)
+        self.graph.replay()
+        return self.static_y.clone()
 
 
 class GraphedBlock:
@@ -40,58 +85,160 @@ class GraphedBlock:
             rows would do now (the density switch's decision): with ``read``, after taking
             in statistics that have landed; without, from the statistics in force (what a
             capture runs). A graph is captured per key.
+        scratch: the list into which ``run`` appends the buffers of a captured call
+            (``PreparedBlock._graph_scratch``): a capture takes its entries, so that they
+            live as long as the graph rather than as long as the block.
     """
 
-    def __init__(self, run: Callable[[Any], Any], decision: Callable[[int, bool], Any]) -> None:
+    def __init__(self, run: Callable[[Any], Any], decision: Callable[[int, bool], Any],
+                 scratch: list[Any] | None = None) -> None:  # fmt: skip
         self.run = run
         self.decision = decision
-        self._graphs: collections.OrderedDict[tuple, tuple[Any, Any, Any]] = (
-            collections.OrderedDict()
-        )
+        self.scratch = scratch
+        self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._eager: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._calls = 0
+        self.captures = 0
 
     def __call__(self, x: Any) -> Any:
         import torch
 
         self._calls += 1
-        if (
-            x.shape[0] > MAX_TOKENS
-            or x.shape[0] == 0
-            or torch.cuda.is_current_stream_capturing()
-            or self._calls % REFRESH == 0
-        ):
+        m = x.shape[0]
+        if m == 0 or self._calls % REFRESH == 0 or torch.cuda.is_current_stream_capturing():
             return self.run(x)
-        key = (tuple(x.shape), x.dtype, x.device, self.decision(x.shape[0], True))
+        stream = torch.cuda.current_stream(x.device)
+        key = (tuple(x.shape), x.dtype, x.device, stream.cuda_stream, self.decision(m, True))
         found = self._graphs.get(key)
-        if found is None:
-            found = self._capture(x)
-            # The capture's warm-up calls may have taken in newer statistics: file the
-            # graph under the decision it ran.
-            key = (*key[:3], self.decision(x.shape[0], False))
-            self._graphs[key] = found
-            while len(self._graphs) > CACHE:
-                self._graphs.popitem(last=False)
-        else:
+        if found is not None:
             self._graphs.move_to_end(key)
-        graph, static_x, static_y = found
-        static_x.copy_(x)
-        graph.replay()
-        return static_y.clone()
+            return found(x, stream)
+        if key in self._eager or (m > COPY_TOKENS and not _remember(self._seen, key)):
+            return self.run(x)
+        found, y = self._capture(x, stream)
+        # The capture's warm-up calls may have taken in newer statistics: file the graph
+        # under the decision it ran.
+        key = (*key[:4], self.decision(m, False))
+        if found is None:
+            _remember(self._eager, key)
+            return y
+        self._graphs[key] = found
+        large = [k for k in self._graphs if k[0][0] > COPY_TOKENS]
+        if m > COPY_TOKENS and len(large) > LARGE:
+            del self._graphs[large[0]]
+        while len(self._graphs) > CACHE:
+            self._graphs.popitem(last=False)
+        return y
 
-    def _capture(self, x: Any) -> tuple[Any, Any, Any]:
+    def _capture(self, x: Any, stream: Any) -> tuple[_Graph | None, Any]:
+        """Capture ``run`` for ``x``'s layout; returns the graph (None: neither
+        re-pointable nor small enough for copies) and this call's output."""
         import torch
 
+        pool, side = _pool(x.device, stream)
         static_x = x.clone()
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
+        side.wait_stream(stream)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: kernels loaded, torch's cuBLAS set up
-                self.run(static_x)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = self.run(static_x)
-        return graph, static_x, static_y
+                expected = self.run(static_x)
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch before 2.8: no access to the captured graph
+            graph = torch.cuda.CUDAGraph()
+        mark = len(self.scratch) if self.scratch is not None else 0
+        with torch.cuda.stream(side):
+            # thread_local: CUDA calls of other threads neither break this capture nor
+            # are broken by it.
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                static_y = self.run(static_x)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first error is the one to see
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        stream.wait_stream(side)
+        keep: list[Any] = []
+        if self.scratch is not None:
+            keep = [b for b in self.scratch[mark:] if b is not None and not _torch_owned(b)]
+            del self.scratch[mark:]
+        self.captures += 1
+        repointed, y = _try_repoint(graph, static_x, static_y, x, expected, stream)
+        if repointed is not None:
+            return _Graph(graph, repointed, static_x, static_y, keep), y
+        if x.shape[0] > COPY_TOKENS:
+            expected.record_stream(stream)  # made on the capture stream, used on this one
+            return None, expected  # a run of a copy of x: the call's output
+        found = _Graph(graph, None, static_x, static_y, keep)
+        return found, found(x, stream)
+
+
+def _remember(seen: collections.OrderedDict, key: tuple) -> bool:
+    """Whether ``key`` was in ``seen`` (then it is taken out); otherwise adds it."""
+    if key in seen:
+        del seen[key]
+        return True
+    seen[key] = None
+    while len(seen) > SEEN:
+        seen.popitem(last=False)
+    return False
+
+
+def _pool(device: Any, stream: Any) -> tuple[Any, Any]:
+    """The memory pool and capture stream of the graphs replayed on ``stream``."""
+    import torch
+
+    key = (device.index, stream.cuda_stream)
+    found = _pools.get(key)
+    if found is None:
+        found = _pools[key] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+    return found
+
+
+def _torch_owned(buffer: Any) -> bool:
+    """Whether a CuPy buffer of a captured call is memory torch allocated (then the
+    graph's pool holds it)."""
+    import cupy
+
+    return isinstance(getattr(getattr(buffer, "data", None), "mem", None),
+                      cupy.cuda.UnownedMemory)  # fmt: skip
+
+
+def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any,
+                 stream: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The graph re-pointed at ``x`` and a fresh output, and that output, when a launch
+    so pointed, with the captured buffers poisoned, gives ``expected``'s bits (a
+    synchronisation); else ``(None, None)``."""
+    import torch
+
+    if not hasattr(graph, "raw_cuda_graph"):
+        return None, None
+    try:
+        raw = graph.raw_cuda_graph()
+        repointed = _graph_nodes.Repointed(
+            raw,
+            [(static_x.data_ptr(), _nbytes(static_x)), (static_y.data_ptr(), _nbytes(static_y))],
+        )
+    except (RuntimeError, TypeError):
+        return None, None
+    if repointed.blocked or any(" twell_" in f" {name}" for name in repointed.opaque):
+        repointed.close()
+        return None, None
+    y = torch.empty_like(static_y)
+    for buffer in (static_x, static_y, y):
+        buffer.view(torch.uint8).fill_(255)  # NaN in every float type
+    repointed.point((x.data_ptr(), y.data_ptr()))
+    repointed.launch(stream.cuda_stream)
+    if not torch.equal(y.view(torch.uint8), expected.view(torch.uint8)):
+        repointed.close()
+        static_x.copy_(x)
+        return None, None
+    return repointed, y
+
+
+def _nbytes(tensor: Any) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 #: Graphs kept per training op (:class:`OpGraphs`): one per layer and batch shape.

@@ -322,7 +322,9 @@ class SparseFFN:
                 dense = density.go_dense(m, capturing=not read)
                 return dense, density.capacity(m) if auto and not dense else 0.0
 
-            self._graphed = GraphedBlock(lambda x: _eager_torch(prepared, x), decision)
+            self._graphed = GraphedBlock(
+                lambda x: _eager_torch(prepared, x), decision, prepared._graph_scratch
+            )
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.
         self._fast_torch: tuple[type, frozenset, Any] | None = None

@@ -3,7 +3,8 @@
 ``relu(x @ w.T)`` goes from tensor cores straight into TwELL words: the dense
 pre-activation never reaches global memory. The kernel reads ``x`` and ``w`` through TMA
 tensor maps (the driver's ``cuTensorMapEncodeTiled``, called through ctypes on the
-``libcuda`` CuPy already uses); a map is 128 bytes passed by value to the kernel.
+``libcuda`` CuPy already uses, twell._driver); a map is 128 bytes passed by value to the
+kernel.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from twell import _driver
 from twell.kernels.buffers import alloc
 from twell.kernels.compile import Source, declare, device_info
 
@@ -68,23 +70,8 @@ SOURCE = declare(
 _BFLOAT16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
 
 
-@functools.cache
 def _encode_tiled() -> Any:
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError as error:
-        raise RuntimeError(
-            f"the CUDA driver library (libcuda.so.1) is not loadable: {error}"
-        ) from error
-    fn = libcuda.cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    fn.argtypes = [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-    ]  # fmt: skip
-    return fn
+    return _driver.function("cuTensorMapEncodeTiled")
 
 
 def tensor_map(matrix: Any, box_rows: int) -> np.ndarray:
