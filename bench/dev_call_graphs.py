@@ -1,7 +1,7 @@
-"""Where a ``SparseFFN`` call's own CUDA graph pays (``twell._graphs.GraphedBlock``: x
-copied into the graph's buffer, one replay, y cloned out): per call, back to back and host
-time per call, with that graph path on (``MAX_TOKENS``, 4096 by default) and off (0),
-at mid-sized batches; the dense torch block in the same run.
+"""Where a ``SparseFFN`` call's own CUDA graph pays (``twell._graphs.GraphedBlock``: one
+launch of a graph re-pointed at the call's tensors): per call, back to back and host
+time per call, with that graph path on and off (the block's eager launches), at
+mid-sized batches; the dense torch block in the same run.
 
     PYTHONPATH=. python bench/dev_call_graphs.py [--M 512 1024 2048 4096] [--out DIR]
 """
@@ -15,33 +15,33 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import twell
-from twell import _graphs
 from twell.benchmark import gpu_name, versions
 from twell.sweeps import back_to_back_ms, host_us, per_call_ms, torch_problem
 
 
-def measure(m: int, k: int, n: int, default: int) -> list[dict]:
-    """Records of M=m with the graph path at ``default`` tokens and off, twice each."""
+def measure(m: int, k: int, n: int) -> list[dict]:
+    """Records of M=m with the graph path on and off, twice each."""
     _, x, weights, sets = torch_problem("uniform", m, k, n)
     blocks = [twell.SparseFFN(*w) for w in weights]
 
+    graphed = True
+
     def ours(i: int) -> torch.Tensor:
-        return blocks[i](x)
+        return blocks[i](x) if graphed else blocks[i]._graphed.run(x)
 
     def dense(i: int) -> torch.Tensor:
         wg, wu, wd = weights[i]
         return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
     records, outputs = [], {}
-    for max_tokens in (default, 0, default, 0):  # interleaved
-        _graphs.MAX_TOKENS = max_tokens
+    for graphed in (True, False, True, False):  # interleaved
         for _ in range(2):
             for i in range(sets):
                 ours(i)
         torch.cuda.synchronize()
-        outputs[max_tokens] = ours(0).clone()
+        outputs[graphed] = ours(0).clone()
         r = dict(gpu=gpu_name(), M=m, K=k, N=n, workload="uniform", rotation_sets=sets,
-                 graph_max_tokens=max_tokens,
+                 graphed=graphed,
                  per_call_ms=per_call_ms(ours, sets),
                  back_to_back_ms=back_to_back_ms(ours, sets), host_us=host_us(ours, sets),
                  dense_per_call_ms=per_call_ms(dense, sets),
@@ -51,7 +51,7 @@ def measure(m: int, k: int, n: int, default: int) -> list[dict]:
         r["speedup_back_to_back"] = r["dense_back_to_back_ms"] / r["back_to_back_ms"]
         records.append(r)
         print(json.dumps(r), flush=True)
-    same = bool(torch.equal(outputs[default], outputs[0]))
+    same = bool(torch.equal(outputs[True], outputs[False]))
     print(json.dumps({"M": m, "graph_and_eager_bits_equal": same}), flush=True)
     records.append({"M": m, "graph_and_eager_bits_equal": same})
     return records
@@ -62,13 +62,9 @@ def main() -> None:
     parser.add_argument("--M", nargs="+", type=int, default=[512, 1024, 2048, 4096])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    default = _graphs.MAX_TOKENS
     records = []
-    try:
-        for m in args.M:
-            records += measure(m, 2048, 5632, default)
-    finally:
-        _graphs.MAX_TOKENS = default
+    for m in args.M:
+        records += measure(m, 2048, 5632)
     if args.out:
         with open(f"{args.out}/call_graphs.json", "w") as f:
             json.dump(records, f, indent=1)

@@ -73,7 +73,7 @@ def check(name: str, p: workloads.Problem, dtype: torch.dtype = torch.bfloat16,
     for key, g in graphed._graphs.items():
         r = g.repointed
         rec["graphs"].append({
-            "decision": repr(key[4]),
+            "decision": repr(key[-1]),
             "mode": "repointed" if r is not None else "copies",
             "patched": None if r is None else r.patched,
             "opaque": None if r is None else r.opaque,

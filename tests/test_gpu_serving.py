@@ -88,6 +88,53 @@ def capture(fn, *args):  # noqa: ANN001, ANN201 - a torch graph of fn(*args) and
     return graph, out
 
 
+def shuffled_inputs(p: workloads.Problem, count: int, dtype: torch.dtype) -> list:
+    """``count`` inputs of p's rows in new orders (new values and addresses per call)."""
+    rng = np.random.default_rng(7)
+    return [torch.from_numpy(p.x[rng.permutation(len(p.x))].astype(np.float32)).cuda().to(dtype)
+            for _ in range(count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("m", [1, 8, 64, 300, 2048, 4097])
+def test_call_graphs_read_x_in_place_and_give_eager_bits(m: int, dtype: torch.dtype) -> None:
+    """A SparseFFN call on torch tensors launches the block's own graph, re-pointed at
+    the call's x and at a fresh y (twell._graphs): the eager call's bits for inputs at new
+    addresses, and no call's output changed by a later call. Above COPY_TOKENS tokens the
+    graph is captured the second time the shape comes."""
+    from twell import _graphs
+
+    p = heavy_problem(m)  # heavy rows, NaN and Inf in x
+    _, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd, density_switch=False)
+    xs = shuffled_inputs(p, 3, dtype)
+    outs = [block(xs[0])]
+    assert block._graphed.captures == (0 if m > _graphs.COPY_TOKENS else 1)
+    outs += [block(x) for x in xs[1:] + xs]
+    torch.cuda.synchronize()
+    for x, y in zip(xs + xs, outs, strict=True):
+        assert torch.equal(y.view(torch.uint8), block._graphed.run(x).view(torch.uint8))
+    graphs = list(block._graphed._graphs.values())
+    assert len(graphs) == 1 and block._graphed.captures == 1
+    assert graphs[0].repointed is not None, "the graph fell back to copies"
+
+
+def test_call_graph_of_a_misaligned_x_gets_a_graph_of_its_own() -> None:
+    """An x at an address of lower alignment than the captured one is not fed to the
+    captured kernels: it gets its own graph (its alignment is part of the key)."""
+    p = heavy_problem(64)
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd, density_switch=False)
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    shifted = flat[1:].view(x.shape)  # 2-byte aligned
+    shifted.copy_(x)
+    for _ in range(2):
+        for arg in (x, shifted):
+            got = block(arg)
+            assert torch.equal(got.view(torch.int16), block._graphed.run(x).view(torch.int16))
+    assert len(block._graphed._graphs) == 2
+
+
 def test_graph_of_a_model_with_sparse_mlps() -> None:
     p = heavy_problem(64)
     x, wg, wu, wd = tensors(p)

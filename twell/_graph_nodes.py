@@ -32,6 +32,7 @@ import ctypes
 import functools
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from twell import _driver
 from twell._driver import KernelNodeParams, MemsetNodeParams, call
@@ -77,24 +78,27 @@ def _node_type(node: int) -> int:
 
 
 class _KernelNode:
-    """A kernel node's arguments copied into buffers of our own, with the words that
-    point into the ranges (``slots``: a ctypes view of the word, the range, the offset)."""
+    """A kernel node's arguments copied into buffers of our own (``chunks``: each
+    argument's bytes, or with ``packed`` the one buffer of a launch that passed them
+    packed through ``extra``), with the words that point into the ranges (``slots``: a
+    ctypes view of the word, the range, the offset into it)."""
 
     def __init__(
         self,
         node: int,
         params: KernelNodeParams,
-        function: int,
-        layout: tuple[tuple[int, int], ...],
+        name: str,
+        chunks: list[bytes],
+        packed: bool,
         ranges: Sequence[tuple[int, int]],
     ) -> None:
         self.node = node
-        self.name = kernel_name(function)
+        self.name = name
         self.slots: list[tuple[ctypes.c_uint64, int, int]] = []
         self._buffers = []
-        self.pointers = (ctypes.c_void_p * max(1, len(layout)))()
-        for index, (_, size) in enumerate(layout):
-            raw = ctypes.string_at(params.kernel_params[index], size)
+        self.pointers = (ctypes.c_void_p * max(1, len(chunks)))()
+        for index, raw in enumerate(chunks):
+            size = len(raw)
             buffer = ctypes.create_string_buffer(size + 64)
             address = (ctypes.addressof(buffer) + 63) // 64 * 64  # tensor maps: 64-aligned
             ctypes.memmove(address, raw, size)
@@ -108,8 +112,39 @@ class _KernelNode:
                         self.slots.append((slot, which, word - start))
         self.params = KernelNodeParams()
         ctypes.memmove(ctypes.byref(self.params), ctypes.byref(params), ctypes.sizeof(params))
-        self.params.kernel_params = ctypes.cast(self.pointers, ctypes.POINTER(ctypes.c_void_p))
-        self.params.extra = None
+        if packed:
+            self._size = ctypes.c_size_t(len(chunks[0]))
+            self._extra = (ctypes.c_void_p * 5)(
+                _BUFFER_POINTER, self.pointers[0], _BUFFER_SIZE, ctypes.addressof(self._size), 0
+            )
+            self.params.kernel_params = None
+            self.params.extra = ctypes.cast(self._extra, ctypes.POINTER(ctypes.c_void_p))
+        else:
+            self.params.kernel_params = ctypes.cast(self.pointers, ctypes.POINTER(ctypes.c_void_p))
+            self.params.extra = None
+
+
+#: ``CU_LAUNCH_PARAM_BUFFER_POINTER`` and ``_SIZE`` (cuda.h): keys of a launch's ``extra``.
+_BUFFER_POINTER, _BUFFER_SIZE = 1, 2
+
+
+def _packed_arguments(extra: Any) -> bytes | None:
+    """The argument buffer a launch passed through ``extra`` (None: not understood)."""
+    buffer = size = None
+    for i in range(0, 16, 2):
+        key = extra[i]
+        if not key:  # CU_LAUNCH_PARAM_END
+            break
+        value = extra[i + 1]
+        if key == _BUFFER_POINTER:
+            buffer = value
+        elif key == _BUFFER_SIZE and value:
+            size = ctypes.c_size_t.from_address(value).value
+        else:
+            return None
+    if not buffer or size is None:
+        return None
+    return ctypes.string_at(buffer, size)
 
 
 def _destroy(exec_handle: int) -> None:
@@ -163,11 +198,24 @@ class Repointed:
             handle = ctypes.c_void_p()
             call("cuKernelGetFunction", ctypes.byref(handle), params.kern)
             function = handle.value
+        name = kernel_name(function) if function else ""
         layout = _parameters(function) if function else None
-        if layout is None or not params.kernel_params:
-            self.opaque.append(f"kernel {kernel_name(function) if function else '?'}")
+        if params.kernel_params and layout is not None:
+            chunks = [
+                ctypes.string_at(params.kernel_params[i], size)
+                for i, (_, size) in enumerate(layout)
+            ]
+            packed = False
+        elif not params.kernel_params and params.extra:
+            raw = _packed_arguments(params.extra)
+            if raw is None:
+                self.opaque.append(f"kernel {name or '?'} (extra not understood)")
+                return
+            chunks, packed = [raw], True
+        else:
+            self.opaque.append(f"kernel {name or '?'} (arguments unknown)")
             return
-        kernel = _KernelNode(node, params, function, layout, self.ranges)
+        kernel = _KernelNode(node, params, name, chunks, packed, self.ranges)
         if kernel.slots:
             self._kernels.append(kernel)
 

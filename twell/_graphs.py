@@ -4,9 +4,9 @@ A forward pass is about ten kernel launches and as many buffer allocations, each
 which costs several microseconds of Python on the host; at decode-sized batches that,
 not the GPU, sets the time of a call, and at prefill sizes the GPU waits for the host
 before the first kernel. :class:`GraphedBlock` therefore captures the whole launch
-sequence of a prepared block once per (tokens, dtype, stream, the density switch's
-decision and capacity) and launches the graph instead. The graph's kernels are pointed
-at the call's ``x`` and at a fresh output tensor before each launch
+sequence of a prepared block once per (tokens, dtype, stream, alignment of ``x``, the
+density switch's decision and capacity) and launches the graph instead. The graph's
+kernels are pointed at the call's ``x`` and at a fresh output tensor before each launch
 (twell._graph_nodes.Repointed): a call is then an allocation, a few argument updates
 and one graph launch, with no copy on the GPU. A graph that cannot be re-pointed (a
 kernel reading ``x`` in a way the scan does not see) is replayed with copies of ``x``
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +46,9 @@ LARGE = 2
 #: Keys remembered per block as seen once (large batches), or as failing to re-point.
 SEEN = 64
 
-#: (device index, replay stream) -> (memory pool, capture stream) shared by all blocks.
-_pools: dict[tuple[int, int], tuple[Any, Any]] = {}
+#: (device index, replay stream) -> [memory pool, capture stream, graphs captured into it],
+#: shared by all blocks.
+_pools: dict[tuple[int, int], list[Any]] = {}
 
 
 class _Graph:
@@ -109,7 +111,11 @@ class GraphedBlock:
         if m == 0 or self._calls % REFRESH == 0 or torch.cuda.is_current_stream_capturing():
             return self.run(x)
         stream = torch.cuda.current_stream(x.device)
-        key = (tuple(x.shape), x.dtype, x.device, stream.cuda_stream, self.decision(m, True))
+        # The alignment of x is part of the layout: the captured kernels (cuBLAS's, the
+        # gate's TMA map) may rely on the captured x's.
+        address = x.data_ptr()
+        alignment = min(address & -address, 256)
+        key = (x.shape, x.dtype, x.device, stream.cuda_stream, alignment, self.decision(m, True))
         found = self._graphs.get(key)
         if found is not None:
             self._graphs.move_to_end(key)
@@ -119,7 +125,7 @@ class GraphedBlock:
         found, y = self._capture(x, stream)
         # The capture's warm-up calls may have taken in newer statistics: file the graph
         # under the decision it ran.
-        key = (*key[:4], self.decision(m, False))
+        key = (*key[:5], self.decision(m, False))
         if found is None:
             _remember(self._eager, key)
             return y
@@ -151,6 +157,7 @@ class GraphedBlock:
             # thread_local: CUDA calls of other threads neither break this capture nor
             # are broken by it.
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            _hold_pool(graph, x.device, stream)
             try:
                 static_y = self.run(static_x)
             except BaseException:
@@ -186,14 +193,32 @@ def _remember(seen: collections.OrderedDict, key: tuple) -> bool:
 
 
 def _pool(device: Any, stream: Any) -> tuple[Any, Any]:
-    """The memory pool and capture stream of the graphs replayed on ``stream``."""
+    """The memory pool and capture stream of the graphs replayed on ``stream``.
+
+    torch releases a pool when the last graph captured into it goes, and its handle
+    cannot be captured into again: the entry lives only as long as a graph of it."""
     import torch
 
     key = (device.index, stream.cuda_stream)
     found = _pools.get(key)
     if found is None:
-        found = _pools[key] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
-    return found
+        found = _pools[key] = [torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), 0]
+    return found[0], found[1]
+
+
+def _hold_pool(graph: Any, device: Any, stream: Any) -> None:
+    """Count ``graph`` (a torch CUDA graph captured into the pool of ``stream``) as a user
+    of that pool until it is collected."""
+    key = (device.index, stream.cuda_stream)
+    entry = _pools[key]
+    entry[2] += 1
+
+    def release() -> None:
+        entry[2] -= 1
+        if entry[2] == 0 and _pools.get(key) is entry:
+            del _pools[key]
+
+    weakref.finalize(graph, release)
 
 
 def _torch_owned(buffer: Any) -> bool:
