@@ -143,7 +143,7 @@ class GraphedBlock:
         import torch
 
         pool, side = _pool(x.device, stream)
-        static_x = x.clone()
+        static_x = _copy_at_alignment(x)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: kernels loaded, torch's cuBLAS set up
@@ -262,6 +262,18 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     return repointed, y
 
 
+def _copy_at_alignment(x: Any) -> Any:
+    """A copy of contiguous ``x`` at an address of the same remainder modulo 256 (so the
+    captured kernels are those an eager call on ``x`` runs)."""
+    import torch
+
+    raw = torch.empty(_nbytes(x) + 256, dtype=torch.uint8, device=x.device)
+    start = (x.data_ptr() - raw.data_ptr()) % 256
+    out = raw[start : start + _nbytes(x)].view(x.dtype).view(x.shape)
+    out.copy_(x)
+    return out
+
+
 def _nbytes(tensor: Any) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -334,6 +346,9 @@ class OpGraphs:
         self._by_rest.clear()
         self._seen.clear()
         self._failed.clear()
+        # torch releases a pool with its last graph; its handle cannot be captured into
+        # again.
+        self._pool = None
 
     def __call__(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int]) -> tuple:
         import torch
@@ -363,6 +378,8 @@ class OpGraphs:
                 found = self._capture(fn, args, pinned, device)
             except BaseException:
                 self._failed.add(key)
+                if not self._graphs:
+                    self._pool = None  # released with the failed capture's graph
                 raise
             self._graphs[key] = found
             if self.replace:
