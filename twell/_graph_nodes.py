@@ -7,13 +7,15 @@ replay needs no copy into or out of the graph's own buffers (at 16384 tokens tho
 copies would move 256 MB).
 
 How it finds them: every kernel node's arguments are read back from the graph
-(``cuGraphKernelNodeGetParams``, their sizes from ``cuFuncGetParamInfo``) and every
-8-byte word of them that lies inside a given address range (the captured input's or
-output's bytes) is a pointer into that tensor, re-pointed as ``new base + offset``. That
-covers plain pointer arguments, structures holding pointers (CuPy's and torch's
-elementwise kernels) and the TMA tensor maps of gate_gemm.cu, which hold the global
-address as one such word (the driver's encoding, checked on the GPU by the tests). Only
-the changed kernel nodes are updated in the instantiated graph
+(``cuGraphKernelNodeGetParams``; their sizes from ``cuFuncGetParamInfo``, or the one
+packed buffer of a launch that passed its arguments through ``extra``, as cuBLAS does)
+and every 8-byte word of them that lies inside a given address range (the captured
+input's or output's bytes) is a pointer into that tensor, re-pointed as ``new base +
+offset``. That covers plain pointer arguments, structures holding pointers (CuPy's and
+torch's elementwise kernels) and TMA tensor maps (gate_gemm.cu's and cuBLAS's), which
+hold the global address as their first word (the driver's encoding, seen on the H200;
+the GPU tests fail if a graph of the gate GEMM could not be re-pointed). Only the
+kernel nodes that refer to a range are updated in the instantiated graph
 (``cuGraphExecKernelNodeSetParams``), and only when the addresses differ from the
 previous launch's.
 
