@@ -16,7 +16,8 @@ used re-pointed only after a launch pointed at the call's tensors, with the capt
 buffers poisoned, reproduced the eager output bit for bit.
 
 A graph is captured the first time a batch of at most :data:`COPY_TOKENS` tokens comes
-(decode shapes repeat), the second time for a larger one (prefill lengths rarely do);
+(decode shapes repeat), the second time for a larger one (prefill lengths rarely do),
+never above :data:`GRAPH_TOKENS` tokens;
 at most :data:`CACHE` graphs per block are kept, :data:`LARGE` of them above
 :data:`COPY_TOKENS` tokens. All blocks' graphs replayed on one stream share one memory
 pool (their scratch is reused from one graph to the next: the launches on one stream
@@ -38,6 +39,9 @@ from twell import _graph_nodes
 #: Largest batch (tokens) replayed with copies of x and y when the graph cannot be
 #: re-pointed (the copies cost 4 bytes of traffic per element of x and y each call).
 COPY_TOKENS = 4096
+#: Largest batch that gets a graph at all: above, a call's GPU work (over 1 ms) hides
+#: its host cost, and the graph's memory pool would keep hundreds of MB of scratch.
+GRAPH_TOKENS = 16384
 #: Every REFRESH-th call runs eagerly (fresh density statistics).
 REFRESH = 64
 #: Graphs kept per block, and of them at most LARGE above COPY_TOKENS tokens.
@@ -108,7 +112,12 @@ class GraphedBlock:
 
         self._calls += 1
         m = x.shape[0]
-        if m == 0 or self._calls % REFRESH == 0 or torch.cuda.is_current_stream_capturing():
+        if (
+            m == 0
+            or m > GRAPH_TOKENS
+            or self._calls % REFRESH == 0
+            or torch.cuda.is_current_stream_capturing()
+        ):
             return self.run(x)
         stream = torch.cuda.current_stream(x.device)
         # The alignment of x is part of the layout: the captured kernels (cuBLAS's, the
