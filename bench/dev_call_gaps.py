@@ -1,7 +1,7 @@
-"""Where a single eager SparseFFN call's GPU time goes: kernel spans and the idle gaps
-between them (torch profiler, three calls, the second one reported), per call
-(synchronised before each) and back to back. The profiler's own host overhead delays
-the first kernel (M above ``twell._graphs.COPY_TOKENS``: below, a call replays a graph).
+"""Where a single SparseFFN call's GPU time goes: kernel spans and the idle gaps between
+them (torch profiler, three calls, the second one reported), per call (synchronised
+before each) and back to back. A call of a repeated shape launches the block's own
+graph (twell._graphs); the profiler's own host overhead delays the first kernel.
 
     PYTHONPATH=. python bench/dev_call_gaps.py [--M 16384] [--out DIR]
 """
@@ -34,7 +34,11 @@ def spans(ks: list[dict]) -> dict:
     return {"kernels": len(ks), "span_us": ks[-1]["end"] - ks[0]["start"], "busy_us": busy,
             "gaps_over_3us": [(round(g, 1), a, b) for g, a, b in gaps if g > 3],
             "longest": sorted(((round(k["end"] - k["start"], 1), k["name"]) for k in ks),
-                              reverse=True)[:8]}  # fmt: skip
+                              reverse=True)[:8],
+            # every kernel in order: name, µs it ran, µs idle before it
+            "sequence": [(k["name"][:40], round(k["end"] - k["start"], 1),
+                          round(k["start"] - ks[i - 1]["end"], 1) if i else 0.0)
+                         for i, k in enumerate(ks)]}  # fmt: skip
 
 
 def main() -> None:

@@ -295,14 +295,113 @@ OP_SEEN = 256
 
 def _arg_key(arg: Any, pinned: bool) -> Any:
     """What identifies an argument for a graph: a pinned tensor by where it lives and how
-    it is laid out (the graph reads that memory), another tensor by its layout (it is
-    copied into the graph's own buffer), anything else by value."""
+    it is laid out (the graph reads that memory), another tensor by its layout and the
+    alignment of its address (the graph is pointed at it, or it is copied into the
+    graph's own buffer), anything else by value."""
     import torch
 
     if isinstance(arg, torch.Tensor):
-        address = arg.data_ptr() if pinned else None
-        return (address, tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+        address = arg.data_ptr()
+        where = address if pinned else min(address & -address, 256)
+        return (pinned, where, tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
     return arg
+
+
+class _OpGraph:
+    """A captured op: launched re-pointed at each call's tensor arguments and at fresh
+    outputs (``repointed``), or replayed with copies into ``buffers`` and clones of
+    ``outputs``."""
+
+    def __init__(self, graph: Any, buffers: tuple, outputs: tuple, repointed: Any) -> None:
+        self.graph = graph
+        self.repointed = repointed
+        self.buffers = None if repointed is not None else buffers
+        self.outputs = None if repointed is not None else outputs
+        self.layouts = tuple(
+            None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs
+        )
+        self.moving = tuple(b is not None and b.numel() > 0 for b in buffers)
+
+    def __call__(self, args: tuple) -> tuple:
+        import torch
+
+        if self.repointed is not None:
+            fresh = _fresh(self.layouts)
+            bases = [a.data_ptr() for a, m in zip(args, self.moving, strict=True) if m]
+            bases += [t.data_ptr() for t in fresh if t is not None and t.numel()]
+            self.repointed.point(bases)
+            self.repointed.launch(torch.cuda.current_stream().cuda_stream)
+            return fresh
+        for buffer, arg in zip(self.buffers, args, strict=True):
+            if buffer is not None:
+                buffer.copy_(arg)
+        self.graph.replay()
+        return tuple(None if t is None else t.clone() for t in self.outputs)
+
+
+def _fresh(layouts: tuple) -> tuple:
+    import torch
+
+    return tuple(
+        None if lay is None
+        else torch.empty_strided(lay[0], lay[1], dtype=lay[2], device=lay[3])
+        for lay in layouts
+    )  # fmt: skip
+
+
+def _try_repoint_op(
+    graph: Any, fn: Callable[..., tuple], args: tuple, buffers: tuple, outputs: tuple
+) -> tuple[Any, tuple]:
+    """Run ``fn(*args)`` eagerly (this call's outputs), then try the captured graph
+    re-pointed at ``args`` and at fresh outputs, with the captured floating-point inputs
+    and the captured outputs poisoned: the re-pointed graph when every kernel's arguments
+    could be read and the launch gave the eager outputs' bits, else None. (Integer
+    inputs, row ids and counts, are not poisoned: a kernel reading poisoned ids could
+    fault; their readers are found by the argument scan alone.)"""
+    import torch
+
+    expected = tuple(fn(*args))
+    if not hasattr(graph, "raw_cuda_graph"):
+        return None, expected
+    moving = [b for b in buffers if b is not None and b.numel()]
+    captured = [o for o in outputs if o is not None and o.numel()]
+    tensors = moving + captured
+    ranges = sorted((t.data_ptr(), _nbytes(t)) for t in tensors)
+    if any(not t.is_contiguous() for t in tensors) or any(
+        a + n > b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False)
+    ):
+        return None, expected
+    try:
+        repointed = _graph_nodes.Repointed(
+            graph.raw_cuda_graph(), [(t.data_ptr(), _nbytes(t)) for t in tensors]
+        )
+    except (RuntimeError, TypeError):
+        return None, expected
+    if repointed.opaque or repointed.blocked:
+        repointed.close()
+        return None, expected
+    fresh = _fresh(tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+                         for t in outputs))  # fmt: skip
+    poisoned = [b for b in moving if b.is_floating_point()] + captured
+    for t in poisoned + [f for f in fresh if f is not None and f.numel()]:
+        t.view(torch.uint8).fill_(255)
+    bases = [
+        a.data_ptr() for a, b in zip(args, buffers, strict=True) if b is not None and b.numel()
+    ]
+    bases += [f.data_ptr() for f in fresh if f is not None and f.numel()]
+    repointed.point(bases)
+    repointed.launch(torch.cuda.current_stream().cuda_stream)
+    same = all(
+        f is None or torch.equal(f.view(torch.uint8), e.view(torch.uint8))
+        for f, e in zip(fresh, expected, strict=True)
+    )
+    if not same:
+        repointed.close()
+        for buffer, arg in zip(buffers, args, strict=True):  # for the replays with copies
+            if buffer is not None:
+                buffer.copy_(arg)
+        return None, expected
+    return repointed, expected
 
 
 class OpGraphs:
@@ -311,18 +410,23 @@ class OpGraphs:
 
     The arguments at the ``pinned`` positions (the weights: parameters stay where they
     are from step to step) are read where they lie, so their addresses are part of the
-    key; every other tensor argument is copied into a buffer of the graph before each
-    replay (the activations and gradients of a step land at addresses that torch's
-    allocator does not repeat reliably). A key's first call runs eagerly; its second
-    captures ``fn`` and replays it; later ones replay. The outputs live in the graph's
-    memory, so every call returns fresh clones of them (a replay never changes a tensor
-    that an earlier call returned). Calls made while the caller is capturing a graph of
+    key. The activations and gradients of a step land at addresses that torch's allocator
+    does not repeat reliably: the graph's kernels are pointed at each call's tensors and
+    at fresh output tensors before a launch (twell._graph_nodes.Repointed, as for
+    :class:`GraphedBlock`), or, where a graph cannot be re-pointed, every other tensor
+    argument is copied into a buffer of the graph before a replay and the outputs, which
+    then live in the graph's memory, are returned as fresh clones. Either way a launch
+    never changes a tensor that an earlier call returned. A key's first call runs
+    eagerly; its second captures ``fn``, runs it eagerly again (its outputs are the
+    call's) and checks one re-pointed launch against them; later ones launch the graph
+    (:attr:`replays` counts them). Calls made while the caller is capturing a graph of
     its own run eagerly (their launches belong to that graph).
 
     The graphs of one instance share one memory pool and one capture stream per device,
-    so their scratch memory is shared and only their input buffers and outputs are kept
-    per graph. Replays are therefore stream-ordered on the caller's current stream: two
-    replays of one instance must not run concurrently on different streams. Everything
+    so their scratch memory is shared and only their input buffers and outputs (none,
+    when re-pointed) are kept per graph. Launches are therefore stream-ordered on the
+    caller's current stream: two launches of one instance must not run concurrently on
+    different streams. Everything
     runs with the arguments' device current. A key whose capture failed runs eagerly
     from then on (the error is raised once, by the call that captured).
 
@@ -339,9 +443,7 @@ class OpGraphs:
         self.capacity = capacity
         self.replace = replace
         self._by_rest: dict[tuple, tuple] = {}
-        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple, tuple]] = (
-            collections.OrderedDict()
-        )
+        self._graphs: collections.OrderedDict[tuple, _OpGraph] = collections.OrderedDict()
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._failed: set[tuple] = set()
         self._pool: Any = None
@@ -384,7 +486,7 @@ class OpGraphs:
                 return fn(*args)
             del self._seen[key]
             try:
-                found = self._capture(fn, args, pinned, device)
+                found, result = self._capture(fn, args, pinned, device)
             except BaseException:
                 self._failed.add(key)
                 if not self._graphs:
@@ -403,19 +505,14 @@ class OpGraphs:
                     rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
                     if self._by_rest.get(rest) == dropped:
                         del self._by_rest[rest]
-        else:
-            self._graphs.move_to_end(key)
-            for buffer, arg in zip(found[1], args, strict=True):
-                if buffer is not None:
-                    buffer.copy_(arg)
-        graph, _, outputs = found
-        graph.replay()
+            return result
+        self._graphs.move_to_end(key)
         self.replays += 1
-        return tuple(None if t is None else t.clone() for t in outputs)
+        return found(args)
 
     def _capture(
         self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int], device: Any
-    ) -> tuple[Any, tuple, tuple]:
+    ) -> tuple[_OpGraph, tuple]:
         """Capture on this instance's side stream of ``device`` with ``capture_begin``/
         ``capture_end``, not the ``torch.cuda.graph`` context: that one empties torch's
         allocator cache first, so every capture would cost the next steps fresh
@@ -429,13 +526,17 @@ class OpGraphs:
         if side is None:
             side = self._streams[device] = torch.cuda.Stream(device)
         buffers = tuple(
-            a.clone() if isinstance(a, torch.Tensor) and i not in pinned else None
+            None if not isinstance(a, torch.Tensor) or i in pinned
+            else _copy_at_alignment(a) if a.is_contiguous() else a.clone()
             for i, a in enumerate(args)
-        )
+        )  # fmt: skip
         inputs = tuple(a if b is None else b for a, b in zip(args, buffers, strict=True))
         current = torch.cuda.current_stream()
         side.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch before 2.8: no access to the captured graph
+            graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             # thread_local: CUDA calls of other threads (a DDP reducer's, a data
             # loader's) neither break this capture nor are broken by it.
@@ -449,4 +550,6 @@ class OpGraphs:
             graph.capture_end()
         current.wait_stream(side)
         self.captures += 1
-        return graph, buffers, tuple(outputs)
+        outputs = tuple(outputs)
+        repointed, result = _try_repoint_op(graph, fn, args, buffers, outputs)
+        return _OpGraph(graph, buffers, outputs, repointed), result
