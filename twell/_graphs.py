@@ -261,10 +261,10 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
         return None, None
     y = torch.empty_like(static_y)
     for buffer in (static_x, static_y, y):
-        buffer.view(torch.uint8).fill_(255)  # NaN in every float type
+        _bytes(buffer).fill_(255)  # NaN in every float type
     repointed.point((x.data_ptr(), y.data_ptr()))
     repointed.launch(stream.cuda_stream)
-    if not torch.equal(y.view(torch.uint8), expected.view(torch.uint8)):
+    if not torch.equal(_bytes(y), _bytes(expected)):
         repointed.close()
         static_x.copy_(x)
         return None, None
@@ -281,6 +281,13 @@ def _copy_at_alignment(x: Any) -> Any:
     out = raw[start : start + _nbytes(x)].view(x.dtype).view(x.shape)
     out.copy_(x)
     return out
+
+
+def _bytes(tensor: Any) -> Any:
+    """A contiguous tensor's bytes (a uint8 view; 0-d tensors too)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _nbytes(tensor: Any) -> int:
@@ -384,7 +391,7 @@ def _try_repoint_op(
                          for t in outputs))  # fmt: skip
     poisoned = [b for b in moving if b.is_floating_point()] + captured
     for t in poisoned + [f for f in fresh if f is not None and f.numel()]:
-        t.view(torch.uint8).fill_(255)
+        _bytes(t).fill_(255)
     bases = [
         a.data_ptr() for a, b in zip(args, buffers, strict=True) if b is not None and b.numel()
     ]
@@ -392,8 +399,7 @@ def _try_repoint_op(
     repointed.point(bases)
     repointed.launch(torch.cuda.current_stream().cuda_stream)
     same = all(
-        f is None or torch.equal(f.view(torch.uint8), e.view(torch.uint8))
-        for f, e in zip(fresh, expected, strict=True)
+        f is None or torch.equal(_bytes(f), _bytes(e)) for f, e in zip(fresh, expected, strict=True)
     )
     if not same:
         repointed.close()
