@@ -849,9 +849,8 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
     assert not torch.equal(kept[0][0], kept[-1][0])
     after = (fw.captures, fw.replays, bw.captures, bw.replays)
     # (an earlier test's graph serves this one if its weights landed at the same places)
-    # (the capturing call runs eagerly and checks one re-pointed launch)
-    assert (after[0] - before[0], after[1] - before[1]) in ((1, 2), (0, 4))
-    assert (after[2] - before[2], after[3] - before[3]) in ((1, 2), (0, 4))
+    assert (after[0] - before[0], after[1] - before[1]) in ((1, 3), (0, 4))
+    assert (after[2] - before[2], after[3] - before[3]) in ((1, 3), (0, 4))
     for graphs in (fw, bw):  # the graphs of this test's calls, used last
         assert next(reversed(graphs._graphs.values())).repointed is not None
 
@@ -967,7 +966,7 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
     for c in (1.0, 1.0, 2.0, 2.0, 2.0):  # a value's first call runs eagerly, then capture
         (out,) = graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())
         assert torch.equal(out, x * c)
-    assert graphs.captures == 2 and graphs.replays == 1  # a capturing call runs eagerly
+    assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
     assert next(iter(graphs._graphs.values())).repointed is not None
     assert len(graphs._graphs) == 1
     for _ in range(2):  # another shape: a graph of its own beside the first

@@ -56,30 +56,37 @@ _pools: dict[tuple[int, int], list[Any]] = {}
 
 
 class _Graph:
-    """A captured call: launched re-pointed (``repointed``) or with copies (``static_x``
-    in, ``static_y`` out). ``keep``: buffers the captured kernels use that the shared
-    memory pool does not own (none, normally)."""
+    """A captured call: launched re-pointed (``repointed``) at the call's ``x`` and, with
+    ``fresh_output``, at a fresh output tensor, else cloning the output out of
+    ``static_y``; or replayed with copies (``static_x`` in, ``static_y`` out). ``keep``:
+    buffers the captured kernels use that the shared memory pool does not own (none,
+    normally)."""
 
     def __init__(self, graph: Any, repointed: Any, static_x: Any, static_y: Any,
-                 keep: list[Any]) -> None:  # fmt: skip
+                 keep: list[Any], fresh_output: bool) -> None:  # fmt: skip
         self.graph = graph
         self.repointed = repointed
+        self.fresh_output = repointed is not None and fresh_output
         self.static_x = None if repointed is not None else static_x
-        self.static_y = None if repointed is not None else static_y
+        self.static_y = None if self.fresh_output else static_y
         self.out = (tuple(static_y.shape), static_y.dtype)
         self.keep = keep
 
     def __call__(self, x: Any, stream: Any) -> Any:
         import torch
 
-        if self.repointed is not None:
-            y = torch.empty(self.out[0], dtype=self.out[1], device=x.device)
-            self.repointed.point((x.data_ptr(), y.data_ptr()))
+        if self.repointed is None:
+            self.static_x.copy_(x)
+            self.graph.replay()
+            return self.static_y.clone()
+        if not self.fresh_output:
+            self.repointed.point((x.data_ptr(),))
             self.repointed.launch(stream.cuda_stream)
-            return y
-        self.static_x.copy_(x)
-        self.graph.replay()
-        return self.static_y.clone()
+            return self.static_y.clone()
+        y = torch.empty(self.out[0], dtype=self.out[1], device=x.device)
+        self.repointed.point((x.data_ptr(), y.data_ptr()))
+        self.repointed.launch(stream.cuda_stream)
+        return y
 
 
 class GraphedBlock:
@@ -180,13 +187,14 @@ class GraphedBlock:
             keep = [b for b in self.scratch[mark:] if b is not None and not _torch_owned(b)]
             del self.scratch[mark:]
         self.captures += 1
-        repointed, y = _try_repoint(graph, static_x, static_y, x, expected, stream)
+        fresh_output = x.dtype == torch.bfloat16  # the output is the forward's first buffer
+        repointed, y = _try_repoint(graph, static_x, static_y, x, expected, stream, fresh_output)
         if repointed is not None:
-            return _Graph(graph, repointed, static_x, static_y, keep), y
+            return _Graph(graph, repointed, static_x, static_y, keep, fresh_output), y
         if x.shape[0] > COPY_TOKENS:
             expected.record_stream(stream)  # made on the capture stream, used on this one
             return None, expected  # a run of a copy of x: the call's output
-        found = _Graph(graph, None, static_x, static_y, keep)
+        found = _Graph(graph, None, static_x, static_y, keep, False)
         return found, found(x, stream)
 
 
@@ -240,20 +248,25 @@ def _torch_owned(buffer: Any) -> bool:
 
 
 def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any,
-                 stream: Any) -> tuple[Any, Any]:  # fmt: skip
-    """The graph re-pointed at ``x`` and a fresh output, and that output, when a launch
-    so pointed, with the captured buffers poisoned, gives ``expected``'s bits (a
-    synchronisation); else ``(None, None)``."""
+                 stream: Any, fresh_output: bool) -> tuple[Any, Any]:  # fmt: skip
+    """The graph re-pointed at ``x`` (and, with ``fresh_output``, at a fresh output),
+    and this call's output, when a launch so pointed, with the captured buffers
+    poisoned, gives ``expected``'s bits (a synchronisation); else ``(None, None)``.
+
+    The output is re-pointed only where its memory was the capture's first allocation
+    (``fresh_output``: the bf16 ``y``, which the forward allocates before anything
+    else). A buffer allocated later may lie where the capture had already freed a
+    scratch buffer of an earlier kernel, whose pointer would then look like one into
+    the output and be moved with it (to memory that may be too small for the scratch)."""
     import torch
 
     if not hasattr(graph, "raw_cuda_graph"):
         return None, None
+    ranges = [(static_x.data_ptr(), _nbytes(static_x))]
+    if fresh_output:
+        ranges.append((static_y.data_ptr(), _nbytes(static_y)))
     try:
-        raw = graph.raw_cuda_graph()
-        repointed = _graph_nodes.Repointed(
-            raw,
-            [(static_x.data_ptr(), _nbytes(static_x)), (static_y.data_ptr(), _nbytes(static_y))],
-        )
+        repointed = _graph_nodes.Repointed(graph.raw_cuda_graph(), ranges)
     except (RuntimeError, TypeError):
         return None, None
     if repointed.blocked or any(" twell_" in f" {name}" for name in repointed.opaque):
@@ -262,8 +275,10 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     y = torch.empty_like(static_y)
     for buffer in (static_x, static_y, y):
         _bytes(buffer).fill_(255)  # NaN in every float type
-    repointed.point((x.data_ptr(), y.data_ptr()))
+    repointed.point((x.data_ptr(), y.data_ptr())[: len(ranges)])
     repointed.launch(stream.cuda_stream)
+    if not fresh_output:
+        y = static_y.clone()
     if not torch.equal(_bytes(y), _bytes(expected)):
         repointed.close()
         static_x.copy_(x)
@@ -315,99 +330,78 @@ def _arg_key(arg: Any, pinned: bool) -> Any:
 
 
 class _OpGraph:
-    """A captured op: launched re-pointed at each call's tensor arguments and at fresh
-    outputs (``repointed``), or replayed with copies into ``buffers`` and clones of
-    ``outputs``."""
+    """A captured op: launched re-pointed at each call's tensor arguments
+    (``repointed``), or replayed with copies into ``buffers``; the outputs are cloned out
+    of the graph's memory either way."""
 
     def __init__(self, graph: Any, buffers: tuple, outputs: tuple, repointed: Any) -> None:
         self.graph = graph
         self.repointed = repointed
         self.buffers = None if repointed is not None else buffers
-        self.outputs = None if repointed is not None else outputs
-        self.layouts = tuple(
-            None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in outputs
-        )
+        self.outputs = outputs
         self.moving = tuple(b is not None and b.numel() > 0 for b in buffers)
 
     def __call__(self, args: tuple) -> tuple:
         import torch
 
         if self.repointed is not None:
-            fresh = _fresh(self.layouts)
-            bases = [a.data_ptr() for a, m in zip(args, self.moving, strict=True) if m]
-            bases += [t.data_ptr() for t in fresh if t is not None and t.numel()]
-            self.repointed.point(bases)
+            pairs = zip(args, self.moving, strict=True)
+            self.repointed.point([a.data_ptr() for a, moving in pairs if moving])
             self.repointed.launch(torch.cuda.current_stream().cuda_stream)
-            return fresh
-        for buffer, arg in zip(self.buffers, args, strict=True):
-            if buffer is not None:
-                buffer.copy_(arg)
-        self.graph.replay()
+        else:
+            for buffer, arg in zip(self.buffers, args, strict=True):
+                if buffer is not None:
+                    buffer.copy_(arg)
+            self.graph.replay()
         return tuple(None if t is None else t.clone() for t in self.outputs)
 
 
-def _fresh(layouts: tuple) -> tuple:
+def _try_repoint_op(graph: Any, args: tuple, buffers: tuple, outputs: tuple) -> tuple[Any, tuple]:
+    """Replay the captured graph with copies of ``args`` (already in ``buffers``), then
+    launch it re-pointed at ``args`` with the captured floating-point inputs poisoned:
+    the re-pointed graph when every kernel's arguments could be read and both launches
+    gave the same output bits, else None; and this call's outputs (clones).
+
+    Only the inputs are re-pointed: they were allocated before the capture and lived
+    through it, so no pointer of the graph into them can be anything else. An output,
+    allocated inside the capture, may lie where an earlier kernel's scratch was freed.
+    The launches are compared with each other, not with an eager call: an op's outputs
+    have unspecified parts (a tile's unused slots), which neither launch writes. Integer
+    inputs (row ids, counts) are not poisoned (a kernel reading poisoned ids could
+    fault): their readers, twell's kernels, are found by the argument scan."""
     import torch
 
-    return tuple(
-        None if lay is None
-        else torch.empty_strided(lay[0], lay[1], dtype=lay[2], device=lay[3])
-        for lay in layouts
-    )  # fmt: skip
-
-
-def _try_repoint_op(
-    graph: Any, fn: Callable[..., tuple], args: tuple, buffers: tuple, outputs: tuple
-) -> tuple[Any, tuple]:
-    """Run ``fn(*args)`` eagerly (this call's outputs), then try the captured graph
-    re-pointed at ``args`` and at fresh outputs, with the captured floating-point inputs
-    and the captured outputs poisoned: the re-pointed graph when every kernel's arguments
-    could be read and the launch gave the eager outputs' bits, else None. (Integer
-    inputs, row ids and counts, are not poisoned: a kernel reading poisoned ids could
-    fault; their readers are found by the argument scan alone.)"""
-    import torch
-
-    expected = tuple(fn(*args))
-    if not hasattr(graph, "raw_cuda_graph"):
-        return None, expected
+    graph.replay()
+    replayed = tuple(None if t is None else t.clone() for t in outputs)
     moving = [b for b in buffers if b is not None and b.numel()]
-    captured = [o for o in outputs if o is not None and o.numel()]
-    tensors = moving + captured
-    ranges = sorted((t.data_ptr(), _nbytes(t)) for t in tensors)
-    if any(not t.is_contiguous() for t in tensors) or any(
-        a + n > b for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False)
-    ):
-        return None, expected
+    if not hasattr(graph, "raw_cuda_graph") or any(not b.is_contiguous() for b in moving):
+        return None, replayed
     try:
         repointed = _graph_nodes.Repointed(
-            graph.raw_cuda_graph(), [(t.data_ptr(), _nbytes(t)) for t in tensors]
+            graph.raw_cuda_graph(), [(b.data_ptr(), _nbytes(b)) for b in moving]
         )
     except (RuntimeError, TypeError):
-        return None, expected
+        return None, replayed
     if repointed.opaque or repointed.blocked:
         repointed.close()
-        return None, expected
-    fresh = _fresh(tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
-                         for t in outputs))  # fmt: skip
-    poisoned = [b for b in moving if b.is_floating_point()] + captured
-    for t in poisoned + [f for f in fresh if f is not None and f.numel()]:
-        _bytes(t).fill_(255)
-    bases = [
-        a.data_ptr() for a, b in zip(args, buffers, strict=True) if b is not None and b.numel()
-    ]
-    bases += [f.data_ptr() for f in fresh if f is not None and f.numel()]
-    repointed.point(bases)
+        return None, replayed
+    for b in moving:
+        if b.is_floating_point():
+            _bytes(b).fill_(255)
+    pairs = zip(args, buffers, strict=True)
+    repointed.point([a.data_ptr() for a, b in pairs if b is not None and b.numel()])
     repointed.launch(torch.cuda.current_stream().cuda_stream)
     same = all(
-        f is None or torch.equal(_bytes(f), _bytes(e)) for f, e in zip(fresh, expected, strict=True)
+        t is None or torch.equal(_bytes(t), _bytes(r))
+        for t, r in zip(outputs, replayed, strict=True)
     )
     if not same:
         repointed.close()
         for buffer, arg in zip(buffers, args, strict=True):  # for the replays with copies
             if buffer is not None:
                 buffer.copy_(arg)
-        return None, expected
-    return repointed, expected
+        return None, replayed
+    return repointed, replayed
 
 
 class OpGraphs:
@@ -417,19 +411,18 @@ class OpGraphs:
     The arguments at the ``pinned`` positions (the weights: parameters stay where they
     are from step to step) are read where they lie, so their addresses are part of the
     key. The activations and gradients of a step land at addresses that torch's allocator
-    does not repeat reliably: the graph's kernels are pointed at each call's tensors and
-    at fresh output tensors before a launch (twell._graph_nodes.Repointed, as for
-    :class:`GraphedBlock`), or, where a graph cannot be re-pointed, every other tensor
-    argument is copied into a buffer of the graph before a replay and the outputs, which
-    then live in the graph's memory, are returned as fresh clones. Either way a launch
-    never changes a tensor that an earlier call returned. A key's first call runs
-    eagerly; its second captures ``fn``, runs it eagerly again (its outputs are the
-    call's) and checks one re-pointed launch against them; later ones launch the graph
-    (:attr:`replays` counts them). Calls made while the caller is capturing a graph of
-    its own run eagerly (their launches belong to that graph).
+    does not repeat reliably: the graph's kernels are pointed at each call's tensors
+    before a launch (twell._graph_nodes.Repointed, as for :class:`GraphedBlock`), or,
+    where a graph cannot be re-pointed, every other tensor argument is copied into a
+    buffer of the graph before a replay. The outputs live in the graph's memory, so every
+    call returns fresh clones of them (a launch never changes a tensor that an earlier
+    call returned). A key's first call runs eagerly; its second captures ``fn``, replays
+    it with copies and checks one re-pointed launch against that replay; later ones
+    launch the graph. Calls made while the caller is capturing a graph of its own run
+    eagerly (their launches belong to that graph).
 
     The graphs of one instance share one memory pool and one capture stream per device,
-    so their scratch memory is shared and only their input buffers and outputs (none,
+    so their scratch memory is shared and only their outputs and input buffers (none,
     when re-pointed) are kept per graph. Launches are therefore stream-ordered on the
     caller's current stream: two launches of one instance must not run concurrently on
     different streams. Everything
@@ -511,6 +504,7 @@ class OpGraphs:
                     rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
                     if self._by_rest.get(rest) == dropped:
                         del self._by_rest[rest]
+            self.replays += 1  # the capturing call replays the graph once
             return result
         self._graphs.move_to_end(key)
         self.replays += 1
@@ -557,5 +551,5 @@ class OpGraphs:
         current.wait_stream(side)
         self.captures += 1
         outputs = tuple(outputs)
-        repointed, result = _try_repoint_op(graph, fn, args, buffers, outputs)
+        repointed, result = _try_repoint_op(graph, args, buffers, outputs)
         return _OpGraph(graph, buffers, outputs, repointed), result
