@@ -94,7 +94,26 @@ def main() -> None:
             grads = [t.clone() for t in step(0, graphs)]
         finally:
             _graphs._try_repoint_op = real
-        r = {"variant": variant, "graph_modes": modes, "back_to_back_ms": round(b2b, 4),
+        timing_point = {}
+        for name, ops in (
+            ("forward", autograd._FORWARD_GRAPHS),
+            ("backward", autograd._BACKWARD_GRAPHS),
+        ):
+            for g in ops._graphs.values():
+                rp = g.repointed
+                if rp is None:
+                    continue
+                bases = list(rp._bases)
+                other = [b + 512 for b in bases]  # never launched: only the host cost
+                t0 = time.perf_counter()
+                for i in range(50):
+                    rp.point(other if i % 2 == 0 else bases)
+                timing_point[name] = {
+                    "patched_nodes": len(rp.patched),
+                    "point_us": round((time.perf_counter() - t0) / 50 * 1e6, 1),
+                }
+        r = {"variant": variant, "graph_modes": modes, "point": timing_point,
+             "back_to_back_ms": round(b2b, 4),
              "per_step_ms": round(float(np.median(per)), 4), "host_us": round(host, 1),
              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}  # fmt: skip
         if variant in results:

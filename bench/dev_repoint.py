@@ -127,11 +127,29 @@ def timing(m: int) -> dict:
     block = twell.SparseFFN(wg, wu, wd)
     for _ in range(4):
         block(x)
+    # a new x every call (two tensors in turn): the graph is re-pointed at every call
+    xs, turn = [x, x.clone()], [0]
+
+    def alternating(b: twell.SparseFFN) -> torch.Tensor:
+        turn[0] ^= 1
+        return b(xs[turn[0]])
+
     variants = {
         "graphed": lambda: block(x),
+        "graphed_alternating": lambda: alternating(block),
         "eager": lambda: block._graphed.run(x),
         "dense": lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd),
     }
+    if m <= _graphs.COPY_TOKENS:  # the same block's graph with copies, for comparison
+        copies = twell.SparseFFN(wg, wu, wd)
+        real = _graphs._try_repoint
+        _graphs._try_repoint = lambda *a, **k: (None, None)
+        try:
+            for _ in range(4):
+                copies(x)
+        finally:
+            _graphs._try_repoint = real
+        variants["copies_alternating"] = lambda: alternating(copies)
     rec: dict = {"M": m}
     for name, fn in variants.items():
         rec[name] = {
