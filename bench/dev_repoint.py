@@ -71,7 +71,7 @@ def check(name: str, p: workloads.Problem, dtype: torch.dtype = torch.bfloat16,
     rec: dict = {"case": name, "M": p.x.shape[0], "dtype": str(dtype), "bits_equal": bool(same),
                  "captures": graphed.captures, "graphs": []}  # fmt: skip
     for key, g in graphed._graphs.items():
-        r = g.repointed
+        r = g.execs[0] if g.execs else None
         rec["graphs"].append({
             "decision": repr(key[-1]),
             "mode": "repointed" if r is not None else "copies",
@@ -157,7 +157,7 @@ def timing(m: int) -> dict:
             "per_call_ms": round(per_call_ms(fn), 4),
             "back_to_back_ms": round(back_to_back_ms(fn), 4),
         }
-    rec["graphs"] = [g.repointed is not None for g in block._graphed._graphs.values()]
+    rec["graphs"] = [bool(g.execs) for g in block._graphed._graphs.values()]
     print(json.dumps(rec), flush=True)
     return rec
 

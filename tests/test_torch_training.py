@@ -816,8 +816,8 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
     """graphs=True: the first call runs eagerly, the second captures, later ones replay;
     every call returns the eager op's bits in tensors of its own (a replay does not
     change what an earlier call returned). The weights are read where they lie (changed
-    in place, as an optimizer does); every other input is a new tensor each step, at
-    which the graph is pointed."""
+    in place, as an optimizer does); every other input is a new tensor each step, which
+    the graph copies in."""
     from twell import autograd
 
     p = workloads.make(workload, 333, 256, 1024, seed=3)
@@ -851,8 +851,6 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
     # (an earlier test's graph serves this one if its weights landed at the same places)
     assert (after[0] - before[0], after[1] - before[1]) in ((1, 3), (0, 4))
     assert (after[2] - before[2], after[3] - before[3]) in ((1, 3), (0, 4))
-    for graphs in (fw, bw):  # the graphs of this test's calls, used last
-        assert next(reversed(graphs._graphs.values())).repointed is not None
 
 
 @pytest.mark.gpu
@@ -967,7 +965,6 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
         (out,) = graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())
         assert torch.equal(out, x * c)
     assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
-    assert next(iter(graphs._graphs.values())).repointed is not None
     assert len(graphs._graphs) == 1
     for _ in range(2):  # another shape: a graph of its own beside the first
         (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())

@@ -221,6 +221,11 @@ class Repointed:
         if kernel.slots:
             self._kernels.append(kernel)
 
+    @property
+    def bases(self) -> tuple[int, ...]:
+        """Where the ranges' references point now (the ranges' own starts at first)."""
+        return self._bases
+
     def point(self, bases: Sequence[int]) -> None:
         """Point the graph's references to range ``i`` at ``bases[i]`` (same offsets)."""
         bases = tuple(bases)

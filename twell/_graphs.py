@@ -6,14 +6,15 @@ not the GPU, sets the time of a call, and at prefill sizes the GPU waits for the
 before the first kernel. :class:`GraphedBlock` therefore captures the whole launch
 sequence of a prepared block once per (tokens, dtype, stream, alignment of ``x``, the
 density switch's decision and capacity) and launches the graph instead. The graph's
-kernels are pointed at the call's ``x`` and at a fresh output tensor before each launch
-(twell._graph_nodes.Repointed): a call is then an allocation, a few argument updates
-and one graph launch, with no copy on the GPU. A graph that cannot be re-pointed (a
-kernel reading ``x`` in a way the scan does not see) is replayed with copies of ``x``
-into its input buffer and of its output out, up to :data:`COPY_TOKENS` tokens. Either
-way the launch runs the eager call's kernels, so it gives the same bits; a graph is
-used re-pointed only after a launch pointed at the call's tensors, with the captured
-buffers poisoned, reproduced the eager output bit for bit.
+kernels are pointed at the call's ``x`` and at a fresh output tensor
+(twell._graph_nodes.Repointed): a call is then an allocation and one graph launch, with
+no copy on the GPU (with the argument updates of a re-pointing where the tensors moved;
+small batches at new addresses copy instead, see :class:`_Graph`). A graph that cannot
+be re-pointed (a kernel reading ``x`` in a way the scan does not see) is replayed with
+copies of ``x`` into its input buffer and of its output out, up to :data:`COPY_TOKENS`
+tokens. Either way the launch runs the eager call's kernels, so it gives the same bits;
+a graph is used re-pointed only after a launch pointed at the call's tensors, with the
+captured buffers poisoned, reproduced the eager output bit for bit.
 
 A graph is captured the first time a batch of at most :data:`COPY_TOKENS` tokens comes
 (decode shapes repeat), the second time for a larger one (prefill lengths rarely do),
@@ -42,6 +43,11 @@ COPY_TOKENS = 4096
 #: Largest batch that gets a graph at all: above, a call's GPU work (over 1 ms) hides
 #: its host cost, and the graph's memory pool would keep hundreds of MB of scratch.
 GRAPH_TOKENS = 16384
+#: Most tokens of a call that copies x and y rather than re-pointing its graph at new
+#: addresses (see _Graph): up to there, copies cost less than a graph update.
+SMALL_TOKENS = 256
+#: Instantiations of a graph kept pointed at recent calls' tensors (see _Graph).
+EXECS = 2
 #: Every REFRESH-th call runs eagerly (fresh density statistics).
 REFRESH = 64
 #: Graphs kept per block, and of them at most LARGE above COPY_TOKENS tokens.
@@ -56,37 +62,68 @@ _pools: dict[tuple[int, int], list[Any]] = {}
 
 
 class _Graph:
-    """A captured call: launched re-pointed (``repointed``) at the call's ``x`` and, with
-    ``fresh_output``, at a fresh output tensor, else cloning the output out of
-    ``static_y``; or replayed with copies (``static_x`` in, ``static_y`` out). ``keep``:
-    buffers the captured kernels use that the shared memory pool does not own (none,
-    normally)."""
+    """A captured call, launched re-pointed at the call's ``x`` and, with
+    ``fresh_output``, at a fresh output tensor (else its output is cloned out of
+    ``static_y``); or, where it could not be re-pointed (``repointed`` None), replayed
+    with copies (``static_x`` in, ``static_y`` out).
+
+    Changing where an instantiated graph points costs its next launch an update: about
+    35 µs of latency on the GPU and 10–25 µs of host time (H100), more than copying a
+    small batch. So up to :data:`EXECS` instantiations are kept, each pointed at the
+    addresses of a recent call (a loop that keeps one output while making the next
+    alternates between two): a call whose tensors are where one of them points launches
+    it unchanged. Otherwise a call of more than :data:`SMALL_TOKENS` tokens re-points the
+    least recently used one (the update hides behind the previous call's GPU work); a
+    smaller call does so only when its tensors are where the previous call's were, and
+    else copies ``x`` into ``static_x`` and clones the output out of ``static_y`` through
+    an instantiation pointed at those for good. ``keep``: buffers the captured kernels
+    use that the shared memory pool does not own (none, normally)."""
 
     def __init__(self, graph: Any, repointed: Any, static_x: Any, static_y: Any,
-                 keep: list[Any], fresh_output: bool) -> None:  # fmt: skip
+                 keep: list[Any], fresh_output: bool, small: bool) -> None:  # fmt: skip
         self.graph = graph
-        self.repointed = repointed
+        self.execs = [] if repointed is None else [repointed]  # least recently used first
         self.fresh_output = repointed is not None and fresh_output
-        self.static_x = None if repointed is not None else static_x
-        self.static_y = None if self.fresh_output else static_y
+        self.small = repointed is None or small
+        self.static_x = static_x if self.small else None
+        self.static_y = static_y if self.small or not self.fresh_output else None
         self.out = (tuple(static_y.shape), static_y.dtype)
         self.keep = keep
+        self.home = None
+        if repointed is not None and small:
+            self.home = _graph_nodes.Repointed(graph.raw_cuda_graph(), repointed.ranges)
+        self._previous: tuple[int, ...] = ()
 
     def __call__(self, x: Any, stream: Any) -> Any:
         import torch
 
-        if self.repointed is None:
+        if not self.execs:
             self.static_x.copy_(x)
             self.graph.replay()
             return self.static_y.clone()
-        if not self.fresh_output:
-            self.repointed.point((x.data_ptr(),))
-            self.repointed.launch(stream.cuda_stream)
-            return self.static_y.clone()
-        y = torch.empty(self.out[0], dtype=self.out[1], device=x.device)
-        self.repointed.point((x.data_ptr(), y.data_ptr()))
-        self.repointed.launch(stream.cuda_stream)
-        return y
+        y = (
+            torch.empty(self.out[0], dtype=self.out[1], device=x.device)
+            if self.fresh_output
+            else None
+        )
+        want = (x.data_ptr(),) if y is None else (x.data_ptr(), y.data_ptr())
+        found = next((e for e in self.execs if e.bases == want), None)
+        if found is None:
+            repeated, self._previous = want == self._previous, want
+            if self.small and not repeated:
+                self.static_x.copy_(x)
+                self.home.launch(stream.cuda_stream)
+                return self.static_y.clone()
+            if len(self.execs) < EXECS:
+                found = _graph_nodes.Repointed(self.graph.raw_cuda_graph(), self.execs[0].ranges)
+            else:
+                found = self.execs.pop(0)
+            found.point(want)
+        else:
+            self.execs.remove(found)
+        self.execs.append(found)
+        found.launch(stream.cuda_stream)
+        return self.static_y.clone() if y is None else y
 
 
 class GraphedBlock:
@@ -190,11 +227,12 @@ class GraphedBlock:
         fresh_output = x.dtype == torch.bfloat16  # the output is the forward's first buffer
         repointed, y = _try_repoint(graph, static_x, static_y, x, expected, stream, fresh_output)
         if repointed is not None:
-            return _Graph(graph, repointed, static_x, static_y, keep, fresh_output), y
+            small = x.shape[0] <= SMALL_TOKENS
+            return _Graph(graph, repointed, static_x, static_y, keep, fresh_output, small), y
         if x.shape[0] > COPY_TOKENS:
             expected.record_stream(stream)  # made on the capture stream, used on this one
             return None, expected  # a run of a copy of x: the call's output
-        found = _Graph(graph, None, static_x, static_y, keep, False)
+        found = _Graph(graph, None, static_x, static_y, keep, False, True)
         return found, found(x, stream)
 
 
@@ -317,91 +355,14 @@ OP_SEEN = 256
 
 def _arg_key(arg: Any, pinned: bool) -> Any:
     """What identifies an argument for a graph: a pinned tensor by where it lives and how
-    it is laid out (the graph reads that memory), another tensor by its layout and the
-    alignment of its address (the graph is pointed at it, or it is copied into the
-    graph's own buffer), anything else by value."""
+    it is laid out (the graph reads that memory), another tensor by its layout (it is
+    copied into the graph's own buffer), anything else by value."""
     import torch
 
     if isinstance(arg, torch.Tensor):
-        address = arg.data_ptr()
-        where = address if pinned else min(address & -address, 256)
-        return (pinned, where, tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+        address = arg.data_ptr() if pinned else None
+        return (address, tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
     return arg
-
-
-class _OpGraph:
-    """A captured op: launched re-pointed at each call's tensor arguments
-    (``repointed``), or replayed with copies into ``buffers``; the outputs are cloned out
-    of the graph's memory either way."""
-
-    def __init__(self, graph: Any, buffers: tuple, outputs: tuple, repointed: Any) -> None:
-        self.graph = graph
-        self.repointed = repointed
-        self.buffers = None if repointed is not None else buffers
-        self.outputs = outputs
-        self.moving = tuple(b is not None and b.numel() > 0 for b in buffers)
-
-    def __call__(self, args: tuple) -> tuple:
-        import torch
-
-        if self.repointed is not None:
-            pairs = zip(args, self.moving, strict=True)
-            self.repointed.point([a.data_ptr() for a, moving in pairs if moving])
-            self.repointed.launch(torch.cuda.current_stream().cuda_stream)
-        else:
-            for buffer, arg in zip(self.buffers, args, strict=True):
-                if buffer is not None:
-                    buffer.copy_(arg)
-            self.graph.replay()
-        return tuple(None if t is None else t.clone() for t in self.outputs)
-
-
-def _try_repoint_op(graph: Any, args: tuple, buffers: tuple, outputs: tuple) -> tuple[Any, tuple]:
-    """Replay the captured graph with copies of ``args`` (already in ``buffers``), then
-    launch it re-pointed at ``args`` with the captured floating-point inputs poisoned:
-    the re-pointed graph when every kernel's arguments could be read and both launches
-    gave the same output bits, else None; and this call's outputs (clones).
-
-    Only the inputs are re-pointed: they were allocated before the capture and lived
-    through it, so no pointer of the graph into them can be anything else. An output,
-    allocated inside the capture, may lie where an earlier kernel's scratch was freed.
-    The launches are compared with each other, not with an eager call: an op's outputs
-    have unspecified parts (a tile's unused slots), which neither launch writes. Integer
-    inputs (row ids, counts) are not poisoned (a kernel reading poisoned ids could
-    fault): their readers, twell's kernels, are found by the argument scan."""
-    import torch
-
-    graph.replay()
-    replayed = tuple(None if t is None else t.clone() for t in outputs)
-    moving = [b for b in buffers if b is not None and b.numel()]
-    if not hasattr(graph, "raw_cuda_graph") or any(not b.is_contiguous() for b in moving):
-        return None, replayed
-    try:
-        repointed = _graph_nodes.Repointed(
-            graph.raw_cuda_graph(), [(b.data_ptr(), _nbytes(b)) for b in moving]
-        )
-    except (RuntimeError, TypeError):
-        return None, replayed
-    if repointed.opaque or repointed.blocked:
-        repointed.close()
-        return None, replayed
-    for b in moving:
-        if b.is_floating_point():
-            _bytes(b).fill_(255)
-    pairs = zip(args, buffers, strict=True)
-    repointed.point([a.data_ptr() for a, b in pairs if b is not None and b.numel()])
-    repointed.launch(torch.cuda.current_stream().cuda_stream)
-    same = all(
-        t is None or torch.equal(_bytes(t), _bytes(r))
-        for t, r in zip(outputs, replayed, strict=True)
-    )
-    if not same:
-        repointed.close()
-        for buffer, arg in zip(buffers, args, strict=True):  # for the replays with copies
-            if buffer is not None:
-                buffer.copy_(arg)
-        return None, replayed
-    return repointed, replayed
 
 
 class OpGraphs:
@@ -410,22 +371,18 @@ class OpGraphs:
 
     The arguments at the ``pinned`` positions (the weights: parameters stay where they
     are from step to step) are read where they lie, so their addresses are part of the
-    key. The activations and gradients of a step land at addresses that torch's allocator
-    does not repeat reliably: the graph's kernels are pointed at each call's tensors
-    before a launch (twell._graph_nodes.Repointed, as for :class:`GraphedBlock`), or,
-    where a graph cannot be re-pointed, every other tensor argument is copied into a
-    buffer of the graph before a replay. The outputs live in the graph's memory, so every
-    call returns fresh clones of them (a launch never changes a tensor that an earlier
-    call returned). A key's first call runs eagerly; its second captures ``fn``, replays
-    it with copies and checks one re-pointed launch against that replay; later ones
-    launch the graph. Calls made while the caller is capturing a graph of its own run
-    eagerly (their launches belong to that graph).
+    key; every other tensor argument is copied into a buffer of the graph before each
+    replay (the activations and gradients of a step land at addresses that torch's
+    allocator does not repeat reliably). A key's first call runs eagerly; its second
+    captures ``fn`` and replays it; later ones replay. The outputs live in the graph's
+    memory, so every call returns fresh clones of them (a replay never changes a tensor
+    that an earlier call returned). Calls made while the caller is capturing a graph of
+    its own run eagerly (their launches belong to that graph).
 
     The graphs of one instance share one memory pool and one capture stream per device,
-    so their scratch memory is shared and only their outputs and input buffers (none,
-    when re-pointed) are kept per graph. Launches are therefore stream-ordered on the
-    caller's current stream: two launches of one instance must not run concurrently on
-    different streams. Everything
+    so their scratch memory is shared and only their input buffers and outputs are kept
+    per graph. Replays are therefore stream-ordered on the caller's current stream: two
+    replays of one instance must not run concurrently on different streams. Everything
     runs with the arguments' device current. A key whose capture failed runs eagerly
     from then on (the error is raised once, by the call that captured).
 
@@ -442,7 +399,9 @@ class OpGraphs:
         self.capacity = capacity
         self.replace = replace
         self._by_rest: dict[tuple, tuple] = {}
-        self._graphs: collections.OrderedDict[tuple, _OpGraph] = collections.OrderedDict()
+        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple, tuple]] = (
+            collections.OrderedDict()
+        )
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._failed: set[tuple] = set()
         self._pool: Any = None
@@ -485,7 +444,7 @@ class OpGraphs:
                 return fn(*args)
             del self._seen[key]
             try:
-                found, result = self._capture(fn, args, pinned, device)
+                found = self._capture(fn, args, pinned, device)
             except BaseException:
                 self._failed.add(key)
                 if not self._graphs:
@@ -504,15 +463,19 @@ class OpGraphs:
                     rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
                     if self._by_rest.get(rest) == dropped:
                         del self._by_rest[rest]
-            self.replays += 1  # the capturing call replays the graph once
-            return result
-        self._graphs.move_to_end(key)
+        else:
+            self._graphs.move_to_end(key)
+            for buffer, arg in zip(found[1], args, strict=True):
+                if buffer is not None:
+                    buffer.copy_(arg)
+        graph, _, outputs = found
+        graph.replay()
         self.replays += 1
-        return found(args)
+        return tuple(None if t is None else t.clone() for t in outputs)
 
     def _capture(
         self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int], device: Any
-    ) -> tuple[_OpGraph, tuple]:
+    ) -> tuple[Any, tuple, tuple]:
         """Capture on this instance's side stream of ``device`` with ``capture_begin``/
         ``capture_end``, not the ``torch.cuda.graph`` context: that one empties torch's
         allocator cache first, so every capture would cost the next steps fresh
@@ -526,17 +489,13 @@ class OpGraphs:
         if side is None:
             side = self._streams[device] = torch.cuda.Stream(device)
         buffers = tuple(
-            None if not isinstance(a, torch.Tensor) or i in pinned
-            else _copy_at_alignment(a) if a.is_contiguous() else a.clone()
+            a.clone() if isinstance(a, torch.Tensor) and i not in pinned else None
             for i, a in enumerate(args)
-        )  # fmt: skip
+        )
         inputs = tuple(a if b is None else b for a, b in zip(args, buffers, strict=True))
         current = torch.cuda.current_stream()
         side.wait_stream(current)
-        try:
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-        except TypeError:  # torch before 2.8: no access to the captured graph
-            graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             # thread_local: CUDA calls of other threads (a DDP reducer's, a data
             # loader's) neither break this capture nor are broken by it.
@@ -550,6 +509,4 @@ class OpGraphs:
             graph.capture_end()
         current.wait_stream(side)
         self.captures += 1
-        outputs = tuple(outputs)
-        repointed, result = _try_repoint_op(graph, args, buffers, outputs)
-        return _OpGraph(graph, buffers, outputs, repointed), result
+        return graph, buffers, tuple(outputs)
