@@ -73,14 +73,15 @@ class _Graph:
     behind the previous call's GPU work: it launches whichever of up to :data:`EXECS`
     instantiations points at its tensors (a loop that keeps one output while making the
     next alternates between two addresses), else re-points the least recently used. A
-    smaller call has one re-pointable instantiation: it launches it where it points at
-    the call's tensors, re-points it only when they are where the previous call's were
-    (a loop that reuses its buffers), and otherwise copies ``x`` into ``static_x``,
-    replays torch's instantiation of the graph (which reads and writes the captured
-    buffers) and clones the output out of ``static_y``: at M=8 on the H100, launching one
-    instantiation between copies measured 0.03 ms a call back to back, ours between the
-    same copies 0.09. ``keep``: buffers the captured kernels use that the shared memory
-    pool does not own (none, normally)."""
+    smaller call has one re-pointable instantiation, which it launches (re-pointed if
+    need be) only when its tensors are where the previous call's were (a loop that
+    reuses its buffers); otherwise it copies ``x`` into ``static_x``, replays torch's
+    instantiation of the graph (on the captured buffers) and clones the output out of
+    ``static_y``. At M=8 on the H100, back to back: 0.018 ms a call with the tensors in
+    place, 0.03 with copies, but 0.07–0.11 when calls alternate between two
+    instantiations of the graph, or between copies and an instantiation re-pointed every
+    call (the cause was not found). ``keep``: buffers the captured kernels use that the
+    shared memory pool does not own (none, normally)."""
 
     def __init__(self, graph: Any, repointed: Any, static_x: Any, static_y: Any,
                  keep: list[Any], fresh_output: bool, small: bool) -> None:  # fmt: skip
@@ -107,14 +108,15 @@ class _Graph:
             else None
         )
         want = (x.data_ptr(),) if y is None else (x.data_ptr(), y.data_ptr())
+        if self.small:
+            repeated, self._previous = want == self._previous, want
+            if not repeated:  # torch's own instantiation, on the captured buffers
+                self.static_x.copy_(x)
+                self.graph.replay()
+                return self.static_y.clone()
         found = next((e for e in self.execs if e.bases == want), None)
         if found is None:
-            repeated, self._previous = want == self._previous, want
             if self.small:
-                if not repeated:  # torch's own instantiation, pointed at the buffers
-                    self.static_x.copy_(x)
-                    self.graph.replay()
-                    return self.static_y.clone()
                 found = self.execs[0]
             elif len(self.execs) < EXECS:
                 found = _graph_nodes.Repointed(self.graph.raw_cuda_graph(), self.execs[0].ranges)
