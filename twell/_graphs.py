@@ -99,9 +99,10 @@ class _Graph:
         import torch
 
         if not self.execs:
-            self.static_x.copy_(x)
-            self.graph.replay()
-            return self.static_y.clone()
+            return self._copies(x)
+        if self.small and self._previous[:1] != (x.data_ptr(),):
+            self._previous = (x.data_ptr(),)  # x moved: no output allocated in vain
+            return self._copies(x)
         y = (
             torch.empty(self.out[0], dtype=self.out[1], device=x.device)
             if self.fresh_output
@@ -110,10 +111,8 @@ class _Graph:
         want = (x.data_ptr(),) if y is None else (x.data_ptr(), y.data_ptr())
         if self.small:
             repeated, self._previous = want == self._previous, want
-            if not repeated:  # torch's own instantiation, on the captured buffers
-                self.static_x.copy_(x)
-                self.graph.replay()
-                return self.static_y.clone()
+            if not repeated:
+                return self._copies(x)
         found = next((e for e in self.execs if e.bases == want), None)
         if found is None:
             if self.small:
@@ -128,6 +127,12 @@ class _Graph:
         self.execs.append(found)  # the most recently used last
         found.launch(stream.cuda_stream)
         return self.static_y.clone() if y is None else y
+
+    def _copies(self, x: Any) -> Any:
+        """A replay of torch's instantiation on the captured buffers, with copies."""
+        self.static_x.copy_(x)
+        self.graph.replay()
+        return self.static_y.clone()
 
 
 class GraphedBlock:
