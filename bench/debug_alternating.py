@@ -38,9 +38,8 @@ def main() -> None:
         t0 = events[0].time_range.start if events else 0
         print(name)
         for e in events:
-            print(
-                f"  {e.time_range.start - t0:9.1f} {e.time_range.end - e.time_range.start:7.1f}  {e.name[:60]}"
-            )
+            start, end = e.time_range.start - t0, e.time_range.end - t0
+            print(f"  {start:9.1f} {end - start:7.1f}  {e.name[:60]}")
         g = next(iter(b._graphed._graphs.values()))
         print("  execs", [tuple(hex(v) for v in e.bases) for e in g.execs], "previous",
               [hex(v) for v in g._previous])  # fmt: skip
