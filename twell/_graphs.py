@@ -99,10 +99,10 @@ class _Graph:
         import torch
 
         if not self.execs:
-            return self._copies(x)
+            return self._copies(x, stream)
         if self.small and self._previous[:1] != (x.data_ptr(),):
             self._previous = (x.data_ptr(),)  # x moved: no output allocated in vain
-            return self._copies(x)
+            return self._copies(x, stream)
         y = (
             torch.empty(self.out[0], dtype=self.out[1], device=x.device)
             if self.fresh_output
@@ -112,7 +112,7 @@ class _Graph:
         if self.small:
             repeated, self._previous = want == self._previous, want
             if not repeated:
-                return self._copies(x)
+                return self._copies(x, stream)
         found = next((e for e in self.execs if e.bases == want), None)
         if found is None:
             if self.small:
@@ -125,14 +125,25 @@ class _Graph:
         if found in self.execs:
             self.execs.remove(found)
         self.execs.append(found)  # the most recently used last
-        found.launch(stream.cuda_stream)
+        self._launch(found, stream)
         return self.static_y.clone() if y is None else y
 
-    def _copies(self, x: Any) -> Any:
-        """A replay of torch's instantiation on the captured buffers, with copies."""
+    def _copies(self, x: Any, stream: Any) -> Any:
+        """A launch on the captured buffers, with copies in and out."""
         self.static_x.copy_(x)
-        self.graph.replay()
+        if not self.execs:
+            self.graph.replay()
+        else:
+            home = self.execs[0]  # a small call's one instantiation, pointed back home
+            home.point(home.ranges_starts)
+            self._launch(home, stream)
         return self.static_y.clone()
+
+    def _launch(self, repointed: Any, stream: Any) -> None:
+        if repointed.owned:
+            repointed.launch(stream.cuda_stream)
+        else:  # torch's instantiation: torch's replay
+            self.graph.replay()
 
 
 class GraphedBlock:
@@ -234,9 +245,11 @@ class GraphedBlock:
             del self.scratch[mark:]
         self.captures += 1
         fresh_output = x.dtype == torch.bfloat16  # the output is the forward's first buffer
-        repointed, y = _try_repoint(graph, static_x, static_y, x, expected, stream, fresh_output)
+        small = x.shape[0] <= SMALL_TOKENS
+        repointed, y = _try_repoint(
+            graph, static_x, static_y, x, expected, stream, fresh_output, small
+        )
         if repointed is not None:
-            small = x.shape[0] <= SMALL_TOKENS
             return _Graph(graph, repointed, static_x, static_y, keep, fresh_output, small), y
         if x.shape[0] > COPY_TOKENS:
             expected.record_stream(stream)  # made on the capture stream, used on this one
@@ -295,7 +308,7 @@ def _torch_owned(buffer: Any) -> bool:
 
 
 def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any,
-                 stream: Any, fresh_output: bool) -> tuple[Any, Any]:  # fmt: skip
+                 stream: Any, fresh_output: bool, small: bool) -> tuple[Any, Any]:  # fmt: skip
     """The graph re-pointed at ``x`` (and, with ``fresh_output``, at a fresh output),
     and this call's output, when a launch so pointed, with the captured buffers
     poisoned, gives ``expected``'s bits (a synchronisation); else ``(None, None)``.
@@ -313,7 +326,11 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     if fresh_output:
         ranges.append((static_y.data_ptr(), _nbytes(static_y)))
     try:
-        repointed = _graph_nodes.Repointed(graph.raw_cuda_graph(), ranges)
+        instantiated = None
+        if small and hasattr(graph, "raw_cuda_graph_exec"):  # torch's own (see _Graph)
+            graph.instantiate()
+            instantiated = graph.raw_cuda_graph_exec()
+        repointed = _graph_nodes.Repointed(graph.raw_cuda_graph(), ranges, instantiated)
     except (RuntimeError, TypeError):
         return None, None
     if repointed.blocked or any(" twell_" in f" {name}" for name in repointed.opaque):
@@ -327,6 +344,7 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     if not fresh_output:
         y = static_y.clone()
     if not torch.equal(_bytes(y), _bytes(expected)):
+        repointed.point([start for start, _ in ranges])  # torch's replays use it as captured
         repointed.close()
         static_x.copy_(x)
         return None, None
