@@ -99,10 +99,10 @@ def shuffled_inputs(p: workloads.Problem, count: int, dtype: torch.dtype) -> lis
 @pytest.mark.parametrize("m", [1, 8, 64, 300, 2048, 4097])
 def test_call_graphs_read_x_in_place_and_give_eager_bits(m: int, dtype: torch.dtype) -> None:
     """A SparseFFN call on torch tensors launches the block's own graph, re-pointed at
-    the call's x and at a fresh y, or for a small batch at new addresses with copies
-    (twell._graphs): the eager call's bits for inputs at new addresses, and no call's
-    output changed by a later call. Above COPY_TOKENS tokens the graph is captured the
-    second time the shape comes."""
+    the call's x and at a fresh y, or for a small batch with copies (twell._graphs): the
+    eager call's bits for inputs at new addresses, and no call's output changed by a
+    later call. Above COPY_TOKENS tokens the graph is captured the second time the shape
+    comes."""
     from twell import _graphs
 
     p = heavy_problem(m)  # heavy rows, NaN and Inf in x
@@ -117,19 +117,17 @@ def test_call_graphs_read_x_in_place_and_give_eager_bits(m: int, dtype: torch.dt
         assert torch.equal(y.view(torch.uint8), block._graphed.run(x).view(torch.uint8))
     graphs = list(block._graphed._graphs.values())
     assert len(graphs) == 1 and block._graphed.captures == 1
+    if m <= _graphs.SMALL_TOKENS:
+        assert not graphs[0].execs  # small batches replay with copies
+        return
     assert graphs[0].execs, "the graph fell back to copies"
-    # The same x again and again, each output dropped before the next call (a loop that
-    # reuses its buffers): the graph is pointed at them, whatever the batch size.
-    want = block._graphed.run(xs[1])
-    for _ in range(3):
-        assert torch.equal(block(xs[1]).view(torch.uint8), want.view(torch.uint8))
-    assert any(e.bases[0] == xs[1].data_ptr() for e in graphs[0].execs)
+    assert any(e.bases[0] == xs[2].data_ptr() for e in graphs[0].execs)
 
 
 def test_call_graph_of_a_misaligned_x_gets_a_graph_of_its_own() -> None:
     """An x at an address of lower alignment than the captured one is not fed to the
     captured kernels: it gets its own graph (its alignment is part of the key)."""
-    p = heavy_problem(64)
+    p = heavy_problem(300)  # above SMALL_TOKENS: the graphs are re-pointed
     x, wg, wu, wd = tensors(p)
     block = twell.SparseFFN(wg, wu, wd, density_switch=False)
     flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)

@@ -158,9 +158,7 @@ def _destroy(exec_handle: int) -> None:
 
 class Repointed:
     """An instantiated graph of ``graph`` (a ``CUgraph``) whose references to the
-    address ``ranges`` (``(start, nbytes)`` each) follow :meth:`point`: instantiated
-    here, or ``instantiated``, a ``CUgraphExec`` of that graph made elsewhere (torch's),
-    which is then updated in place and not destroyed.
+    address ``ranges`` (``(start, nbytes)`` each) follow :meth:`point`.
 
     Attributes:
         patched: names of the kernels whose arguments point into a range.
@@ -170,9 +168,7 @@ class Repointed:
             the graph must not be used re-pointed when this is not empty.
     """
 
-    def __init__(
-        self, graph: int, ranges: Sequence[tuple[int, int]], instantiated: int | None = None
-    ) -> None:
+    def __init__(self, graph: int, ranges: Sequence[tuple[int, int]]) -> None:
         self.ranges = tuple((int(s), int(n)) for s, n in ranges)
         self.opaque: list[str] = []
         self.blocked: list[str] = []
@@ -190,15 +186,10 @@ class Repointed:
             elif kind in (_driver.NODE_MEMCPY, 4, 13):  # copy, child graph, conditional
                 self.opaque.append(f"node type {kind}")
         self.patched = [k.name for k in self._kernels]
-        self._owned = instantiated is None
-        if instantiated is not None:  # someone else's instantiation (torch's): not ours to free
-            self._exec = int(instantiated)
-            self._finalizer = weakref.finalize(self, lambda: None)
-        else:
-            handle = ctypes.c_void_p()
-            call("cuGraphInstantiateWithFlags", ctypes.byref(handle), graph, 0)
-            self._exec = int(handle.value or 0)
-            self._finalizer = weakref.finalize(self, _destroy, self._exec)
+        handle = ctypes.c_void_p()
+        call("cuGraphInstantiateWithFlags", ctypes.byref(handle), graph, 0)
+        self._exec = int(handle.value or 0)
+        self._finalizer = weakref.finalize(self, _destroy, self._exec)
         self._bases = tuple(s for s, _ in self.ranges)
 
     def _scan_kernel(self, node: int) -> None:
@@ -229,16 +220,6 @@ class Repointed:
         kernel = _KernelNode(node, params, name, chunks, packed, self.ranges)
         if kernel.slots:
             self._kernels.append(kernel)
-
-    @property
-    def owned(self) -> bool:
-        """Whether the instantiation was made here (else it is torch's)."""
-        return self._owned
-
-    @property
-    def ranges_starts(self) -> tuple[int, ...]:
-        """The ranges' own starts: where the captured graph points."""
-        return tuple(start for start, _ in self.ranges)
 
     @property
     def bases(self) -> tuple[int, ...]:

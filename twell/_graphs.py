@@ -5,26 +5,26 @@ which costs several microseconds of Python on the host; at decode-sized batches 
 not the GPU, sets the time of a call, and at prefill sizes the GPU waits for the host
 before the first kernel. :class:`GraphedBlock` therefore captures the whole launch
 sequence of a prepared block once per (tokens, dtype, stream, alignment of ``x``, the
-density switch's decision and capacity) and launches the graph instead. The graph's
-kernels are pointed at the call's ``x`` and at a fresh output tensor
-(twell._graph_nodes.Repointed): a call is then an allocation and one graph launch, with
-no copy on the GPU (with the argument updates of a re-pointing where the tensors moved;
-small batches at new addresses copy instead, see :class:`_Graph`). A graph that cannot
-be re-pointed (a kernel reading ``x`` in a way the scan does not see) is replayed with
-copies of ``x`` into its input buffer and of its output out, up to :data:`COPY_TOKENS`
-tokens. Either way the launch runs the eager call's kernels, so it gives the same bits;
-a graph is used re-pointed only after a launch pointed at the call's tensors, with the
-captured buffers poisoned, reproduced the eager output bit for bit.
+density switch's decision and capacity) and launches the graph instead. Above
+:data:`SMALL_TOKENS` tokens the graph's kernels are pointed at the call's ``x`` and at a
+fresh output tensor (twell._graph_nodes.Repointed): a call is then an allocation and
+one graph launch, with no copy on the GPU. Smaller batches, and a graph that cannot be
+re-pointed (a kernel reading ``x`` in a way the scan does not see), replay with a copy
+of ``x`` into the graph's input buffer and of its output out (up to
+:data:`COPY_TOKENS` tokens; :class:`_Graph` says why small batches copy). Either way the
+launch runs the eager call's kernels, so it gives the same bits; a graph is used
+re-pointed only after a launch pointed at the call's tensors, with the captured buffers
+poisoned, reproduced the eager output bit for bit.
 
 A graph is captured the first time a batch of at most :data:`COPY_TOKENS` tokens comes
 (decode shapes repeat), the second time for a larger one (prefill lengths rarely do),
-never above :data:`GRAPH_TOKENS` tokens;
-at most :data:`CACHE` graphs per block are kept, :data:`LARGE` of them above
-:data:`COPY_TOKENS` tokens. All blocks' graphs replayed on one stream share one memory
-pool (their scratch is reused from one graph to the next: the launches on one stream
-never overlap). Plain launches are used when the caller is capturing a graph of its own
-(the launches then belong to the caller's graph) and every :data:`REFRESH`-th call,
-which runs eagerly so the density switch keeps seeing fresh statistics.
+never above :data:`GRAPH_TOKENS` tokens; at most :data:`CACHE` graphs per block are
+kept, :data:`LARGE` of them above :data:`COPY_TOKENS` tokens. All blocks' graphs
+replayed on one stream share one memory pool (their scratch is reused from one graph to
+the next: the launches on one stream never overlap). Plain launches are used when the
+caller is capturing a graph of its own (the launches then belong to the caller's graph)
+and every :data:`REFRESH`-th call, which runs eagerly so the density switch keeps seeing
+fresh statistics.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ COPY_TOKENS = 4096
 #: Largest batch that gets a graph at all: above, a call's GPU work (over 1 ms) hides
 #: its host cost, and the graph's memory pool would keep hundreds of MB of scratch.
 GRAPH_TOKENS = 16384
-#: Most tokens of a call that copies x and y rather than re-pointing its graph at new
-#: addresses (see _Graph): up to there, copies cost less than a graph update.
+#: Most tokens of a call replayed with copies of x and y rather than re-pointed (see
+#: _Graph).
 SMALL_TOKENS = 256
 #: Instantiations of a graph kept pointed at recent calls' tensors (see _Graph).
 EXECS = 2
@@ -64,60 +64,49 @@ _pools: dict[tuple[int, int], list[Any]] = {}
 class _Graph:
     """A captured call, launched re-pointed at the call's ``x`` and, with
     ``fresh_output``, at a fresh output tensor (else its output is cloned out of
-    ``static_y``); or, where it could not be re-pointed (``repointed`` None), replayed
-    with copies (``static_x`` in, ``static_y`` out).
+    ``static_y``); or replayed with copies (``static_x`` in, ``static_y`` out): where it
+    could not be re-pointed, and for batches of at most :data:`SMALL_TOKENS` tokens.
 
     Changing where an instantiated graph points costs its next launch an update: 10–25
-    µs of host time and, at small batches, tens of µs of GPU latency (H100: 53 against
-    16 µs back to back at M=8). A call of more than :data:`SMALL_TOKENS` tokens hides it
-    behind the previous call's GPU work: it launches whichever of up to :data:`EXECS`
-    instantiations points at its tensors (a loop that keeps one output while making the
-    next alternates between two addresses), else re-points the least recently used. A
-    smaller call has one re-pointable instantiation, which it launches (re-pointed if
-    need be) only when its tensors are where the previous call's were (a loop that
-    reuses its buffers); otherwise it copies ``x`` into ``static_x``, replays torch's
-    instantiation of the graph (on the captured buffers) and clones the output out of
-    ``static_y``. At M=8 on the H100, back to back: 0.018 ms a call with the tensors in
-    place, 0.03 with copies, but 0.07–0.11 when calls alternate between two
-    instantiations of the graph, or between copies and an instantiation re-pointed every
-    call (the cause was not found). ``keep``: buffers the captured kernels use that the
-    shared memory pool does not own (none, normally)."""
+    µs of host time and tens of µs of GPU latency, which a call of more than
+    :data:`SMALL_TOKENS` tokens hides behind the previous call's GPU work. Such a call
+    launches whichever of up to :data:`EXECS` instantiations points at its tensors (a
+    loop that keeps one output while making the next alternates between two addresses),
+    else re-points the least recently used. Small batches replay with copies: on the
+    H100 at M=8 and 64, re-pointing measured 0.019 and 0.026 ms a call back to back
+    where the tensors stayed in place, against 0.032 and 0.055 with copies, but 0.063 and
+    0.070 where calls alternated between two inputs, with any policy tried (one
+    instantiation re-pointed each call, two kept pointed, torch's own between copies):
+    a graph once re-pointed launched slower between other work, for a reason not found.
+    ``keep``: buffers the captured kernels use that the shared memory pool does not own
+    (none, normally)."""
 
     def __init__(self, graph: Any, repointed: Any, static_x: Any, static_y: Any,
-                 keep: list[Any], fresh_output: bool, small: bool) -> None:  # fmt: skip
+                 keep: list[Any], fresh_output: bool) -> None:  # fmt: skip
         self.graph = graph
         self.execs = [] if repointed is None else [repointed]  # least recently used first
         self.fresh_output = repointed is not None and fresh_output
-        self.small = repointed is None or small
-        self.static_x = static_x if self.small else None
-        self.static_y = static_y if self.small or not self.fresh_output else None
+        self.static_x = static_x if repointed is None else None
+        self.static_y = static_y if repointed is None or not self.fresh_output else None
         self.out = (tuple(static_y.shape), static_y.dtype)
         self.keep = keep
-        self._previous: tuple[int, ...] = ()
 
     def __call__(self, x: Any, stream: Any) -> Any:
         import torch
 
         if not self.execs:
-            return self._copies(x, stream)
-        if self.small and self._previous[:1] != (x.data_ptr(),):
-            self._previous = (x.data_ptr(),)  # x moved: no output allocated in vain
-            return self._copies(x, stream)
+            self.static_x.copy_(x)
+            self.graph.replay()
+            return self.static_y.clone()
         y = (
             torch.empty(self.out[0], dtype=self.out[1], device=x.device)
             if self.fresh_output
             else None
         )
         want = (x.data_ptr(),) if y is None else (x.data_ptr(), y.data_ptr())
-        if self.small:
-            repeated, self._previous = want == self._previous, want
-            if not repeated:
-                return self._copies(x, stream)
         found = next((e for e in self.execs if e.bases == want), None)
         if found is None:
-            if self.small:
-                found = self.execs[0]
-            elif len(self.execs) < EXECS:
+            if len(self.execs) < EXECS:
                 found = _graph_nodes.Repointed(self.graph.raw_cuda_graph(), self.execs[0].ranges)
             else:
                 found = self.execs[0]
@@ -125,25 +114,8 @@ class _Graph:
         if found in self.execs:
             self.execs.remove(found)
         self.execs.append(found)  # the most recently used last
-        self._launch(found, stream)
+        found.launch(stream.cuda_stream)
         return self.static_y.clone() if y is None else y
-
-    def _copies(self, x: Any, stream: Any) -> Any:
-        """A launch on the captured buffers, with copies in and out."""
-        self.static_x.copy_(x)
-        if not self.execs:
-            self.graph.replay()
-        else:
-            home = self.execs[0]  # a small call's one instantiation, pointed back home
-            home.point(home.ranges_starts)
-            self._launch(home, stream)
-        return self.static_y.clone()
-
-    def _launch(self, repointed: Any, stream: Any) -> None:
-        if repointed.owned:
-            repointed.launch(stream.cuda_stream)
-        else:  # torch's instantiation: torch's replay
-            self.graph.replay()
 
 
 class GraphedBlock:
@@ -245,16 +217,17 @@ class GraphedBlock:
             del self.scratch[mark:]
         self.captures += 1
         fresh_output = x.dtype == torch.bfloat16  # the output is the forward's first buffer
-        small = x.shape[0] <= SMALL_TOKENS
-        repointed, y = _try_repoint(
-            graph, static_x, static_y, x, expected, stream, fresh_output, small
-        )
+        repointed, y = None, None
+        if x.shape[0] > SMALL_TOKENS:
+            repointed, y = _try_repoint(
+                graph, static_x, static_y, x, expected, stream, fresh_output
+            )
         if repointed is not None:
-            return _Graph(graph, repointed, static_x, static_y, keep, fresh_output, small), y
+            return _Graph(graph, repointed, static_x, static_y, keep, fresh_output), y
         if x.shape[0] > COPY_TOKENS:
             expected.record_stream(stream)  # made on the capture stream, used on this one
             return None, expected  # a run of a copy of x: the call's output
-        found = _Graph(graph, None, static_x, static_y, keep, False, True)
+        found = _Graph(graph, None, static_x, static_y, keep, False)
         return found, found(x, stream)
 
 
@@ -308,7 +281,7 @@ def _torch_owned(buffer: Any) -> bool:
 
 
 def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any,
-                 stream: Any, fresh_output: bool, small: bool) -> tuple[Any, Any]:  # fmt: skip
+                 stream: Any, fresh_output: bool) -> tuple[Any, Any]:  # fmt: skip
     """The graph re-pointed at ``x`` (and, with ``fresh_output``, at a fresh output),
     and this call's output, when a launch so pointed, with the captured buffers
     poisoned, gives ``expected``'s bits (a synchronisation); else ``(None, None)``.
@@ -326,11 +299,7 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     if fresh_output:
         ranges.append((static_y.data_ptr(), _nbytes(static_y)))
     try:
-        instantiated = None
-        if small and hasattr(graph, "raw_cuda_graph_exec"):  # torch's own (see _Graph)
-            graph.instantiate()
-            instantiated = graph.raw_cuda_graph_exec()
-        repointed = _graph_nodes.Repointed(graph.raw_cuda_graph(), ranges, instantiated)
+        repointed = _graph_nodes.Repointed(graph.raw_cuda_graph(), ranges)
     except (RuntimeError, TypeError):
         return None, None
     if repointed.blocked or any(" twell_" in f" {name}" for name in repointed.opaque):
@@ -344,7 +313,6 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     if not fresh_output:
         y = static_y.clone()
     if not torch.equal(_bytes(y), _bytes(expected)):
-        repointed.point([start for start, _ in ranges])  # torch's replays use it as captured
         repointed.close()
         static_x.copy_(x)
         return None, None
