@@ -198,18 +198,8 @@ class GraphedBlock:
         except TypeError:  # torch before 2.8: no access to the captured graph
             graph = torch.cuda.CUDAGraph()
         mark = len(self.scratch) if self.scratch is not None else 0
-        with torch.cuda.stream(side):
-            # thread_local: CUDA calls of other threads neither break this capture nor
-            # are broken by it.
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-            _hold_pool(graph, x.device, stream)
-            try:
-                static_y = self.run(static_x)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the first error is the one to see
-                    graph.capture_end()
-                raise
-            graph.capture_end()
+        _hold_pool(graph, x.device, stream)
+        static_y = _capture_into(graph, pool, side, self.run, static_x)
         stream.wait_stream(side)
         keep: list[Any] = []
         if self.scratch is not None:
@@ -229,6 +219,26 @@ class GraphedBlock:
             return None, expected  # a run of a copy of x: the call's output
         found = _Graph(graph, None, static_x, static_y, keep, False)
         return found, found(x, stream)
+
+
+def _capture_into(graph: Any, pool: Any, side: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` captured into ``graph`` on stream ``side`` with memory from ``pool``
+    (``capture_begin``/``capture_end``, not the ``torch.cuda.graph`` context, which empties
+    torch's allocator cache first); returns what ``fn`` returned."""
+    import torch
+
+    with torch.cuda.stream(side):
+        # thread_local: CUDA calls of other threads (a DDP reducer's, a data loader's)
+        # neither break this capture nor are broken by it.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = fn(*args)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to see
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    return out
 
 
 def _remember(seen: collections.OrderedDict, key: tuple) -> bool:
@@ -491,17 +501,7 @@ class OpGraphs:
         current = torch.cuda.current_stream()
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            # thread_local: CUDA calls of other threads (a DDP reducer's, a data
-            # loader's) neither break this capture nor are broken by it.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                outputs = fn(*inputs)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the first error is the one to see
-                    graph.capture_end()
-                raise
-            graph.capture_end()
+        outputs = _capture_into(graph, self._pool, side, fn, *inputs)
         current.wait_stream(side)
         self.captures += 1
         return graph, buffers, tuple(outputs)
