@@ -24,8 +24,6 @@ def measure(m: int, k: int, n: int) -> list[dict]:
     _, x, weights, sets = torch_problem("uniform", m, k, n)
     blocks = [twell.SparseFFN(*w) for w in weights]
 
-    graphed = True
-
     def ours(i: int) -> torch.Tensor:
         return blocks[i](x) if graphed else blocks[i]._graphed.run(x)
 

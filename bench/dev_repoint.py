@@ -5,7 +5,7 @@ copies, or not at all), that its launches give the eager call's bits for inputs 
 addresses, and what a call costs against eager launches and dense torch (host µs behind
 a GPU sleep, per call with a synchronisation, back to back).
 
-    PYTHONPATH=. python bench/dev_repoint.py [--out FILE] [--skip-timing]
+    PYTHONPATH=. python bench/dev_repoint.py [--out FILE] [--skip-timing] [--skip-checks]
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def timing(m: int) -> dict:
         "eager": lambda: block._graphed.run(x),
         "dense": lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd),
     }
-    if m <= _graphs.COPY_TOKENS:  # the same block's graph with copies, for comparison
+    if _graphs.SMALL_TOKENS < m <= _graphs.COPY_TOKENS:  # the same graph with copies
         copies = twell.SparseFFN(wg, wu, wd)
         real = _graphs._try_repoint
         _graphs._try_repoint = lambda *a, **k: (None, None)

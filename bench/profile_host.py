@@ -1,6 +1,6 @@
 """Where the host time of one SparseFFN call goes (cProfile over many calls, torch
 tensors, M tokens, 64 by default), beside the dense torch block's host time; and, above
-the graph wrapper's bound (``twell._graphs.COPY_TOKENS``, where a call launches eagerly),
+the graph wrapper's bound (``twell._graphs.GRAPH_TOKENS``, where a call launches eagerly),
 how long a call's host work runs before its gate GEMM is launched: time the GPU idles in
 a single eager call.
 
@@ -97,10 +97,10 @@ def main() -> None:
                      ("dense torch", dense)):  # fmt: skip
         print(f"M={m} {name} host {per_call_us(fn):.1f} us per call in a loop, "
               f"{host_us(fn):.1f} us behind a GPU sleep")  # fmt: skip
-    if m > _graphs.COPY_TOKENS:  # below, a call replays a graph: no launch to time
+    if m > _graphs.GRAPH_TOKENS:  # below, a call replays a graph: no launch to time
         print(f"M={m} SparseFFN: {until_gate_us(lambda: block(x)):.1f} us from the call to "
               "the gate GEMM's launch")  # fmt: skip
-    calls = 300 if m <= _graphs.COPY_TOKENS else 40  # large M: stay within the launch queue
+    calls = 300 if m <= _graphs.GRAPH_TOKENS else 40  # large M: stay within the launch queue
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # the GPU busy: no launch waits for it
     profile = cProfile.Profile()

@@ -122,6 +122,8 @@ def test_call_graphs_read_x_in_place_and_give_eager_bits(m: int, dtype: torch.dt
         return
     assert graphs[0].execs, "the graph fell back to copies"
     assert any(e.bases[0] == xs[2].data_ptr() for e in graphs[0].execs)
+    # nothing of the capture is kept but the graph (its scratch lives in torch's pool)
+    assert graphs[0].keep == [] and graphs[0].static_x is None
 
 
 def test_call_graph_of_a_misaligned_x_gets_a_graph_of_its_own() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ctypes
 import struct
 
+import pytest
+
 from twell import _graph_nodes
 from twell._driver import KernelNodeParams
 
@@ -62,3 +64,58 @@ def test_extra_of_an_unknown_kind_is_not_understood() -> None:
     assert _graph_nodes._packed_arguments(extra) is None
     empty = (ctypes.c_void_p * 1)(0)
     assert _graph_nodes._packed_arguments(empty) is None
+
+
+def test_driver_structures_match_cuda_h() -> None:
+    """CUDA_KERNEL_NODE_PARAMS_v2: 72 bytes, kernelParams at 40, kern at 56;
+    CUDA_MEMSET_NODE_PARAMS: 40 bytes (cuda.h, 64-bit)."""
+    from twell._driver import MemsetNodeParams
+
+    assert ctypes.sizeof(KernelNodeParams) == 72
+    assert KernelNodeParams.kernel_params.offset == 40
+    assert KernelNodeParams.kern.offset == 56
+    assert ctypes.sizeof(MemsetNodeParams) == 40
+
+
+def _repointed_with_fake_driver(monkeypatch, status: int = 0):  # noqa: ANN001, ANN202
+    """A Repointed over two fake kernel nodes and a driver that records its updates."""
+    calls: list[int] = []
+
+    def set_params(exec_handle, node, params):  # noqa: ANN001, ANN202
+        calls.append(node)
+        return status
+
+    monkeypatch.setattr(_graph_nodes._driver, "function", lambda name: set_params)
+    repointed = object.__new__(_graph_nodes.Repointed)
+    repointed.ranges = tuple(RANGES)
+    repointed._exec = 1
+    repointed._bases = (X, Y)
+    chunks = [struct.pack("<QQ", X + 64, Y)]
+    repointed._kernels = [
+        _graph_nodes._KernelNode(node, KernelNodeParams(), "k", chunks, False, RANGES)
+        for node in (11, 12)
+    ]
+    return repointed, calls
+
+
+def test_point_updates_only_when_the_addresses_change(monkeypatch) -> None:  # noqa: ANN001
+    repointed, calls = _repointed_with_fake_driver(monkeypatch)
+    repointed.point((X, Y))
+    assert calls == []  # where it points already
+    repointed.point((0x7E00_0000_0000, 0x7E00_8000_0000))
+    assert calls == [11, 12]
+    for kernel in repointed._kernels:
+        got = arguments(kernel)[0]
+        assert got == struct.pack("<QQ", 0x7E00_0000_0000 + 64, 0x7E00_8000_0000)
+    repointed.point((0x7E00_0000_0000, 0x7E00_8000_0000))
+    assert calls == [11, 12]
+
+
+def test_a_failed_update_makes_the_next_point_set_every_node(monkeypatch) -> None:  # noqa: ANN001
+    repointed, calls = _repointed_with_fake_driver(monkeypatch, status=1)
+    monkeypatch.setattr(
+        _graph_nodes._driver, "DriverError", lambda name, status: RuntimeError(name)
+    )
+    with pytest.raises(RuntimeError):
+        repointed.point((0x7E00_0000_0000, Y))
+    assert repointed.bases == ()

@@ -45,8 +45,8 @@ class MemsetNodeParams(ctypes.Structure):
     ]
 
 
-#: Graph node types (``CUgraphNodeType``) twell reads.
-NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET = 0, 1, 2
+#: Graph node types (``CUgraphNodeType``) twell tells apart.
+NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_GRAPH, NODE_CONDITIONAL = 0, 1, 2, 4, 13
 #: ``CUDA_ERROR_INVALID_VALUE``: what ``cuFuncGetParamInfo`` returns past the last argument.
 INVALID_VALUE = 1
 
@@ -65,7 +65,6 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuKernelGetFunction": [_PP, _P],
     "cuGraphInstantiateWithFlags": [_PP, _P, ctypes.c_ulonglong],
     "cuGraphExecKernelNodeSetParams_v2": [_P, _P, ctypes.POINTER(KernelNodeParams)],
-    "cuGraphExecMemsetNodeSetParams": [_P, _P, ctypes.POINTER(MemsetNodeParams), _P],
     "cuGraphLaunch": [_P, _P],
     "cuGraphExecDestroy": [_P],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],

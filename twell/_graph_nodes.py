@@ -13,9 +13,9 @@ and every 8-byte word of them that lies inside a given address range (the captur
 input's or output's bytes) is a pointer into that tensor, re-pointed as ``new base +
 offset``. That covers plain pointer arguments, structures holding pointers (CuPy's and
 torch's elementwise kernels) and TMA tensor maps (gate_gemm.cu's and cuBLAS's), which
-hold the global address as their first word (the driver's encoding, seen on the H200;
-the GPU tests fail if a graph of the gate GEMM could not be re-pointed). Only the
-kernel nodes that refer to a range are updated in the instantiated graph
+hold the global address as their first word (the driver's encoding, seen on the H100
+and the H200; the GPU tests fail if a graph of the gate GEMM could not be re-pointed).
+Only the kernel nodes that refer to a range are updated in the instantiated graph
 (``cuGraphExecKernelNodeSetParams``), and only when the addresses differ from the
 previous launch's.
 
@@ -49,7 +49,7 @@ def _parameters(function: int) -> tuple[tuple[int, int], ...] | None:
     info = _driver.function("cuFuncGetParamInfo")
     while True:
         status = info(function, len(out), ctypes.byref(offset), ctypes.byref(size))
-        if status == _driver.INVALID_VALUE and out:
+        if status == _driver.INVALID_VALUE:  # past the last argument (or none at all)
             return tuple(out)
         if status:
             return None
@@ -180,10 +180,11 @@ class Repointed:
             elif kind == _driver.NODE_MEMSET:
                 memset = MemsetNodeParams()
                 call("cuGraphMemsetNodeGetParams", node, ctypes.byref(memset))
-                end = memset.dst + memset.element_size * memset.width * max(1, memset.height)
+                rows = max(1, memset.height)
+                end = memset.dst + memset.pitch * (rows - 1) + memset.element_size * memset.width
                 if any(memset.dst < s + n and end > s for s, n in self.ranges):
                     self.blocked.append("memset")
-            elif kind in (_driver.NODE_MEMCPY, 4, 13):  # copy, child graph, conditional
+            elif kind in (_driver.NODE_MEMCPY, _driver.NODE_GRAPH, _driver.NODE_CONDITIONAL):
                 self.opaque.append(f"node type {kind}")
         self.patched = [k.name for k in self._kernels]
         handle = ctypes.c_void_p()
@@ -202,7 +203,11 @@ class Repointed:
             function = handle.value
         name = kernel_name(function) if function else ""
         layout = _parameters(function) if function else None
-        if params.kernel_params and layout is not None:
+        if (
+            params.kernel_params
+            and layout is not None
+            and all(params.kernel_params[i] for i in range(len(layout)))
+        ):
             chunks = [
                 ctypes.string_at(params.kernel_params[i], size)
                 for i, (_, size) in enumerate(layout)

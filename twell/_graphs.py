@@ -165,14 +165,20 @@ class GraphedBlock:
         if found is not None:
             self._graphs.move_to_end(key)
             return found(x, stream)
-        if key in self._eager or (m > COPY_TOKENS and not _remember(self._seen, key)):
+        if key in self._eager or (
+            m > COPY_TOKENS and (not _can_repoint() or not _remember(self._seen, key))
+        ):
             return self.run(x)
-        found, y = self._capture(x, stream)
+        try:
+            found, y = self._capture(x, stream)
+        except BaseException:
+            _note(self._eager, key)  # the error is raised once; later calls run eagerly
+            raise
         # The capture's warm-up calls may have taken in newer statistics: file the graph
         # under the decision it ran.
         key = (*key[:5], self.decision(m, False))
         if found is None:
-            _remember(self._eager, key)
+            _note(self._eager, key)
             return y
         self._graphs[key] = found
         large = [k for k in self._graphs if k[0][0] > COPY_TOKENS]
@@ -187,24 +193,27 @@ class GraphedBlock:
         re-pointable nor small enough for copies) and this call's output."""
         import torch
 
-        pool, side = _pool(x.device, stream)
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch before 2.8: no access to the captured graph
+            graph = torch.cuda.CUDAGraph()
+        pool, side = _pool(graph, x.device, stream)
         static_x = _copy_at_alignment(x)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: kernels loaded, torch's cuBLAS set up
                 expected = self.run(static_x)
-        try:
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-        except TypeError:  # torch before 2.8: no access to the captured graph
-            graph = torch.cuda.CUDAGraph()
         mark = len(self.scratch) if self.scratch is not None else 0
-        _hold_pool(graph, x.device, stream)
-        static_y = _capture_into(graph, pool, side, self.run, static_x)
-        stream.wait_stream(side)
-        keep: list[Any] = []
-        if self.scratch is not None:
-            keep = [b for b in self.scratch[mark:] if b is not None and not _torch_owned(b)]
-            del self.scratch[mark:]
+        try:
+            static_y = _capture_into(graph, pool, side, self.run, static_x)
+        finally:
+            stream.wait_stream(side)
+            # The capture's buffers: those in torch's pool live with it; any other
+            # (none, normally) lives with the graph.
+            taken = self.scratch[mark:] if self.scratch is not None else []
+            keep = [b for entry in taken for b in entry if b is not None and not _torch_owned(b)]
+            if self.scratch is not None:
+                del self.scratch[mark:]
         self.captures += 1
         fresh_output = x.dtype == torch.bfloat16  # the output is the forward's first buffer
         repointed, y = None, None
@@ -241,36 +250,44 @@ def _capture_into(graph: Any, pool: Any, side: Any, fn: Callable[..., Any], *arg
     return out
 
 
+def _note(keys: collections.OrderedDict, key: tuple) -> None:
+    """Add ``key`` to ``keys`` (the most recent :data:`SEEN` kept)."""
+    keys[key] = None
+    keys.move_to_end(key)
+    while len(keys) > SEEN:
+        keys.popitem(last=False)
+
+
+def _can_repoint() -> bool:
+    """Whether torch gives access to a captured graph (2.8 and later): without, a batch
+    above :data:`COPY_TOKENS` tokens gets no graph."""
+    import torch
+
+    return hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph")
+
+
 def _remember(seen: collections.OrderedDict, key: tuple) -> bool:
     """Whether ``key`` was in ``seen`` (then it is taken out); otherwise adds it."""
     if key in seen:
         del seen[key]
         return True
-    seen[key] = None
-    while len(seen) > SEEN:
-        seen.popitem(last=False)
+    _note(seen, key)
     return False
 
 
-def _pool(device: Any, stream: Any) -> tuple[Any, Any]:
-    """The memory pool and capture stream of the graphs replayed on ``stream``.
+def _pool(graph: Any, device: Any, stream: Any) -> tuple[Any, Any]:
+    """The memory pool and capture stream of the graphs replayed on ``stream``, with
+    ``graph`` (a torch CUDA graph about to be captured into it) counted as a user of
+    the pool until it is collected.
 
     torch releases a pool when the last graph captured into it goes, and its handle
     cannot be captured into again: the entry lives only as long as a graph of it."""
     import torch
 
     key = (device.index, stream.cuda_stream)
-    found = _pools.get(key)
-    if found is None:
-        found = _pools[key] = [torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), 0]
-    return found[0], found[1]
-
-
-def _hold_pool(graph: Any, device: Any, stream: Any) -> None:
-    """Count ``graph`` (a torch CUDA graph captured into the pool of ``stream``) as a user
-    of that pool until it is collected."""
-    key = (device.index, stream.cuda_stream)
-    entry = _pools[key]
+    entry = _pools.get(key)
+    if entry is None:
+        entry = _pools[key] = [torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), 0]
     entry[2] += 1
 
     def release() -> None:
@@ -279,6 +296,7 @@ def _hold_pool(graph: Any, device: Any, stream: Any) -> None:
             del _pools[key]
 
     weakref.finalize(graph, release)
+    return entry[0], entry[1]
 
 
 def _torch_owned(buffer: Any) -> bool:
@@ -318,8 +336,13 @@ def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any
     y = torch.empty_like(static_y)
     for buffer in (static_x, static_y, y):
         _bytes(buffer).fill_(255)  # NaN in every float type
-    repointed.point((x.data_ptr(), y.data_ptr())[: len(ranges)])
-    repointed.launch(stream.cuda_stream)
+    try:
+        repointed.point((x.data_ptr(), y.data_ptr())[: len(ranges)])
+        repointed.launch(stream.cuda_stream)
+    except RuntimeError:
+        repointed.close()
+        static_x.copy_(x)
+        return None, None
     if not fresh_output:
         y = static_y.clone()
     if not torch.equal(_bytes(y), _bytes(expected)):
