@@ -49,7 +49,9 @@ def _parameters(function: int) -> tuple[tuple[int, int], ...] | None:
     info = _driver.function("cuFuncGetParamInfo")
     while True:
         status = info(function, len(out), ctypes.byref(offset), ctypes.byref(size))
-        if status == _driver.INVALID_VALUE:  # past the last argument (or none at all)
+        # Past the last argument. (On the first index it may also mean no information:
+        # a kernel without arguments is then taken for opaque, which is the safe side.)
+        if status == _driver.INVALID_VALUE and out:
             return tuple(out)
         if status:
             return None
