@@ -1,0 +1,88 @@
+"""twell._graphs without a GPU: which instantiation of a re-pointed call graph a call
+launches, and when it re-points one (fake instantiations stand in for the driver's; the
+launches themselves run in the GPU tests, test_gpu_serving.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from twell import _graphs  # noqa: E402
+
+
+class FakeRepointed:
+    """Stands in for twell._graph_nodes.Repointed: records points and launches."""
+
+    made = 0
+
+    def __init__(self, graph: object, ranges: tuple) -> None:
+        FakeRepointed.made += 1
+        self.ranges = ranges
+        self.bases: tuple = tuple(start for start, _ in ranges)
+        self.points: list[tuple] = []
+        self.launches = 0
+
+    def point(self, bases: tuple) -> None:
+        if tuple(bases) != self.bases:
+            self.points.append(tuple(bases))
+            self.bases = tuple(bases)
+
+    def launch(self, stream: int) -> None:
+        self.launches += 1
+
+
+@pytest.fixture()
+def graph(monkeypatch: pytest.MonkeyPatch) -> _graphs._Graph:
+    """A large-batch call graph (re-pointed, fresh outputs) over CPU tensors."""
+    monkeypatch.setattr(_graphs._graph_nodes, "Repointed", FakeRepointed)
+    FakeRepointed.made = 0
+    static_x, static_y = torch.zeros(4, 8), torch.zeros(4, 8)
+    first = FakeRepointed(None, ((static_x.data_ptr(), 128), (static_y.data_ptr(), 128)))
+    torch_graph = types.SimpleNamespace(raw_cuda_graph=lambda: 0)
+    return _graphs._Graph(torch_graph, first, static_x, static_y, [], fresh_output=True)
+
+
+STREAM = types.SimpleNamespace(cuda_stream=0)
+
+
+def test_alternating_inputs_settle_on_two_instantiations(graph, monkeypatch) -> None:  # noqa: ANN001
+    """A loop that drops each output and alternates between two inputs: once each
+    instantiation points at one of them, calls launch with no update."""
+    out = torch.zeros(4, 8)  # the output buffer a dropping caller gets back every call
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: out)
+    x0, x1 = torch.ones(4, 8), torch.ones(4, 8)
+    for x in (x0, x1):
+        assert graph(x, STREAM) is out
+    updates = sum(len(e.points) for e in graph.execs)
+    for x in (x0, x1, x0, x1):
+        graph(x, STREAM)
+    assert sum(len(e.points) for e in graph.execs) == updates
+    assert FakeRepointed.made == _graphs.EXECS
+    assert sum(e.launches for e in graph.execs) == 6
+    assert {e.bases for e in graph.execs} == {
+        (x0.data_ptr(), out.data_ptr()),
+        (x1.data_ptr(), out.data_ptr()),
+    }
+    assert graph.static_x is None and graph.static_y is None  # nothing copied, nothing kept
+
+
+def test_the_least_recently_used_instantiation_is_re_pointed(graph) -> None:  # noqa: ANN001
+    xs = [torch.ones(4, 8) for _ in range(3)]
+    kept = [graph(x, STREAM) for x in xs]  # three addresses, two instantiations
+    assert FakeRepointed.made == 2
+    assert {e.bases[0] for e in graph.execs} == {xs[1].data_ptr(), xs[2].data_ptr()}
+    assert len(kept) == 3
+
+
+def test_a_graph_that_could_not_be_re_pointed_replays_with_copies() -> None:
+    static_x, static_y = torch.zeros(2, 3), torch.full((2, 3), 7.0)
+    replays = []
+    torch_graph = types.SimpleNamespace(replay=lambda: replays.append(static_x.clone()))
+    graph = _graphs._Graph(torch_graph, None, static_x, static_y, [], fresh_output=True)
+    x = torch.arange(6.0).reshape(2, 3)
+    y = graph(x, STREAM)
+    assert torch.equal(replays[0], x)  # x copied in before the replay
+    assert torch.equal(y, static_y) and y.data_ptr() != static_y.data_ptr()  # cloned out
