@@ -26,6 +26,18 @@ from twell.options import LIST_CAPACITY
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
 #: token is done, so long tokens do not hold finished warps' registers).
 ROW_WARPS = 1
+#: Blocks per SM the one-warp kernels' register budget is sized for (their launch bound,
+#: at K <= 2048; 8 above): 16 gives 124-127 registers and 16 resident warps per SM, 8
+#: gave 140-158 and 12. Measured on an H100 (bench/dev_row_occupancy.py, the whole
+#: block in CUDA graphs, K = 2048, N = 5632, ms, 8 / 16): M = 2048 0.179 / 0.163 (2048
+#: tokens fit one wave of 16 warps per SM, not of 12), M = 1536 0.128 / 0.131, 3072
+#: 0.241 / 0.243, 4096 0.326 / 0.323, 8192 0.584 / 0.582, 16384 1.141 / 1.126.
+ROW_MIN_BLOCKS = 16
+#: The one-warp gated kernels load the next entry's rows while this entry's are used
+#: (1), or one entry's rows at a time (0). Measured as above, 12 blocks per SM (166
+#: registers: no spills) / 8 (217-244): M = 2048 0.182 / 0.176, 4096 0.323 / 0.330,
+#: 16384 1.147 / 1.155, never faster than 16 blocks without it.
+ROW_PIPELINE = 0
 #: Most warps sharing one token in the wide kernels (their launch bound; the launcher
 #: picks 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
@@ -44,7 +56,9 @@ SOURCE = declare(
         "light_rows.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
         constants={
-            "ROW_WARPS": ROW_WARPS, "WIDE_WARPS": WIDE_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
+            "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS,
+            "ROW_PIPELINE": ROW_PIPELINE, "WIDE_WARPS": WIDE_WARPS,
+            "LIST_CAPACITY": LIST_CAPACITY,
         },
         examples=tuple(
             {"KDIM": k, "TILE": t, "SLOTS": s, "GATED": g}
