@@ -85,7 +85,7 @@ def tail(m: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, nargs="+", default=[1536, 2048, 3072, 4096, 8192, 16384])
-    parser.add_argument("--variants", nargs="+", default=["steps"], choices=sorted(SETS))
+    parser.add_argument("--variants", nargs="+", default=["registers"], choices=sorted(SETS))
     parser.add_argument("--workload", default="uniform")
     parser.add_argument("--tail", action="store_true", help="the longest rows' share instead")
     parser.add_argument("--out", default=None)
