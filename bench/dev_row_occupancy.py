@@ -45,6 +45,38 @@ def use(variant: dict) -> None:
     light_rows._wide_warps_per_sm.cache_clear()
 
 
+def paths(m: int, workload: str, names: list[str]) -> list[dict]:
+    """The block with each light-row route (``Options.path``) against dense, in the
+    user's CUDA graph and back to back; bits against the first route's."""
+
+    _, x, ws, sets = torch_problem(workload, m, 2048, 5632)
+
+    def dense(i: int) -> torch.Tensor:
+        wg, wu, wd = ws[i]
+        return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    d_graph, d_b2b = graph_ms(dense, sets), back_to_back_ms(dense, sets)
+    out, ref = [], None
+    for name in [*names, names[0]]:
+        blocks = [twell.SparseFFN(*w, path=name) for w in ws]
+        for _ in range(2):
+            for b in blocks:
+                b(x)
+        y = blocks[0](x)
+        torch.cuda.synchronize()
+        ref = y.clone() if ref is None else ref
+        fn = lambda i, blocks=blocks: blocks[i](x)  # noqa: E731
+        r = {"M": m, "workload": workload, "path": name,
+             "bits_equal": bool(torch.equal(y.view(torch.int16), ref.view(torch.int16))),
+             "graph_ms": graph_ms(fn, sets), "b2b_ms": back_to_back_ms(fn, sets),
+             "dense_graph_ms": d_graph, "dense_b2b_ms": d_b2b}  # fmt: skip
+        r["speedup_graph"], r["speedup_b2b"] = d_graph / r["graph_ms"], d_b2b / r["b2b_ms"]
+        print(json.dumps(r), flush=True)
+        out.append({**r, "gpu": gpu_name(), **versions()})
+        del blocks
+    return out
+
+
 def tail(m: int) -> list[dict]:
     """How much of the one-warp kernel's time at ``m`` tokens the longest rows set: the
     light-row kernel alone (CuPy, eager launches timed with events, weights L2-warm)
@@ -88,9 +120,16 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["registers"], choices=sorted(SETS))
     parser.add_argument("--workload", default="uniform")
     parser.add_argument("--tail", action="store_true", help="the longest rows' share instead")
+    parser.add_argument("--paths", nargs="*", default=None, help="compare these routes instead")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     variants = [v for name in args.variants for v in SETS[name]]
+    if args.paths:
+        records = [r for m in args.M for r in paths(m, args.workload, args.paths)]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
+        return
     if args.tail:
         records = [r for m in args.M for r in tail(m)]
         if args.out:
