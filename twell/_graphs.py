@@ -91,7 +91,9 @@ class _Graph:
         self.out = (tuple(static_y.shape), static_y.dtype)
         self.keep = keep
 
-    def __call__(self, x: Any, stream: Any) -> Any:
+    def __call__(self, x: Any, stream: int) -> Any:
+        """The graph's output for ``x``, launched on ``stream`` (a raw CUDA stream: torch's
+        current one, where copies and torch's own replay run)."""
         import torch
 
         if not self.execs:
@@ -114,7 +116,7 @@ class _Graph:
         if found in self.execs:
             self.execs.remove(found)
         self.execs.append(found)  # the most recently used last
-        found.launch(stream.cuda_stream)
+        found.launch(stream)
         return self.static_y.clone() if y is None else y
 
 
@@ -148,19 +150,15 @@ class GraphedBlock:
 
         self._calls += 1
         m = x.shape[0]
-        if (
-            m == 0
-            or m > GRAPH_TOKENS
-            or self._calls % REFRESH == 0
-            or torch.cuda.is_current_stream_capturing()
-        ):
+        if m == 0 or m > GRAPH_TOKENS or self._calls % REFRESH == 0 or _capturing():
             return self.run(x)
-        stream = torch.cuda.current_stream(x.device)
+        device = x.get_device()
+        stream = _raw_stream(device)
         # The alignment of x is part of the layout: the captured kernels (cuBLAS's, the
         # gate's TMA map) may rely on the captured x's.
         address = x.data_ptr()
         alignment = min(address & -address, 256)
-        key = (x.shape, x.dtype, x.device, stream.cuda_stream, alignment, self.decision(m, True))
+        key = (x.shape, x.dtype, device, stream, alignment, self.decision(m, True))
         found = self._graphs.get(key)
         if found is not None:
             self._graphs.move_to_end(key)
@@ -170,7 +168,7 @@ class GraphedBlock:
         ):
             return self.run(x)
         try:
-            found, y = self._capture(x, stream)
+            found, y = self._capture(x, torch.cuda.current_stream(device))
         except BaseException:
             _note(self._eager, key)  # the error is raised once; later calls run eagerly
             raise
@@ -227,7 +225,7 @@ class GraphedBlock:
             expected.record_stream(stream)  # made on the capture stream, used on this one
             return None, expected  # a run of a copy of x: the call's output
         found = _Graph(graph, None, static_x, static_y, keep, False)
-        return found, found(x, stream)
+        return found, found(x, stream.cuda_stream)
 
 
 def _capture_into(graph: Any, pool: Any, side: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -256,6 +254,25 @@ def _note(keys: collections.OrderedDict, key: tuple) -> None:
     keys.move_to_end(key)
     while len(keys) > SEEN:
         keys.popitem(last=False)
+
+
+def _capturing() -> bool:
+    """Whether torch's current stream is capturing (torch's call without its wrapper: a
+    replayed call's host time counts)."""
+    import torch
+
+    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return check() if check is not None else torch.cuda.is_current_stream_capturing()
+
+
+def _raw_stream(device: int) -> int:
+    """torch's current stream on ``device`` as a ``cudaStream_t`` (torch's private call
+    that its compiler's generated code uses; the public ``torch.cuda.current_stream``
+    builds a ``Stream`` object, several microseconds of a replayed call's host time)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def _can_repoint() -> bool:

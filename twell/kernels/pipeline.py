@@ -261,8 +261,10 @@ CROSSOVER = (
 HEAVY_DENSE = (48, 4096)
 
 
+@functools.lru_cache(maxsize=1024)
 def crossover(m: int) -> float:
-    """:data:`CROSSOVER` at ``m`` tokens (a fraction of N)."""
+    """:data:`CROSSOVER` at ``m`` tokens (a fraction of N); cached (every replayed call
+    asks)."""
     points = CROSSOVER
     if m <= points[0][0]:
         return points[0][1]

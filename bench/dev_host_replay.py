@@ -1,0 +1,91 @@
+"""Host time of a replayed SparseFFN call (torch tensors), the current code against the
+same code with the replay path's earlier calls put back (``torch.cuda.current_stream``
+for the stream, the public capture check, an uncached ``pipeline.crossover``): rounds
+alternate in one process, each a loop of calls queued behind a GPU sleep so the GPU
+never sets the time; medians of the rounds, µs per call; dense torch beside them.
+
+    PYTHONPATH=. python bench/dev_host_replay.py [--M 1 8 64 256 2048] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import twell
+from twell import _graphs
+from twell.benchmark import gpu_name, versions
+from twell.kernels import pipeline
+from twell.sweeps import torch_problem
+
+
+@contextlib.contextmanager
+def earlier_calls():  # noqa: ANN201
+    saved = _graphs._raw_stream, _graphs._capturing, pipeline.crossover
+    _graphs._raw_stream = lambda device: torch.cuda.current_stream(device).cuda_stream
+    _graphs._capturing = torch.cuda.is_current_stream_capturing
+    pipeline.crossover = pipeline.crossover.__wrapped__
+    try:
+        yield
+    finally:
+        _graphs._raw_stream, _graphs._capturing, pipeline.crossover = saved
+
+
+def host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the loop never waits for it
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--M", type=int, nargs="+", default=[1, 8, 64, 256, 2048])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    records = []
+    for m in args.M:
+        _, x, ws, _ = torch_problem("uniform", m, 2048, 5632)
+        wg, wu, wd = ws[0]
+        block = twell.SparseFFN(wg, wu, wd)
+
+        def dense(x=x, wg=wg, wu=wu, wd=wd) -> torch.Tensor:  # noqa: ANN001
+            return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+        def ours(x=x, block=block) -> torch.Tensor:  # noqa: ANN001
+            return block(x)
+
+        y = ours()
+        with earlier_calls():
+            same = torch.equal(ours().view(torch.int16), y.view(torch.int16))
+        times: dict[str, list[float]] = {"now": [], "earlier": [], "dense": []}
+        for _ in range(args.rounds):
+            times["now"].append(host_us(ours))
+            with earlier_calls():
+                times["earlier"].append(host_us(ours))
+            times["dense"].append(host_us(dense))
+        r = {"M": m, "bits_equal": same, **{f"host_us_{k}": statistics.median(v)
+                                            for k, v in times.items()},
+             "rounds": times}  # fmt: skip
+        print(json.dumps({k: v for k, v in r.items() if k != "rounds"}), flush=True)
+        records.append({**r, "gpu": gpu_name(), **versions()})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
