@@ -178,14 +178,11 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
         twell_mbar_init(bar, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        twell_mbar_expect_tx(bar, 16u * 2u * (uint32_t)K);
       }
       __syncthreads();
-      if (tid == 0) {
-        twell_mbar_expect_tx(bar, 16u * 2u * (uint32_t)K);
-#pragma unroll 1
-        for (int u = 0; u < 16; ++u)
-          twell_bulk_load(rows + u * ROW_BYTES, w_first + (long long)(n0 + u) * K, 2u * K, bar);
-      }
+      if (tid < 16)  // a row per thread: the 16 copies issued at once
+        twell_bulk_load(rows + tid * ROW_BYTES, w_first + (long long)(n0 + tid) * K, 2u * K, bar);
       // x while the rows come: into this SM's L1 (the loop reads it with ld.global.nc)
       for (int c = kw; c < CHUNKS; c += WPT) {
         const int k0 = c * 32 + tig * 8;

@@ -202,6 +202,7 @@ def forward(
     staged = gate_shared_bytes(m, k, ut, mma, bulk=SOURCE.constants["GATE_BULK"])
     if gate.max_dynamic_shared_size_bytes < staged:
         gate.max_dynamic_shared_size_bytes = staged
+        gate.preferred_shared_memory_carveout = 100  # three CTAs' rows per SM
     gate(
         (n // (UNITS * ut),), (GATE_THREADS,),
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
