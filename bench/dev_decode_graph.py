@@ -4,16 +4,11 @@ come from DRAM): torch profiler over one replay, kernel durations and the idle g
 between them, per call; dense torch beside it.
 
     PYTHONPATH=. python bench/dev_decode_graph.py [--M 1 8 64] [--out FILE]
-
-``--bulk 0 1`` runs twell once per value of decode_units' GATE_BULK (the gate's weight
-rows staged in shared memory by bulk copies, or loaded into registers), with each
-run's output bits against the first's.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
@@ -21,17 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.profiler import ProfilerActivity, profile
 
 import twell
-from twell.kernels import compile as kc
-from twell.kernels import decode_units
 from twell.sweeps import graph_ms, torch_problem
-
-BASE = decode_units.SOURCE
-
-
-def use_bulk(bulk: int) -> None:
-    constants = {**BASE.constants, "GATE_BULK": bulk}
-    decode_units.SOURCE = dataclasses.replace(BASE, constants=constants)
-    kc._launches.clear()  # the launch cache is keyed on the source's name
 
 
 def replay_kernels(fn, sets: int) -> list[tuple[str, float, float]]:  # noqa: ANN001
@@ -63,37 +48,25 @@ def replay_kernels(fn, sets: int) -> list[tuple[str, float, float]]:  # noqa: AN
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--bulk", type=int, nargs="+", default=[BASE.constants["GATE_BULK"]])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     records = []
     for m in args.M:
         _, x, ws, sets = torch_problem("uniform", m, 2048, 5632)
+        blocks = [twell.SparseFFN(*w) for w in ws]
+
+        def ours(i: int, blocks=blocks, x=x) -> torch.Tensor:  # noqa: ANN001
+            return blocks[i](x)
 
         def dense(i: int, ws=ws, x=x) -> torch.Tensor:  # noqa: ANN001
             wg, wu, wd = ws[i]
             return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
-        runs = [(f"twell_bulk{b}", b) for b in [*args.bulk, args.bulk[0]]] + [("dense", None)]
-        ref = None
-        for name, bulk in runs:
-            fn, same = dense, None
-            if bulk is not None:
-                use_bulk(bulk)
-                blocks = [twell.SparseFFN(*w) for w in ws]
-                y = blocks[0](x)
-                torch.cuda.synchronize()
-                ref = y.clone() if ref is None else ref
-                same = bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))
-
-                def fn(i: int, blocks=blocks, x=x) -> torch.Tensor:  # noqa: ANN001
-                    return blocks[i](x)
-
-            r = {"M": m, "sets": sets, "what": name, "bits_equal": same,
-                 "graph_ms": graph_ms(fn, sets), "kernels": replay_kernels(fn, sets)}  # fmt: skip
+        for name, fn in (("twell", ours), ("dense", dense)):
+            r = {"M": m, "sets": sets, "what": name, "graph_ms": graph_ms(fn, sets),
+                 "kernels": replay_kernels(fn, sets)}  # fmt: skip
             print(json.dumps(r), flush=True)
             records.append(r)
-    use_bulk(BASE.constants["GATE_BULK"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)

@@ -98,12 +98,6 @@ constexpr int JW = TWELL_DOWN_LANES;              // lanes of a down work unit
 constexpr int PB = 8;                             // pairs per lane of a work unit
 constexpr int CHP = JW * PB;                      // pairs per work unit
 constexpr int WU_MAX = TOKENS * (LIST / CHP) * DCHUNKS;  // work units of a pass, at most
-// The gate's weight rows staged in shared memory by bulk copies (one trip to memory for
-// the CTA's 16 rows) instead of loaded into registers chunk batch by chunk batch: one
-// unit tile, at most 8 tokens, the gate computed here, K <= 2048 (3 CTAs of 16 x (2K + 64)
-// bytes per SM beside their static arrays; decode_units.gate_shared_bytes mirrors this).
-constexpr bool BULK = TWELL_GATE_BULK && UT == 1 && NT == 1 && !PRE && K <= 2048;
-constexpr int ROW_BYTES = 2 * K + 64;  // a staged row and its pad (conflict-free lds.128)
 
 static_assert(TWELL_UNITS == 16, "a unit tile is one m16 tile of mma");
 static_assert(UT == 1 || UT == 2 || UT == 4, "TWELL_UT: 1, 2 or 4 unit tiles per CTA");
@@ -169,43 +163,14 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    uint32_t sa = 0;  // BULK: this lane's row grp in shared memory (row grp + 8: + 8 rows)
-    if constexpr (BULK) {
-      extern __shared__ __align__(16) unsigned char smem[];
-      __shared__ __align__(8) uint64_t s_bar;
-      const uint32_t bar = twell_smem_addr(&s_bar), rows = twell_smem_addr(smem);
-      if (tid == 0) {
-        twell_mbar_init(bar, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        twell_mbar_expect_tx(bar, 16u * 2u * (uint32_t)K);
-      }
-      __syncthreads();
-      if (tid < 16)  // a row per thread: the 16 copies issued at once
-        twell_bulk_load(rows + tid * ROW_BYTES, w_first + (long long)(n0 + tid) * K, 2u * K, bar);
-      // x while the rows come: into this SM's L1 (the loop reads it with ld.global.nc)
-      for (int c = kw; c < CHUNKS; c += WPT) {
-        const int k0 = c * 32 + tig * 8;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          if (k0 < K && xv[nt]) asm volatile("prefetch.L1 [%0];" ::"l"(xr[nt] + k0));
-      }
-      twell_mbar_wait(bar, 0);
-      sa = rows + grp * ROW_BYTES;
-    }
     for (int c0 = kw; c0 < CHUNKS; c0 += WPT * BATCH) {
       uint4 a[BATCH], b[BATCH], xx[BATCH][NT];
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) {
         const int k0 = (c0 + i * WPT) * 32 + tig * 8;
         const bool ok = k0 < K;  // K % 8 == 0: a lane's 8 columns are all in or all out
-        if constexpr (BULK) {
-          a[i] = ok ? twell_lds128(sa + 2 * k0) : zero;
-          b[i] = ok ? twell_lds128(sa + 8 * ROW_BYTES + 2 * k0) : zero;
-        } else {
-          a[i] = ok ? ldg16(ra + k0) : zero;
-          b[i] = ok ? ldg16(rb + k0) : zero;
-        }
+        a[i] = ok ? ldg16(ra + k0) : zero;
+        b[i] = ok ? ldg16(rb + k0) : zero;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) xx[i][nt] = ok && xv[nt] ? ldg16(xr[nt] + k0) : zero;
       }

@@ -62,10 +62,6 @@ STATIC_RESERVE = 4 * 1024
 #: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads (H100,
 #: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
 MMA_GATE_TOKENS = 24
-#: The tensor-core gate of up to 8 tokens stages its CTA's 16 weight rows in shared
-#: memory with bulk copies (one trip to memory) instead of loading them into registers
-#: chunk batch by chunk batch (decode_units.cu's BULK; :func:`gate_shared_bytes`).
-GATE_BULK = 1
 
 SOURCE = declare(
     Source(
@@ -73,7 +69,7 @@ SOURCE = declare(
         parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_LANES": DOWN_LANES, "LIST": LIST, "GATE_BULK": GATE_BULK,
+            "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
             {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
@@ -120,13 +116,6 @@ def unit_tiles(m: int, n: int) -> int:
     while n % (UNITS * ut):
         ut //= 2
     return ut
-
-
-def gate_shared_bytes(m: int, k: int, ut: int, mma: bool, *, bulk: int = GATE_BULK) -> int:
-    """Dynamic shared memory of the gate kernel: its 16 staged weight rows (2K bytes and
-    a 64-byte pad each) where decode_units.cu's BULK holds, else none."""
-    staged = bulk and ut == 1 and token_tiles(m) == 1 and mma and k <= 2048
-    return UNITS * (2 * k + 64) if staged else 0
 
 
 def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
@@ -199,15 +188,10 @@ def forward(
         "twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut, DC=16,
         PRE=int(not mma),
     )  # fmt: skip
-    staged = gate_shared_bytes(m, k, ut, mma, bulk=SOURCE.constants["GATE_BULK"])
-    if gate.max_dynamic_shared_size_bytes < staged:
-        gate.max_dynamic_shared_size_bytes = staged
-        gate.preferred_shared_memory_carveout = 100  # three CTAs' rows per SM
     gate(
         (n // (UNITS * ut),), (GATE_THREADS,),
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
-        shared_mem=staged,
     )  # fmt: skip
     down = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
