@@ -86,3 +86,15 @@ def test_a_graph_that_could_not_be_re_pointed_replays_with_copies() -> None:
     y = graph(x, STREAM)
     assert torch.equal(replays[0], x)  # x copied in before the replay
     assert torch.equal(y, static_y) and y.data_ptr() != static_y.data_ptr()  # cloned out
+
+
+def test_refresh_calls_run_eagerly_and_measure(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(_graphs, "_capturing", lambda: False)
+    measured, ran = [], []
+    x = torch.zeros(4, 8)
+    block = _graphs.GraphedBlock(
+        lambda t: ran.append(t) or "eager", lambda m, read: 0, [], lambda: measured.append(1)
+    )
+    block._calls = _graphs.REFRESH - 1
+    assert block(x) == "eager"
+    assert ran == [x] and measured == [1]

@@ -134,3 +134,21 @@ def test_the_training_ops_refuse_auto_capacity() -> None:
     x = torch.ones(4, 64, dtype=torch.float64)
     with pytest.raises(ValueError, match="auto"):
         ffn_train(x, w, w, w.T.contiguous(), Options(dense_capacity="auto"))
+
+
+def test_measure_next_makes_the_next_eager_call_measure() -> None:
+    s = DensitySwitch(N, row_limit=168)
+    taken = [s._measures() for _ in range(2 * s.EVERY)]
+    assert taken == [i % s.EVERY == 0 for i in range(2 * s.EVERY)]  # every EVERY-th
+    s._calls = 1  # mid-way between two counted measurements
+    s.measure_next()
+    assert s._measures()  # the call after measure_next measures
+    assert not s._measures()  # once
+    s.measure_next()
+    s._pending = ("statistics in flight", None)
+    assert not s._measures()  # never two estimates in flight
+    s._pending = None
+    assert s._measures()  # still due once the last estimate was read
+    off = DensitySwitch(N, row_limit=168, enabled=False)
+    off.measure_next()
+    assert not off._measures()

@@ -330,3 +330,26 @@ def test_heavy_rows_keep_a_mid_sized_batch_dense_across_measurements() -> None:
     assert block.density.heavy_share == pytest.approx(5 / 1024)
     assert decisions[0] is False and all(decisions[1:])
     assert relative_error(cp.asnumpy(y).astype(np.float64), oracle) < 1e-2
+
+
+@pytest.mark.parametrize("m", [64, 300])
+def test_refresh_calls_measure_while_the_calls_replay_graphs(m: int) -> None:
+    """The same shape turns dense (x negated: about 99% of the gate's pre-activations
+    positive): the call graphs' refresh calls measure it, so within two refresh periods
+    the switch sends the calls dense, and they stay right."""
+    from twell import _graphs
+
+    p = workloads.uniform(m, 256, 1024, p=0.01, seed=8)
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd)
+    density = block._prepared.density
+    settled(block, x)
+    assert not density.dense
+    flipped = torch.neg(x)
+    for i in range(2 * _graphs.REFRESH):
+        y = block(flipped)
+        if i % 16 == 0:
+            torch.cuda.synchronize()  # let a measurement land
+    assert density.dense
+    oracle = ffn_dense(-p.x.astype(np.float64), p.w_gate, p.w_up, p.w_down)
+    assert relative_error(as_f64(y), oracle) < 1e-2

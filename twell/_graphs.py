@@ -24,7 +24,7 @@ replayed on one stream share one memory pool (their scratch is reused from one g
 the next: the launches on one stream never overlap). Plain launches are used when the
 caller is capturing a graph of its own (the launches then belong to the caller's graph)
 and every :data:`REFRESH`-th call, which runs eagerly so the density switch keeps seeing
-fresh statistics.
+fresh statistics (none with the switch off).
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ GRAPH_TOKENS = 16384
 SMALL_TOKENS = 256
 #: Instantiations of a graph kept pointed at recent calls' tensors (see _Graph).
 EXECS = 2
-#: Every REFRESH-th call runs eagerly (fresh density statistics).
-REFRESH = 64
+#: Every REFRESH-th call runs eagerly and measures the density statistics (the switch's
+#: own EVERY counted eager calls only: with 64 here, one refresh in 8 measured, every 512
+#: calls, until 2026-11-26; now every refresh measures, four times rarer than before).
+REFRESH = 256
 #: Graphs kept per block, and of them at most LARGE above COPY_TOKENS tokens.
 CACHE = 8
 LARGE = 2
@@ -132,11 +134,15 @@ class GraphedBlock:
         scratch: the list into which ``run`` appends the buffers of a captured call
             (``PreparedBlock._graph_scratch``): a capture takes its entries, so that they
             live as long as the graph rather than as long as the block.
+        measure: called before a :data:`REFRESH` call's eager run: makes that run
+            measure the density statistics (``DensitySwitch.measure_next``).
     """
 
     def __init__(self, run: Callable[[Any], Any], decision: Callable[[int, bool], Any],
-                 scratch: list[Any] | None = None) -> None:  # fmt: skip
+                 scratch: list[Any] | None = None,
+                 measure: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.run = run
+        self.measure = measure
         self.decision = decision
         self.scratch = scratch
         self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
@@ -150,7 +156,10 @@ class GraphedBlock:
 
         self._calls += 1
         m = x.shape[0]
-        if m == 0 or m > GRAPH_TOKENS or self._calls % REFRESH == 0 or _capturing():
+        if m == 0 or m > GRAPH_TOKENS or _capturing():
+            return self.run(x)
+        if self.measure is not None and self._calls % REFRESH == 0:
+            self.measure()
             return self.run(x)
         device = x.get_device()
         stream = _raw_stream(device)

@@ -323,7 +323,10 @@ class SparseFFN:
                 return dense, density.capacity(m) if auto and not dense else 0.0
 
             self._graphed = GraphedBlock(
-                lambda x: _eager_torch(prepared, x), decision, prepared._graph_scratch
+                lambda x: _eager_torch(prepared, x),
+                decision,
+                prepared._graph_scratch,
+                density.measure_next if self.options.density_switch else None,
             )
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.

@@ -279,7 +279,8 @@ class DensitySwitch:
     """Decides, without a host synchronisation, when a batch is too dense for the sparse
     path, from the statistics of the calls before.
 
-    Every :attr:`EVERY`-th eager call measures on the device the mean number of active
+    Every :attr:`EVERY`-th eager call (and one after :meth:`measure_next`) measures on the
+    device the mean number of active
     units per row (from a strided sample of :attr:`SAMPLE_ROWS` rows: their TwELL count
     words when the route packed them, else their positive pre-activations; the dense path
     samples its own gate GEMM the same way; the by-unit route counts every row from its
@@ -317,6 +318,7 @@ class DensitySwitch:
         self.dense = False
         self._pending: tuple[Any, Any] | None = None
         self._calls = 0
+        self._due = False
 
     def threshold(self, m: int) -> float:
         """Mean active units per row above which an ``m``-token call runs dense math
@@ -343,6 +345,22 @@ class DensitySwitch:
         )
         return self.dense
 
+    def measure_next(self) -> None:
+        """Make the next eager call measure, whatever :attr:`EVERY` says (the call graphs'
+        refresh calls, twell._graphs.REFRESH: otherwise only one of every EVERY of them
+        would)."""
+        self._due = True
+
+    def _measures(self) -> bool:
+        """Whether this eager call measures (counts the call)."""
+        self._calls += 1
+        if not self.enabled or self._pending is not None:
+            return False
+        if not self._due and self._calls % self.EVERY != 1:
+            return False
+        self._due = False
+        return True
+
     def capacity(self, m: int) -> float:
         """``dense_capacity="auto"`` for an ``m``-token call: the capacity
         (:func:`twell.options.auto_capacity`) for the heavy rows the statistics in force
@@ -358,8 +376,7 @@ class DensitySwitch:
         one row is not, and counts as heavy."""
         import cupy
 
-        self._calls += 1
-        if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
+        if not self._measures():
             return
         counts = _popcount8(masks.device.id)[masks.view(cupy.uint8)].sum(axis=1, dtype=cupy.float32)
         usual = counts < 16 * masks.shape[1]
@@ -376,8 +393,7 @@ class DensitySwitch:
         row flags, or without them (the dense path) from every row of ``pre``."""
         import cupy
 
-        self._calls += 1
-        if not self.enabled or self._pending is not None or self._calls % self.EVERY != 1:
+        if not self._measures():
             return
         m = pre.shape[0] if packed is None else packed.shape[0]
         rows = sample_rows(m, self.SAMPLE_ROWS)
