@@ -1,6 +1,7 @@
 """Host time of a replayed SparseFFN call (torch tensors), the current code against the
 same code with the replay path's earlier calls put back (``torch.cuda.current_stream``
-for the stream, the public capture check, an uncached ``pipeline.crossover``): rounds
+for the stream, the public capture check, an uncached ``pipeline.crossover``, an eager
+refresh call every 64th instead of every 256th): rounds
 alternate in one process, each a loop of calls queued behind a GPU sleep so the GPU
 never sets the time; medians of the rounds, µs per call; dense torch beside them.
 
@@ -26,15 +27,19 @@ from twell.sweeps import torch_problem
 
 
 @contextlib.contextmanager
-def earlier_calls():  # noqa: ANN201
-    saved = _graphs._raw_stream, _graphs._capturing, pipeline.crossover
+def earlier_calls(block: twell.SparseFFN):  # noqa: ANN201
+    graphed = block._graphed
+    saved = (_graphs._raw_stream, _graphs._capturing, pipeline.crossover, _graphs.REFRESH,
+             graphed.measure)  # fmt: skip
     _graphs._raw_stream = lambda device: torch.cuda.current_stream(device).cuda_stream
     _graphs._capturing = torch.cuda.is_current_stream_capturing
     pipeline.crossover = pipeline.crossover.__wrapped__
+    _graphs.REFRESH, graphed.measure = 64, lambda: None  # an eager call every 64th
     try:
         yield
     finally:
-        _graphs._raw_stream, _graphs._capturing, pipeline.crossover = saved
+        (_graphs._raw_stream, _graphs._capturing, pipeline.crossover, _graphs.REFRESH,
+         graphed.measure) = saved  # fmt: skip
 
 
 def host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
@@ -69,12 +74,12 @@ def main() -> None:
             return block(x)
 
         y = ours()
-        with earlier_calls():
+        with earlier_calls(block):
             same = torch.equal(ours().view(torch.int16), y.view(torch.int16))
         times: dict[str, list[float]] = {"now": [], "earlier": [], "dense": []}
         for _ in range(args.rounds):
             times["now"].append(host_us(ours))
-            with earlier_calls():
+            with earlier_calls(block):
                 times["earlier"].append(host_us(ours))
             times["dense"].append(host_us(dense))
         r = {"M": m, "bits_equal": same, **{f"host_us_{k}": statistics.median(v)

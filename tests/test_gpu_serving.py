@@ -339,7 +339,7 @@ def test_refresh_calls_measure_while_the_calls_replay_graphs(m: int) -> None:
     the switch sends the calls dense, and they stay right."""
     from twell import _graphs
 
-    p = workloads.uniform(m, 256, 1024, p=0.01, seed=8)
+    p = workloads.uniform(m, 256, 1024, p=0.004, seed=8)  # ~4 of 1024: sparse
     x, wg, wu, wd = tensors(p)
     block = twell.SparseFFN(wg, wu, wd)
     density = block._prepared.density
