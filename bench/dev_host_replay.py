@@ -42,7 +42,7 @@ def earlier_calls(block: twell.SparseFFN):  # noqa: ANN201
          graphed.measure) = saved  # fmt: skip
 
 
-def host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
+def host_us(fn, calls: int = 512) -> float:  # noqa: ANN001
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
