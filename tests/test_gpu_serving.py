@@ -353,3 +353,23 @@ def test_refresh_calls_measure_while_the_calls_replay_graphs(m: int) -> None:
     assert density.dense
     oracle = ffn_dense(-p.x.astype(np.float64), p.w_gate, p.w_up, p.w_down)
     assert relative_error(as_f64(y), oracle) < 1e-2
+
+
+@pytest.mark.parametrize("m", [8, 300, 2048])
+def test_user_captures_leave_no_buffers_on_the_block(m: int) -> None:
+    """A user's captures keep their buffers in their graphs' pools, not on the block
+    (repeated captures would grow it): the block holds nothing after five captures, and
+    the graphs still replay eager's bits after torch has handed out memory again."""
+    p = heavy_problem(m)
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd, density_switch=False)
+    eager = block(x)
+    graphs = [capture(block, x.clone()) for _ in range(5)]
+    assert block._prepared._graph_scratch == []
+    filler = [torch.full((m, 4096), float("nan"), device="cuda") for _ in range(8)]
+    for graph, out in graphs:
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+    del filler

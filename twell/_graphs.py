@@ -215,10 +215,10 @@ class GraphedBlock:
             static_y = _capture_into(graph, pool, side, self.run, static_x)
         finally:
             stream.wait_stream(side)
-            # The capture's buffers: those in torch's pool live with it; any other
-            # (none, normally) lives with the graph.
+            # The capture's buffers that torch's pool does not hold (none, normally:
+            # PreparedBlock keeps only those) live with the graph.
             taken = self.scratch[mark:] if self.scratch is not None else []
-            keep = [b for entry in taken for b in entry if b is not None and not _torch_owned(b)]
+            keep = [b for entry in taken for b in entry]
             if self.scratch is not None:
                 del self.scratch[mark:]
         self.captures += 1
@@ -323,15 +323,6 @@ def _pool(graph: Any, device: Any, stream: Any) -> tuple[Any, Any]:
 
     weakref.finalize(graph, release)
     return entry[0], entry[1]
-
-
-def _torch_owned(buffer: Any) -> bool:
-    """Whether a CuPy buffer of a captured call is memory torch allocated (then the
-    graph's pool holds it)."""
-    import cupy
-
-    return isinstance(getattr(getattr(buffer, "data", None), "mem", None),
-                      cupy.cuda.UnownedMemory)  # fmt: skip
 
 
 def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any,

@@ -65,6 +65,21 @@ def torch_caller() -> bool:
     return _torch_caller.get()
 
 
+def torch_owned(buffer: Any) -> bool:
+    """Whether a CuPy buffer is memory torch allocated (under a CUDA-graph capture: the
+    graph's memory pool then holds it as long as the graph lives)."""
+    import cupy
+
+    return isinstance(getattr(getattr(buffer, "data", None), "mem", None),
+                      cupy.cuda.UnownedMemory)  # fmt: skip
+
+
+def keep_for_graph(buffers: list[Any]) -> list[Any]:
+    """The buffers of a captured call that must be kept alive for its graph: those
+    torch did not allocate (CuPy's pool would hand them out again)."""
+    return [b for b in buffers if b is not None and not torch_owned(b)]
+
+
 def empty_bf16(shape: tuple[int, ...]) -> Any:
     """An uninitialised bf16 CuPy array (from :func:`alloc`)."""
     return alloc(shape, np.uint16).view(bfloat16)

@@ -56,7 +56,7 @@ import numpy as np
 
 from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.backward import Activations, row_capacity
-from twell.kernels.buffers import alloc, empty_bf16
+from twell.kernels.buffers import alloc, empty_bf16, keep_for_graph
 from twell.kernels.convert import as_bf16, from_bf16, transpose
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.pack import pack
@@ -118,6 +118,15 @@ class PreparedBlock:
         self.density = DensitySwitch(self.n, self.max_row_nnz, options.density_switch)
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
+    def _keep(self, buffers: list[Any]) -> None:
+        """Keep a captured call's buffers alive as long as this block (a graph of its own,
+        twell._graphs, takes them over): those of CuPy's pool only, since the memory torch
+        hands out in a capture stays with the capturing graph's pool (a user's repeated
+        captures would otherwise grow this list for the block's lifetime)."""
+        kept = keep_for_graph(buffers)
+        if kept:
+            self._graph_scratch.append(kept)
+
     @property
     def gated(self) -> bool:
         """Whether the block has a gate projection."""
@@ -174,7 +183,7 @@ class PreparedBlock:
         if m and not save and (not self.weights_finite or self.density.go_dense(m, in_capture)):
             scratch = dense_block(self, xb, y)
             if in_capture:
-                self._graph_scratch.append([xb, y, *scratch])
+                self._keep([xb, y, *scratch])
             return from_bf16(y, x.dtype)
         if by_unit:
             # Decode: the whole block by unit, every row (no heavy rows).
@@ -182,7 +191,7 @@ class PreparedBlock:
                 xb, self.w_first, self.w_up if self.gated else None, self.w_down_t, y
             )
             if in_capture:
-                self._graph_scratch.append([xb, y, *scratch])
+                self._keep([xb, y, *scratch])
             else:
                 self.density.observe_masks(scratch[1])
             return from_bf16(y, x.dtype)
@@ -207,9 +216,7 @@ class PreparedBlock:
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
-            self._graph_scratch.append(
-                [xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch]
-            )
+            self._keep([xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch])
         out = from_bf16(y, x.dtype)
         if not save:
             return out
