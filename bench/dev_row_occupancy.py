@@ -7,8 +7,9 @@ and back to back, and each variant's output bits against the first variant's.
     PYTHONPATH=. python bench/dev_row_occupancy.py [--M 2048 4096] [--out FILE]
 
 A variant sets light_rows' ROW_MIN_BLOCKS (the launch bound of blocks per SM: 8 gives
-up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps) and
-ROW_PIPELINE (the gather loads the next entry's rows while this entry's are used).
+up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps).
+(Commit 7f0c95f also built ROW_PIPELINE, the gather loading the next entry's rows while
+this entry's are used: never faster, taken out; docs/perf-log.md.)
 ``--variants old new`` compares the defaults before and after the 2026-11-26
 (fourteenth session) change. ``--tail`` times the light-row kernel alone with the
 longest rows sent to the heavy rows (how much of its time they set).
@@ -29,13 +30,9 @@ from twell.kernels import compile as kc
 from twell.kernels import light_rows
 from twell.sweeps import back_to_back_ms, graph_ms, torch_problem
 
-OLD = {"ROW_MIN_BLOCKS": 8, "ROW_PIPELINE": 0}
-NEW = {"ROW_MIN_BLOCKS": 16, "ROW_PIPELINE": 0}
-SETS = {
-    "registers": [{"ROW_MIN_BLOCKS": mb, "ROW_PIPELINE": pipe}
-                  for mb, pipe in ((8, 0), (16, 0), (12, 1), (8, 1))],
-    "old": [OLD], "new": [NEW],
-}  # fmt: skip
+OLD = {"ROW_MIN_BLOCKS": 8}
+NEW = {"ROW_MIN_BLOCKS": 16}
+SETS = {"registers": [OLD, NEW], "old": [OLD], "new": [NEW]}
 BASE = light_rows.SOURCE
 
 

@@ -31,18 +31,16 @@
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_TILE, TWELL_SLOTS, TWELL_GATED; constants
 // shared with the launcher (light_rows.py): TWELL_ROW_WARPS, TWELL_ROW_MIN_BLOCKS,
-// TWELL_ROW_PIPELINE, TWELL_WIDE_WARPS, TWELL_LIST_CAPACITY.
+// TWELL_WIDE_WARPS, TWELL_LIST_CAPACITY.
 
 #define NCH ((TWELL_KDIM + 255) / 256)
 #define EPL (TWELL_TILE / 32)
 #define WPL ((TWELL_SLOTS + 31) / 32)
 #define LIST_CAP TWELL_LIST_CAPACITY
 // Blocks per SM the register budget of the one-warp kernels is sized for
-// (TWELL_ROW_MIN_BLOCKS, light_rows.py says why), and whether their gather loads the next
-// entry's rows early (TWELL_ROW_PIPELINE). Both for K <= 2048 only: at K = 4096 a row
-// takes twice the registers and either would spill; there 8 blocks (255 registers).
+// (TWELL_ROW_MIN_BLOCKS, light_rows.py says why), for K <= 2048: at K = 4096 a row takes
+// twice the registers and 16 blocks would spill; there 8 blocks (255 registers).
 #define MIN_BLOCKS (NCH <= 8 ? TWELL_ROW_MIN_BLOCKS : 8)
-#define ROW_PIPELINE (TWELL_ROW_PIPELINE && NCH <= 8)
 
 #define SCAN_BATCH 8  // tiles whose loads are in flight together in phase 1
 
@@ -119,66 +117,18 @@ __device__ __forceinline__ float gather_unit(const uint32_t* list, int e, int la
   return use_unit(rows, lane, xs, acc, l1);
 }
 
-// List entry e's unit (a valid row for invalid input, with value 0) and value.
-__device__ __forceinline__ int entry_unit(const uint32_t* list, int e, int N, float& value) {
-  const uint32_t entry = list[e];
-  const int n = entry & 0xffffu;
-  value = n < N ? twell_hi_bf16(entry) : 0.f;
-  return n < N ? n : 0;
-}
-
-__device__ __forceinline__ void load_row(const uint16_t* __restrict__ w, int n, int lane,
-                                         uint4 (&r)[NCH]) {
-  const uint4* p = reinterpret_cast<const uint4*>(w + (long long)n * TWELL_KDIM);
-#pragma unroll
-  for (int c = 0; c < NCH; ++c)
-    r[c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(p + c * 32 + lane)
-                                                        : make_uint4(0, 0, 0, 0);
-}
-
 // The list's entries in order. With up (the training forward): up[first + e] = the up
 // product of entry e, for first + e < up_cap.
-// Gated, ROW_PIPELINE: the next entry's up row is loaded as soon as this entry's
-// dot product has read the registers it goes to, and its down row as soon as this
-// entry's down row is added: one trip to memory overlaps the arithmetic of the entry
-// before (the same registers as one unit in flight, the same sums in the same order).
 __device__ __forceinline__ void gather_list(const uint32_t* list, int count, int lane, int N,
                                             const uint4* xs, const uint16_t* __restrict__ w_up,
                                             const uint16_t* __restrict__ w_down_t,
                                             float (&acc)[NCH][8], float& l1,
                                             float* __restrict__ up = nullptr, int first = 0,
                                             int up_cap = 0) {
-#if TWELL_GATED && ROW_PIPELINE
-  if (count <= 0) return;
-  uint4 a[NCH], b[NCH];
-  float value;
-  int n = entry_unit(list, 0, N, value);
-  load_row(w_up, n, lane, a);
-  load_row(w_down_t, n, lane, b);
-  for (int e = 0; e < count; ++e) {
-    const bool more = e + 1 < count;
-    float next_value = 0.f;
-    if (more) n = entry_unit(list, e + 1, N, next_value);
-    float part = 0.f;
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) part = twell_dot8(xs[c * 32 + lane], a[c], part);
-    if (more) load_row(w_up, n, lane, a);
-#pragma unroll
-    for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
-    const float h = value * part;
-    l1 += fabsf(h);
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) twell_axpy8(h, b[c], acc[c]);
-    if (more) load_row(w_down_t, n, lane, b);
-    value = next_value;
-    if (up != nullptr && lane == 0 && first + e < up_cap) up[first + e] = part;
-  }
-#else
   for (int e = 0; e < count; ++e) {
     const float u = gather_unit(list, e, lane, N, xs, w_up, w_down_t, acc, l1);
     if (up != nullptr && lane == 0 && first + e < up_cap) up[first + e] = u;
   }
-#endif
 }
 
 __device__ __forceinline__ void store_row(uint16_t* __restrict__ y, long long row, int lane,

@@ -33,11 +33,6 @@ ROW_WARPS = 1
 #: tokens fit one wave of 16 warps per SM, not of 12), M = 1536 0.128 / 0.131, 3072
 #: 0.241 / 0.243, 4096 0.326 / 0.323, 8192 0.584 / 0.582, 16384 1.141 / 1.126.
 ROW_MIN_BLOCKS = 16
-#: The one-warp gated kernels load the next entry's rows while this entry's are used
-#: (1), or one entry's rows at a time (0). Measured as above, 12 blocks per SM (166
-#: registers: no spills) / 8 (217-244): M = 2048 0.182 / 0.176, 4096 0.323 / 0.330,
-#: 16384 1.147 / 1.155, never faster than 16 blocks without it.
-ROW_PIPELINE = 0
 #: Most warps sharing one token in the wide kernels (their launch bound; the launcher
 #: picks 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
@@ -56,8 +51,7 @@ SOURCE = declare(
         "light_rows.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
         constants={
-            "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS,
-            "ROW_PIPELINE": ROW_PIPELINE, "WIDE_WARPS": WIDE_WARPS,
+            "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "WIDE_WARPS": WIDE_WARPS,
             "LIST_CAPACITY": LIST_CAPACITY,
         },
         examples=tuple(
