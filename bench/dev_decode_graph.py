@@ -16,19 +16,11 @@ import torch.nn.functional as F  # noqa: N812
 from torch.profiler import ProfilerActivity, profile
 
 import twell
-from twell.sweeps import graph_ms, torch_problem
+from twell.sweeps import graph_ms, graph_of, torch_problem
 
 
 def replay_kernels(fn, sets: int) -> list[tuple[str, float, float]]:  # noqa: ANN001
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3 * sets):
-            fn(i % sets)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        keep = [fn(i) for i in range(sets)]
+    graph, keep = graph_of(fn, sets)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

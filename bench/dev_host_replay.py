@@ -14,12 +14,12 @@ import argparse
 import contextlib
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 import twell
+from bench.profile_host import host_us  # calls queued behind a GPU sleep
 from twell import _graphs
 from twell.benchmark import gpu_name, versions
 from twell.kernels import pipeline
@@ -40,22 +40,6 @@ def earlier_calls(block: twell.SparseFFN):  # noqa: ANN201
     finally:
         (_graphs._raw_stream, _graphs._capturing, pipeline.crossover, _graphs.REFRESH,
          graphed.measure) = saved  # fmt: skip
-
-
-def host_us(fn, calls: int = 256) -> float:  # noqa: ANN001
-    """µs of host time per call; ``calls`` times the launches a call makes stays under
-    the driver's queue of about 1024 pending launches (past it the loop waits for the
-    sleep)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the loop never waits for it
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> None:
@@ -81,10 +65,12 @@ def main() -> None:
             same = torch.equal(ours().view(torch.int16), y.view(torch.int16))
         times: dict[str, list[float]] = {"now": [], "earlier": [], "dense": []}
         for _ in range(args.rounds):
-            times["now"].append(host_us(ours))
+            # 256 calls of a graph replay and two copies, 128 of dense's six launches:
+            # under the launch queue's depth of about 1000
+            times["now"].append(host_us(ours, calls=256, repeats=1))
             with earlier_calls(block):
-                times["earlier"].append(host_us(ours))
-            times["dense"].append(host_us(dense, calls=128))  # six launches a call
+                times["earlier"].append(host_us(ours, calls=256, repeats=1))
+            times["dense"].append(host_us(dense, calls=128, repeats=1))
         r = {"M": m, "bits_equal": same, **{f"host_us_{k}": statistics.median(v)
                                             for k, v in times.items()},
              "rounds": times}  # fmt: skip

@@ -60,7 +60,9 @@ def back_to_back_ms(fn: Any, sets: int, calls: int = 20, reps: int = 5) -> float
     return statistics.median(times)
 
 
-def graph_ms(fn: Any, sets: int, reps: int = 20) -> float:
+def graph_of(fn: Any, sets: int) -> tuple[Any, list]:
+    """A user's CUDA graph of ``fn(0) ... fn(sets - 1)`` (warmed up on a side stream first)
+    and the outputs it writes (keep them while replaying)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -70,6 +72,11 @@ def graph_ms(fn: Any, sets: int, reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         keep = [fn(i) for i in range(sets)]
+    return graph, keep
+
+
+def graph_ms(fn: Any, sets: int, reps: int = 20) -> float:
+    graph, keep = graph_of(fn, sets)
     times = []
     for i in range(5 + reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
