@@ -1,6 +1,5 @@
 """The one-warp light-row kernels (`light_rows.cu`, used from 1057 tokens at K = 2048)
-built with other register budgets and with the next entry's rows loaded early: the
-whole `SparseFFN` block per variant, against dense torch in the same run (`uniform`,
+built with other register budgets: the whole `SparseFFN` block per variant, against dense torch in the same run (`uniform`,
 K = 2048, N = 5632, weights rotated so they come from DRAM), in the user's CUDA graph
 and back to back, and each variant's output bits against the first variant's.
 
@@ -12,7 +11,8 @@ up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 war
 this entry's are used: never faster, taken out; docs/perf-log.md.)
 ``--variants old new`` compares the defaults before and after the 2026-11-26
 (fourteenth session) change. ``--tail`` times the light-row kernel alone with the
-longest rows sent to the heavy rows (how much of its time they set).
+longest rows sent to the heavy rows (how much of its time they set); ``--paths`` the
+block by light-row route.
 """
 
 from __future__ import annotations

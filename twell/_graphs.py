@@ -48,9 +48,8 @@ GRAPH_TOKENS = 16384
 SMALL_TOKENS = 256
 #: Instantiations of a graph kept pointed at recent calls' tensors (see _Graph).
 EXECS = 2
-#: Every REFRESH-th call runs eagerly and measures the density statistics (the switch's
-#: own EVERY counted eager calls only: with 64 here, one refresh in 8 measured, every 512
-#: calls, until 2026-11-26; now every refresh measures, four times rarer than before).
+#: Every REFRESH-th call runs eagerly and measures the density statistics (none with the
+#: switch off). docs/perf-log.md (2026-11-26, fourteenth session) has the history.
 REFRESH = 256
 #: Graphs kept per block, and of them at most LARGE above COPY_TOKENS tokens.
 CACHE = 8
@@ -135,7 +134,8 @@ class GraphedBlock:
             (``PreparedBlock._graph_scratch``): a capture takes its entries, so that they
             live as long as the graph rather than as long as the block.
         measure: called before a :data:`REFRESH` call's eager run: makes that run
-            measure the density statistics (``DensitySwitch.measure_next``).
+            measure the density statistics (``DensitySwitch.measure_next``). None (the
+            switch off): no refresh calls at all.
     """
 
     def __init__(self, run: Callable[[Any], Any], decision: Callable[[int, bool], Any],

@@ -122,7 +122,9 @@ class PreparedBlock:
         """Keep a captured call's buffers alive as long as this block (a graph of its own,
         twell._graphs, takes them over): those of CuPy's pool only, since the memory torch
         hands out in a capture stays with the capturing graph's pool (a user's repeated
-        captures would otherwise grow this list for the block's lifetime)."""
+        torch captures would otherwise grow this list for the block's lifetime; a CuPy
+        stream capture's buffers are all CuPy's and still stay). A captured call's input
+        is the capturer's to keep alive, as torch asks of any captured input."""
         kept = keep_for_graph(buffers)
         if kept:
             self._graph_scratch.append(kept)
@@ -171,7 +173,8 @@ class PreparedBlock:
         the block's own route does not).
 
         May be captured in a CUDA graph (torch must be imported: the gate GEMM then runs
-        through it). The buffers a captured call uses stay alive as long as this object.
+        through it). The buffers a captured call takes from CuPy's pool stay alive as long
+        as this object; those torch hands out stay with the capturing graph's pool.
         """
         xb = as_bf16(x)
         m, k = xb.shape
@@ -271,7 +274,7 @@ HEAVY_DENSE = (48, 4096)
 @functools.lru_cache(maxsize=1024)
 def crossover(m: int) -> float:
     """:data:`CROSSOVER` at ``m`` tokens (a fraction of N); cached (every replayed call
-    asks)."""
+    asks: whoever changes :data:`CROSSOVER` calls ``crossover.cache_clear()``)."""
     points = CROSSOVER
     if m <= points[0][0]:
         return points[0][1]
@@ -286,9 +289,9 @@ class DensitySwitch:
     """Decides, without a host synchronisation, when a batch is too dense for the sparse
     path, from the statistics of the calls before.
 
-    Every :attr:`EVERY`-th eager call (and one after :meth:`measure_next`) measures on the
-    device the mean number of active
-    units per row (from a strided sample of :attr:`SAMPLE_ROWS` rows: their TwELL count
+    Every :attr:`EVERY`-th eager call (and the one after :meth:`measure_next`: the call
+    graphs' refresh calls, twell._graphs.REFRESH) measures on the device the mean number
+    of active units per row (from a strided sample of :attr:`SAMPLE_ROWS` rows: their TwELL count
     words when the route packed them, else their positive pre-activations; the dense path
     samples its own gate GEMM the same way; the by-unit route counts every row from its
     masks) and the share of heavy rows, and copies both to pinned host memory behind an
@@ -355,8 +358,8 @@ class DensitySwitch:
     def measure_next(self) -> None:
         """Make the next eager call measure, whatever :attr:`EVERY` says (the call graphs'
         refresh calls, twell._graphs.REFRESH: otherwise only one of every EVERY of them
-        would)."""
-        self._due = True
+        would); with an estimate still in flight, the first call after it lands."""
+        self._due = self.enabled
 
     def _measures(self) -> bool:
         """Whether this eager call measures (counts the call)."""
