@@ -1,7 +1,8 @@
 """The one-warp light-row kernels (`light_rows.cu`, used from 1057 tokens at K = 2048)
-built with other register budgets: the whole `SparseFFN` block per variant, against dense torch in the same run (`uniform`,
-K = 2048, N = 5632, weights rotated so they come from DRAM), in the user's CUDA graph
-and back to back, and each variant's output bits against the first variant's.
+built with other register budgets: the whole `SparseFFN` block per variant, against
+dense torch in the same run (`uniform`, K = 2048, N = 5632, weights rotated so they come
+from DRAM), in the user's CUDA graph and back to back, and each variant's output bits
+against the first variant's.
 
     PYTHONPATH=. python bench/dev_row_occupancy.py [--M 2048 4096] [--out FILE]
 
