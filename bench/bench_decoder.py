@@ -211,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--dense-capacity",
-        type=float,
-        default=0.0,
-        help="SparseFFN dense_capacity: fraction of tokens whose heavy rows use cuBLAS",
+        type=lambda v: v if v == "auto" else float(v),
+        default="auto",
+        help="SparseMLP dense_capacity: auto (the default: sized per call from the measured "
+        "share of heavy rows) or a fraction of tokens whose heavy rows use cuBLAS",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON file to append to")
     args = parser.parse_args(argv)
