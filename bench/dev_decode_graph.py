@@ -1,5 +1,5 @@
-"""Kernel by kernel, what one replay of a user's CUDA graph of SparseFFN calls costs at
-decode sizes (weights rotated over sets, as in the serving sweep's graph column, so they
+"""Kernel by kernel, what one replay of a user's CUDA graph of SparseFFN calls costs (at
+decode sizes by default; ``--path`` picks the light-row route) (weights rotated over sets, as in the serving sweep's graph column, so they
 come from DRAM): torch profiler over one replay, kernel durations and the idle gaps
 between them, per call; dense torch beside it.
 
@@ -40,12 +40,13 @@ def replay_kernels(fn, sets: int) -> list[tuple[str, float, float]]:  # noqa: AN
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--path", default="fused", help="SparseFFN's path option")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     records = []
     for m in args.M:
         _, x, ws, sets = torch_problem("uniform", m, 2048, 5632)
-        blocks = [twell.SparseFFN(*w) for w in ws]
+        blocks = [twell.SparseFFN(*w, path=args.path) for w in ws]
 
         def ours(i: int, blocks=blocks, x=x) -> torch.Tensor:  # noqa: ANN001
             return blocks[i](x)
@@ -55,7 +56,8 @@ def main() -> None:
             return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
         for name, fn in (("twell", ours), ("dense", dense)):
-            r = {"M": m, "sets": sets, "what": name, "graph_ms": graph_ms(fn, sets),
+            r = {"M": m, "sets": sets, "what": name, "path": args.path,
+                 "graph_ms": graph_ms(fn, sets),
                  "kernels": replay_kernels(fn, sets)}  # fmt: skip
             print(json.dumps(r), flush=True)
             records.append(r)
