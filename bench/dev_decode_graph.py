@@ -1,7 +1,8 @@
-"""Kernel by kernel, what one replay of a user's CUDA graph of SparseFFN calls costs (at
-decode sizes by default; ``--path`` picks the light-row route) (weights rotated over sets, as in the serving sweep's graph column, so they
-come from DRAM): torch profiler over one replay, kernel durations and the idle gaps
-between them, per call; dense torch beside it.
+"""Kernel by kernel, what one replay of a user's CUDA graph of SparseFFN calls costs, at
+decode sizes by default (``--path`` picks the light-row route; weights rotated over
+sets, as in the serving sweep's graph column, so they come from DRAM): torch profiler
+over one replay, kernel durations and the idle gaps between them, per call; dense
+torch beside it.
 
     PYTHONPATH=. python bench/dev_decode_graph.py [--M 1 8 64] [--out FILE]
 """
