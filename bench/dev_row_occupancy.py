@@ -7,12 +7,10 @@ against the first variant's.
     PYTHONPATH=. python bench/dev_row_occupancy.py [--M 2048 4096] [--out FILE]
 
 A variant sets light_rows' ROW_MIN_BLOCKS (the launch bound of blocks per SM: 8 gives
-up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps),
-SCAN_SHUFFLE (1: the scan's prefix over the lanes by a chain of shuffles, as before the
-fourteenth session; 0: by one ballot per bit) and heavy_rows.FLAG_ROWS (up to how many
-tokens the heavy-row kernels compact the row flags themselves).
-(Commit 7f0c95f also built ROW_PIPELINE, the gather loading the next entry's rows while
-this entry's are used: never faster, taken out; docs/perf-log.md.)
+up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps).
+(Commit 7f0c95f also built ROW_PIPELINE and commit 3c3be60 a ballot prefix in the scan and
+2048 row flags compacted by the heavy-row kernels: none faster, taken out;
+docs/perf-log.md.)
 ``--variants old new`` compares the defaults before and after the 2026-11-26
 (fourteenth session) change. ``--tail`` times the light-row kernel alone with the
 longest rows sent to the heavy rows (how much of its time they set); ``--paths`` the
@@ -31,23 +29,17 @@ import torch.nn.functional as F  # noqa: N812
 import twell
 from twell.benchmark import gpu_name, versions
 from twell.kernels import compile as kc
-from twell.kernels import heavy_rows, light_rows
+from twell.kernels import light_rows
 from twell.sweeps import back_to_back_ms, graph_ms, torch_problem
 
-OLD = {"ROW_MIN_BLOCKS": 8, "SCAN_SHUFFLE": 1, "FLAG_ROWS": 1024}
-NEW = {"ROW_MIN_BLOCKS": 16, "SCAN_SHUFFLE": 0, "FLAG_ROWS": 2048}
-SETS = {
-    "registers": [OLD, {**OLD, "ROW_MIN_BLOCKS": 16}],
-    "scan": [{**NEW, "SCAN_SHUFFLE": 1, "FLAG_ROWS": 1024}, {**NEW, "FLAG_ROWS": 1024}, NEW],
-    "old": [OLD], "new": [NEW],
-}  # fmt: skip
+OLD = {"ROW_MIN_BLOCKS": 8}
+NEW = {"ROW_MIN_BLOCKS": 16}
+SETS = {"registers": [OLD, NEW], "old": [OLD], "new": [NEW]}
 BASE = light_rows.SOURCE
 
 
 def use(variant: dict) -> None:
-    constants = {k: v for k, v in variant.items() if k != "FLAG_ROWS"}
-    light_rows.SOURCE = dataclasses.replace(BASE, constants={**BASE.constants, **constants})
-    heavy_rows.FLAG_ROWS = variant["FLAG_ROWS"]  # the kernel's own bound is 2048
+    light_rows.SOURCE = dataclasses.replace(BASE, constants={**BASE.constants, **variant})
     kc._launches.clear()  # the launch cache is keyed on the source's name
     light_rows._wide_warps_per_sm.cache_clear()
 

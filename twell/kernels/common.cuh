@@ -231,7 +231,6 @@ TWELL_DEVICE TwellTileScan twell_scan_tile(const uint16_t (&v)[E], int lane) {
     bad |= twell_non_finite(v[i]);
   }
   r.mine = __popc(r.mask);
-#if defined(TWELL_SCAN_SHUFFLE) && TWELL_SCAN_SHUFFLE
   r.incl = r.mine;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
@@ -239,21 +238,6 @@ TWELL_DEVICE TwellTileScan twell_scan_tile(const uint16_t (&v)[E], int lane) {
     if (lane >= d) r.incl += t;
   }
   r.total = __shfl_sync(0xffffffffu, r.incl, 31);
-#else
-  // The prefix of `mine` (0..E) over the lanes bit by bit: one ballot per bit of E, no
-  // chain of dependent shuffles (the same sums).
-  constexpr int BITS = E < 2 ? 1 : E < 4 ? 2 : E < 8 ? 3 : E < 16 ? 4 : E < 32 ? 5 : 6;
-  const uint32_t below = (1u << lane) - 1u;
-  int before = 0, total = 0;
-#pragma unroll
-  for (int b = 0; b < BITS; ++b) {
-    const uint32_t set = __ballot_sync(0xffffffffu, (r.mine >> b) & 1);
-    before += __popc(set & below) << b;
-    total += __popc(set) << b;
-  }
-  r.incl = before + r.mine;
-  r.total = total;
-#endif
   r.bad = __any_sync(0xffffffffu, bad);
   return r;
 }

@@ -70,30 +70,14 @@ __device__ __forceinline__ void cp_async_wait() {
 static_assert(HR_SPLIT == 1 || HR_SPLIT == 2 || HR_SPLIT == 4 || HR_SPLIT == 8,
               "each CTA finishes 32 / HR_SPLIT values of every thread's fragment");
 static_assert(HR_STAGES >= 2 && HR_STAGES <= 5, "static shared memory: 48 KB");
-static_assert(HR_FLAG_ROWS % 512 == 0 && HR_FLAG_ROWS <= 2048,
-              "flags: 128 threads of whole words, uint16 ids in 4 KB");
-
-// The rows of a launch: ids[:count] from the caller (int), or the ids compacted from the
-// row flags into shared memory (uint16: at most HR_FLAG_ROWS rows).
-struct RowIds {
-  const int* global;
-  const uint16_t* local;
-  __device__ __forceinline__ int operator[](int i) const {
-    return local != nullptr ? (int)local[i] : global[i];
-  }
-};
-
-// The bytes of w that are not zero, one bit (7, 15, 23, 31) each.
-__device__ __forceinline__ uint32_t nonzero_bytes(uint32_t w) {
-  return (((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u;
-}
+static_assert(HR_FLAG_ROWS % 128 == 0 && HR_FLAG_ROWS <= 1024, "flags: 128 threads, 4 KB");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return (uint32_t)__cvta_generic_to_shared(p);
 }
 
 __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int OUTC,
-                                         const RowIds& ids,
+                                         const int* __restrict__ ids,
                                          const uint16_t* __restrict__ gate, int g_by_id,
                                          int relu_g, uint16_t* __restrict__ out, int o_by_id) {
   if (gate != nullptr) {
@@ -131,7 +115,7 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   auto& As = smem.ring.a;
   auto& Bs = smem.ring.b;
   auto& part = smem.part;
-  __shared__ uint16_t s_ids[HR_FLAG_ROWS];
+  __shared__ int s_ids[HR_FLAG_ROWS];
   __shared__ int s_warp[4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -139,36 +123,16 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   // The rows: ids[:count] from the caller, or (flags != null, flag_rows <= HR_FLAG_ROWS)
   // compacted here from the row flags, ascending (the same list compact_rows makes): no
   // separate launch for small batches.
-  RowIds ids{ids_in, nullptr};
+  const int* ids = ids_in;
   int count;
   if (flags != nullptr) {
-    // this thread's PER flags as PER / 4 words: one vector load where they are all in
-    // range and aligned, byte by byte at the end
     constexpr int PER = HR_FLAG_ROWS / 128;
-    uint32_t f[PER / 4];
-    const int r0 = tid * PER;
-    if (r0 + PER <= flag_rows && (reinterpret_cast<unsigned long long>(flags) & 15u) == 0) {
-      if constexpr (PER == 16) {
-        const uint4 q = *reinterpret_cast<const uint4*>(flags + r0);
-        f[0] = q.x; f[1] = q.y; f[2] = q.z; f[3] = q.w;
-      } else {
-        const uint2 q = *reinterpret_cast<const uint2*>(flags + r0);
-        f[0] = q.x; f[1] = q.y;
-      }
-    } else {
-#pragma unroll
-      for (int w = 0; w < PER / 4; ++w) {
-        f[w] = 0;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int r = r0 + 4 * w + b;
-          if (r < flag_rows) f[w] |= (uint32_t)flags[r] << (8 * b);
-        }
-      }
-    }
     int mine = 0;
 #pragma unroll
-    for (int w = 0; w < PER / 4; ++w) mine += __popc(nonzero_bytes(f[w]));
+    for (int q = 0; q < PER; ++q) {
+      const int r = tid * PER + q;
+      mine += (r < flag_rows && flags[r]) ? 1 : 0;
+    }
     int incl = mine;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -180,11 +144,13 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
     int at = incl - mine;
     for (int w = 0; w < warp; ++w) at += s_warp[w];
 #pragma unroll
-    for (int q = 0; q < PER; ++q)
-      if ((f[q / 4] >> (8 * (q % 4))) & 0xffu) s_ids[at++] = (uint16_t)(r0 + q);
+    for (int q = 0; q < PER; ++q) {
+      const int r = tid * PER + q;
+      if (r < flag_rows && flags[r]) s_ids[at++] = r;
+    }
     count = s_warp[0] + s_warp[1] + s_warp[2] + s_warp[3];
     __syncthreads();
-    ids.local = s_ids;
+    ids = s_ids;
   } else {
     count = count_ptr[0];
   }

@@ -16,9 +16,8 @@ import numpy as np
 from twell.kernels.buffers import alloc, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 
-#: Most rows :func:`matmul` takes as flags (compacting them itself; above, a
-#: :func:`compact_rows` launch first).
-FLAG_ROWS = 2048
+#: Most rows :func:`matmul` takes as flags (compacting them itself).
+FLAG_ROWS = 1024
 SOURCE = declare(
     Source(
         "heavy_rows.cu",
