@@ -68,13 +68,15 @@ def test_extra_of_an_unknown_kind_is_not_understood() -> None:
 
 def test_driver_structures_match_cuda_h() -> None:
     """CUDA_KERNEL_NODE_PARAMS_v2: 72 bytes, kernelParams at 40, kern at 56;
-    CUDA_MEMSET_NODE_PARAMS: 40 bytes (cuda.h, 64-bit)."""
-    from twell._driver import MemsetNodeParams
+    CUDA_MEMSET_NODE_PARAMS: 40 bytes; CUlaunchConfig: 56 (cuda.h, 64-bit)."""
+    from twell._driver import LaunchConfig, MemsetNodeParams
 
     assert ctypes.sizeof(KernelNodeParams) == 72
     assert KernelNodeParams.kernel_params.offset == 40
     assert KernelNodeParams.kern.offset == 56
     assert ctypes.sizeof(MemsetNodeParams) == 40
+    assert LaunchConfig.stream.offset == 32  # 7 uints, then hStream
+    assert ctypes.sizeof(LaunchConfig) == 56
 
 
 def _repointed_with_fake_driver(monkeypatch, status: int = 0):  # noqa: ANN001, ANN202

@@ -1,7 +1,8 @@
 """The few CUDA driver API calls twell makes itself, through ctypes.
 
 CuPy and torch both run on the driver library ``libcuda.so.1``; twell calls it directly
-for what neither exposes: TMA tensor maps (``kernels/gate_gemm.py``) and the nodes of a
+for what neither exposes: TMA tensor maps (``kernels/gate_gemm.py``), the clusters of a
+kernel that fit on the GPU at once (``kernels/light_rows_decode.py``) and the nodes of a
 captured CUDA graph (``_graph_nodes.py``: reading a kernel node's arguments and setting
 new ones in an instantiated graph). Each function is declared once with its argument
 types; :func:`call` raises on an error code.
@@ -45,6 +46,20 @@ class MemsetNodeParams(ctypes.Structure):
     ]
 
 
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h), without attributes (a kernel that carries its cluster
+    size needs none)."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem_bytes", ctypes.c_uint),
+        ("stream", _P),
+        ("attrs", _P),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
 #: Graph node types (``CUgraphNodeType``) twell tells apart.
 NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_GRAPH, NODE_CONDITIONAL = 0, 1, 2, 4, 13
 #: ``CUDA_ERROR_INVALID_VALUE``: what ``cuFuncGetParamInfo`` returns past the last argument.
@@ -55,6 +70,9 @@ _SIGNATURES: dict[str, list[Any]] = {
         _P, ctypes.c_int, _U32, _P, ctypes.POINTER(_U64), ctypes.POINTER(_U64),
         ctypes.POINTER(_U32), ctypes.POINTER(_U32),
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ],
+    "cuOccupancyMaxActiveClusters": [
+        ctypes.POINTER(ctypes.c_int), _P, ctypes.POINTER(LaunchConfig)
     ],
     "cuGraphGetNodes": [_P, _PP, _PSIZE],
     "cuGraphNodeGetType": [_P, ctypes.POINTER(ctypes.c_int)],

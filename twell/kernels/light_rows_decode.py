@@ -14,11 +14,11 @@ the driver's ``cuOccupancyMaxActiveClusters`` (asked once per device), at most M
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Any
 
 import numpy as np
 
+from twell import _driver
 from twell.kernels.buffers import u16
 from twell.kernels.compile import Source, declare, device_info
 from twell.options import LIST_CAPACITY
@@ -118,37 +118,14 @@ def _clusters(kernel: Any) -> int:
     return found
 
 
-class _LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig`` (cuda.h); no attributes: the kernel carries its cluster size."""
-
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared_mem_bytes", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.c_void_p),
-        ("num_attrs", ctypes.c_uint),
-    ]
-
-
-@functools.cache
-def _occupancy_function() -> Any:
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        fn = libcuda.cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(_LaunchConfig)]
-    return fn
-
-
 def _max_active_clusters(function: int, multiprocessors: int) -> int | None:
-    """``cuOccupancyMaxActiveClusters`` for the CUfunction ``function``, or None."""
-    fn = _occupancy_function()
-    if fn is None:
+    """``cuOccupancyMaxActiveClusters`` for the CUfunction ``function``, or None where the
+    driver cannot say."""
+    try:
+        fn = _driver.function("cuOccupancyMaxActiveClusters")
+    except RuntimeError:
         return None
-    config = _LaunchConfig()
+    config = _driver.LaunchConfig()
     config.grid[:] = (CLUSTER * max(1, multiprocessors // CLUSTER), 1, 1)
     config.block[:] = (THREADS, 1, 1)
     config.shared_mem_bytes = SMEM_BYTES
