@@ -7,7 +7,9 @@ against the first variant's.
     PYTHONPATH=. python bench/dev_row_occupancy.py [--M 2048 4096] [--out FILE]
 
 A variant sets light_rows' ROW_MIN_BLOCKS (the launch bound of blocks per SM: 8 gives
-up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps).
+up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps) and
+SCAN_SIMD (the fused kernels' scan of a pre-activation tile two bf16 per instruction,
+empty tiles skipped; 0: one value at a time, as before the fourteenth session).
 (Commit 7f0c95f also built ROW_PIPELINE and commit 3c3be60 a ballot prefix in the scan and
 2048 row flags compacted by the heavy-row kernels: none faster, taken out;
 docs/perf-log.md.)
@@ -32,9 +34,13 @@ from twell.kernels import compile as kc
 from twell.kernels import light_rows
 from twell.sweeps import back_to_back_ms, graph_ms, torch_problem
 
-OLD = {"ROW_MIN_BLOCKS": 8}
-NEW = {"ROW_MIN_BLOCKS": 16}
-SETS = {"registers": [OLD, NEW], "old": [OLD], "new": [NEW]}
+OLD = {"ROW_MIN_BLOCKS": 8, "SCAN_SIMD": 0}
+NEW = {"ROW_MIN_BLOCKS": 16, "SCAN_SIMD": 1}
+SETS = {
+    "registers": [OLD, {**OLD, "ROW_MIN_BLOCKS": 16}],
+    "scan": [{**NEW, "SCAN_SIMD": 0}, NEW],
+    "old": [OLD], "new": [NEW],
+}  # fmt: skip
 BASE = light_rows.SOURCE
 
 

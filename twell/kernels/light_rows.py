@@ -33,6 +33,9 @@ ROW_WARPS = 1
 #: tokens fit one wave of 16 warps per SM, not of 12), M = 1536 0.128 / 0.131, 3072
 #: 0.241 / 0.243, 4096 0.326 / 0.323, 8192 0.584 / 0.582, 16384 1.141 / 1.126.
 ROW_MIN_BLOCKS = 16
+#: The fused kernels' scan of a pre-activation tile: two bf16 per instruction (halfword
+#: compares), empty tiles skipped after one ballot (1); or one value at a time (0).
+SCAN_SIMD = 1
 #: Most warps sharing one token in the wide kernels (their launch bound; the launcher
 #: picks 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
@@ -51,8 +54,8 @@ SOURCE = declare(
         "light_rows.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
         constants={
-            "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "WIDE_WARPS": WIDE_WARPS,
-            "LIST_CAPACITY": LIST_CAPACITY,
+            "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "SCAN_SIMD": SCAN_SIMD,
+            "WIDE_WARPS": WIDE_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
         },
         examples=tuple(
             {"KDIM": k, "TILE": t, "SLOTS": s, "GATED": g}
