@@ -31,8 +31,8 @@ import torch.nn.functional as F  # noqa: N812
 import twell
 from twell.benchmark import gpu_name, versions
 from twell.kernels import compile as kc
-from twell.kernels import light_rows, pipeline
-from twell.sweeps import back_to_back_ms, graph_ms, torch_problem
+from twell.kernels import light_rows, light_rows_sliced, pipeline
+from twell.sweeps import back_to_back_ms, graph_ms, per_call_ms, torch_problem
 
 OLD = {"ROW_MIN_BLOCKS": 8, "SCAN_SIMD": 0}
 NEW = {"ROW_MIN_BLOCKS": 16, "SCAN_SIMD": 1}
@@ -50,17 +50,18 @@ def use(variant: dict) -> None:
     light_rows._wide_warps_per_sm.cache_clear()
 
 
-def paths(m: int, workload: str, names: list[str]) -> list[dict]:
+def paths(m: int, workload: str, names: list[str], k: int = 2048, n: int = 5632) -> list[dict]:
     """The block with each light-row route (``Options.path``) against dense, in the
     user's CUDA graph and back to back; bits against the first route's."""
 
-    _, x, ws, sets = torch_problem(workload, m, 2048, 5632)
+    _, x, ws, sets = torch_problem(workload, m, k, n)
 
     def dense(i: int) -> torch.Tensor:
         wg, wu, wd = ws[i]
         return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
 
     d_graph, d_b2b = graph_ms(dense, sets), back_to_back_ms(dense, sets)
+    d_call = per_call_ms(dense, sets)
     out, ref = [], None
     for name in [*names, names[0]]:
         blocks = [twell.SparseFFN(*w, path=name) for w in ws]
@@ -71,11 +72,13 @@ def paths(m: int, workload: str, names: list[str]) -> list[dict]:
         torch.cuda.synchronize()
         ref = y.clone() if ref is None else ref
         fn = lambda i, blocks=blocks: blocks[i](x)  # noqa: E731
-        r = {"M": m, "workload": workload, "path": name,
+        r = {"M": m, "K": k, "N": n, "workload": workload, "path": name,
              "bits_equal": bool(torch.equal(y.view(torch.int16), ref.view(torch.int16))),
              "graph_ms": graph_ms(fn, sets), "b2b_ms": back_to_back_ms(fn, sets),
-             "dense_graph_ms": d_graph, "dense_b2b_ms": d_b2b}  # fmt: skip
+             "call_ms": per_call_ms(fn, sets), "dense_graph_ms": d_graph,
+             "dense_b2b_ms": d_b2b, "dense_call_ms": d_call}  # fmt: skip
         r["speedup_graph"], r["speedup_b2b"] = d_graph / r["graph_ms"], d_b2b / r["b2b_ms"]
+        r["speedup_call"] = d_call / r["call_ms"]
         print(json.dumps(r), flush=True)
         out.append({**r, "gpu": gpu_name(), **versions()})
         del blocks
@@ -132,13 +135,22 @@ def main() -> None:
         help='"fused" stays cuBLAS + scan at every M (no switch to "epilogue" from '
         "pipeline.EPILOGUE_ROWS tokens)",
     )
+    parser.add_argument("--K", type=int, default=2048, help="with --paths")
+    parser.add_argument("--N", type=int, default=5632, help="with --paths")
+    parser.add_argument(
+        "--plain-fused",
+        action="store_true",
+        help='"fused" never reads its light rows by slices (light_rows_sliced.pays)',
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.plain_fused:
+        light_rows_sliced.MIN_ROWS = 1 << 62
     if args.fused_everywhere:
         pipeline.EPILOGUE_ROWS = 1 << 62
     variants = [v for name in args.variants for v in SETS[name]]
     if args.paths:
-        records = [r for m in args.M for r in paths(m, args.workload, args.paths)]
+        records = [r for m in args.M for r in paths(m, args.workload, args.paths, args.K, args.N)]
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)
