@@ -195,33 +195,26 @@ def clocks():
 
 def block_timings():
     """The FFN block (``twell.benchmark.bench_config``) on the "epilogue" route (this
-    kernel) and on "fused" held to cuBLAS and the scan of the dense pre-activation at every
-    M (``pipeline.EPILOGUE_ROWS`` lifted), per call and in CUDA graphs (a bench_config call
-    graphs its first path only)."""
+    kernel) and on "fused" (cuBLAS and the scan of the dense pre-activation), per call and
+    in CUDA graphs (a bench_config call graphs its first path only)."""
     from twell.benchmark import bench_config
-    from twell.kernels import pipeline
 
-    saved = pipeline.EPILOGUE_ROWS
-    pipeline.EPILOGUE_ROWS = 1 << 62  # "fused" as cuBLAS + the scan at every M
     cases = [("uniform", 2048), ("uniform", 4096), ("uniform", 8192), ("uniform", 16384),
              ("heavy", 16384), ("paperlike", 16384)]  # fmt: skip
-    try:
-        out = []
-        for workload, m in cases:
-            for paths in (("epilogue", "fused"), ("fused",)):
-                try:
-                    for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
-                        r["graph_path"] = paths[0]
-                        keys = ("workload", "M", "path", "graph_path", "t_ms", "t_dense_ms",
-                                "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
-                                "heavy_rows")  # fmt: skip
-                        print(json.dumps({k: r.get(k) for k in keys}), flush=True)
-                        out.append(r)
-                except Exception as error:  # noqa: BLE001
-                    out.append({"workload": workload, "M": m, "paths": paths, "error": repr(error)})
-                    print(out[-1], flush=True)
-    finally:
-        pipeline.EPILOGUE_ROWS = saved
+    out = []
+    for workload, m in cases:
+        for paths in (("epilogue", "fused"), ("fused",)):
+            try:
+                for r in bench_config(workload, m, 2048, 5632, paths=paths, graphs=True):
+                    r["graph_path"] = paths[0]
+                    keys = ("workload", "M", "path", "graph_path", "t_ms", "t_dense_ms",
+                            "speedup", "t_graph_ms", "t_dense_graph_ms", "rel_err",
+                            "heavy_rows")  # fmt: skip
+                    print(json.dumps({k: r.get(k) for k in keys}), flush=True)
+                    out.append(r)
+            except Exception as error:  # noqa: BLE001
+                out.append({"workload": workload, "M": m, "paths": paths, "error": repr(error)})
+                print(out[-1], flush=True)
     return out
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: N812
 import twell
 from twell.benchmark import gpu_name, versions
 from twell.kernels import compile as kc
-from twell.kernels import light_rows, light_rows_sliced, pipeline
+from twell.kernels import light_rows, light_rows_sliced
 from twell.sweeps import back_to_back_ms, graph_ms, per_call_ms, torch_problem
 
 OLD = {"ROW_MIN_BLOCKS": 8, "SCAN_SIMD": 0}
@@ -129,12 +129,6 @@ def main() -> None:
     parser.add_argument("--workload", default="uniform")
     parser.add_argument("--tail", action="store_true", help="the longest rows' share instead")
     parser.add_argument("--paths", nargs="*", default=None, help="compare these routes instead")
-    parser.add_argument(
-        "--fused-everywhere",
-        action="store_true",
-        help='"fused" stays cuBLAS + scan at every M (no switch to "epilogue" from '
-        "pipeline.EPILOGUE_ROWS tokens)",
-    )
     parser.add_argument("--K", type=int, default=2048, help="with --paths")
     parser.add_argument("--N", type=int, default=5632, help="with --paths")
     parser.add_argument(
@@ -146,8 +140,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.plain_fused:
         light_rows_sliced.MIN_ROWS = 1 << 62
-    if args.fused_everywhere:
-        pipeline.EPILOGUE_ROWS = 1 << 62
     variants = [v for name in args.variants for v in SETS[name]]
     if args.paths:
         records = [r for m in args.M for r in paths(m, args.workload, args.paths, args.K, args.N)]

@@ -232,28 +232,25 @@ def test_fused_route_takes_the_slices_where_they_pay(monkeypatch: pytest.MonkeyP
     assert cp.array_equal(after.view(cp.uint16), sliced.view(cp.uint16))
 
 
-def test_fused_route_takes_the_epilogue_from_epilogue_rows(monkeypatch: pytest.MonkeyPatch):
-    """A gated block's fused route is the epilogue route (bits) from
-    pipeline.EPILOGUE_ROWS tokens; a non-gated block's never."""
-    from twell.kernels import pipeline
-
-    p = with_special_rows(problem("heavy", 300, 512, 1024, seed=5))
+def test_fused_route_stays_on_the_scan_and_training_takes_the_epilogue(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A gated block's fused route is cuBLAS + the scan at every M (no packing gate GEMM,
+    4133 tokens too); its training forward takes the epilogue route, whose output bits
+    equal the "epilogue" path's."""
+    p = with_special_rows(problem("heavy", 4133, 512, 1024, seed=5))
     x, wg, wu, wd = (to_gpu(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
     epilogue = PreparedBlock(wg, wu, wd, Options(path="epilogue", density_switch=False))(x)
     fused = PreparedBlock(wg, wu, wd, Options(density_switch=False))
-    nongated = PreparedBlock(None, wu, wd, Options(density_switch=False))
     calls = []
     real = gate_gemm.gate_pack
     monkeypatch.setattr(gate_gemm, "gate_pack", lambda *a: calls.append(1) or real(*a))
-    fused(x)
-    assert not calls and fused.route(300) == "fused"  # cuBLAS and the scan
-    monkeypatch.setattr(pipeline, "EPILOGUE_ROWS", 300)
-    after = fused(x)
-    assert calls == [1] and fused.route(300) == "epilogue" and fused.route(299) == "fused"
-    assert fused.route(300, save=True) == "epilogue" and nongated.route(300) == "fused"
-    assert cp.array_equal(after.view(cp.uint16), epilogue.view(cp.uint16))
-    nongated(x)
-    assert calls == [1]
+    y = fused(x)
+    assert not calls and fused.route(4133) == "fused"
+    assert_close(to_f64(y), reference.forward.ffn_dense(p.x, p.w_gate, p.w_up, p.w_down))
+    trained, _ = fused.forward(x, save=True)
+    assert calls == [1] and fused.route(4133, save=True) == "epilogue"
+    assert cp.array_equal(trained.view(cp.uint16), epilogue.view(cp.uint16))
 
 
 def test_sliced_route_with_more_tiles_than_a_warp_has_lanes():

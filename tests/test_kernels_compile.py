@@ -97,12 +97,12 @@ def test_gate_gemm_shared_memory_matches_its_source() -> None:
 
 def test_fused_path_routes_by_shape() -> None:
     """The light-row route of a call (CPU: PreparedBlock.route's rule, no GPU): "fused"
-    stands for the scan below EPILOGUE_ROWS tokens, the epilogue route from there for a
-    gated block, the sliced gather for weights of 96 MiB and more; training calls take
-    the epilogue route where the path keeps no training outputs; other paths are kept."""
+    stands for cuBLAS + the scan at every M, the sliced gather for weights of 96 MiB and
+    more; training calls take the epilogue route where the path keeps no training
+    outputs; other paths are kept."""
     from types import SimpleNamespace
 
-    from twell.kernels.pipeline import EPILOGUE_ROWS, PreparedBlock
+    from twell.kernels.pipeline import PreparedBlock
     from twell.options import Options
 
     def route(m: int, k: int = 2048, n: int = 5632, gated: bool = True, path: str = "fused",
@@ -110,9 +110,8 @@ def test_fused_path_routes_by_shape() -> None:
         block = SimpleNamespace(options=Options(path=path), k=k, n=n, gated=gated)
         return PreparedBlock.route(block, m, save)  # type: ignore[arg-type]
 
-    assert EPILOGUE_ROWS == 4096
-    assert [route(m) for m in (1, 4095, 4096, 65536)] == ["fused", "fused", "epilogue", "epilogue"]
-    assert route(4096, gated=False) == "fused"  # non-gated blocks were not measured
+    assert [route(m) for m in (1, 4095, 4096, 65536)] == ["fused"] * 4
+    assert route(4096, gated=False) == "fused"
     assert route(4095, k=4096, n=14336) == "fused" and route(4096, k=4096, n=14336) == "sliced"
     assert route(8, save=True) == "epilogue" and route(8, path="sliced", save=True) == "epilogue"
     assert route(8192, path="pack") == "pack" and route(8192, path="pack", save=True) == "pack"

@@ -11,8 +11,7 @@ pass has two stages (docs/design.md draws them):
    products, a :class:`SaveTargets`, or None):
 
    - ``"fused"``: cuBLAS gate GEMM into a dense bf16 pre-activation, then one kernel
-     scans it and gathers (light_rows.from_pre); a gated block of at least
-     :data:`EPILOGUE_ROWS` tokens takes ``"epilogue"`` instead;
+     scans it and gathers (light_rows.from_pre);
    - ``"epilogue"``: the gate GEMM packs TwELL in its epilogue (gate_gemm.cu), then the
      gather reads TwELL; no dense pre-activation exists, so heavy rows recompute theirs;
    - ``"pack"``: cuBLAS, the packing kernel (pack.cu), then the gather reads TwELL;
@@ -152,17 +151,13 @@ class PreparedBlock:
         """The light-row route (a key of :data:`ROUTES`) of a sparse call of ``m`` tokens
         (decode and the density switch's dense calls take neither): the ``path`` option,
         where ``"fused"`` stands for the route measured fastest at the shape (the sliced
-        gather for large weights, ``light_rows_sliced.pays``; ``"epilogue"`` for a gated
-        block from :data:`EPILOGUE_ROWS` tokens), and a training call (``save``) takes
-        ``"epilogue"`` where the path keeps no training outputs."""
+        gather for large weights, ``light_rows_sliced.pays``), and a training call
+        (``save``) takes ``"epilogue"`` where the path keeps no training outputs."""
         path = self.options.path
         if save and path in ("fused", "sliced"):
             return "epilogue"
-        if path == "fused":
-            if light_rows_sliced.pays(m, self.k, self.n, self.gated):
-                return "sliced"
-            if self.gated and m >= EPILOGUE_ROWS:
-                return "epilogue"
+        if path == "fused" and light_rows_sliced.pays(m, self.k, self.n, self.gated):
+            return "sliced"
         return path
 
     def forward(self, x: Any, *, save: bool = False) -> Any:
@@ -484,24 +479,17 @@ class SaveTargets:
 Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 
 
-#: Tokens from which the "fused" path of a gated block takes the "epilogue" route
-#: (:meth:`PreparedBlock.route`): the gate GEMM packs TwELL in its epilogue, so the
-#: 2 * M * N bytes of dense pre-activation are neither written nor scanned. Its scratch is
-#: larger, though: the TwELL words (M * N / 2 bytes at 32 slots) beside the [M, N] bf16
-#: buffer where heavy rows recompute their pre-activations (about 2.5 * M * N bytes
-#: against 2 * M * N). Measured at K=2048, N=5632, epilogue against cuBLAS + scan
-#: (docs/perf-log.md, 2026-11-26, eleventh session), CUDA graphs, µs: H100 uniform
-#: M=2048 185.6 / 179.4, 4096 324.1 / 324.2, 8192 587.8 / 598.9, 16384 1148 / 1187,
-#: heavy 1191 / 1196, paperlike 1193 / 1229; H200 (a build of the packers that was
-#: within 1% of this one where both ran) 2048 177.5 / 172.2, 4096 300.6 / 307.9, 8192
-#: 564.1 / 594.3, 16384 1089 / 1174, heavy 1106 / 1167, paperlike 1192 / 1241. Per call
-#: (what SparseFFN above its graph bound of 4096 tokens meets), ms: H100 4096 0.383 /
-#: 0.463, 8192 0.638 / 0.650, 16384 1.179 / 1.270, heavy 1.251 / 1.233, paperlike 1.330 /
-#: 1.289; H200 4096 0.351 / 0.349, 8192 0.589 / 0.604, 16384 1.071 / 1.117, heavy
-#: 1.121 / 1.154, paperlike 1.197 / 1.233. With the consumers' help on the gate's last
-#: tile (twelfth session) M=2048 is level in graphs (H200 173.4 / 172.6, H100 180.7 /
-#: 178.5) and slower per call (H200 0.226 / 0.218 ms), so the bound stays.
-EPILOGUE_ROWS = 4096
+# The "fused" path of a gated block took the "epilogue" route from 4096 tokens until the
+# fifteenth session: the epilogue packs TwELL inside the gate GEMM, so the 2 * M * N bytes
+# of dense pre-activation are neither written nor scanned, and was level with or ahead of
+# cuBLAS + scan there (docs/perf-log.md, eleventh session). Since the scan tests two bf16
+# per instruction (light_rows.SCAN_SIMD), cuBLAS + scan is ahead at every size measured:
+# H100, K=2048, N=5632, graph / back to back / per call, ms, fused against epilogue:
+# uniform 4096 0.302 / 0.303 / 0.346 against 0.327 / 0.327 / 0.370, 8192 0.556 / 0.556 /
+# 0.615 against 0.583 / 0.584 / 0.649, 16384 1.089-1.129 / 1.113-1.156 / 1.183-1.201
+# against 1.127 / 1.160 / 1.240; heavy 16384 1.122-1.130 / 1.133-1.136 against 1.166 /
+# 1.195; paperlike 16384 1.113 / 1.123-1.127 against 1.177 / 1.203 (H200: the same
+# order). Records bench/results/*_2026-11-26_paths_*.json.
 
 
 def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
