@@ -483,7 +483,7 @@ Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 # fifteenth session: the epilogue packs TwELL inside the gate GEMM, so the 2 * M * N bytes
 # of dense pre-activation are neither written nor scanned, and was level with or ahead of
 # cuBLAS + scan there (docs/perf-log.md, eleventh session). Since the scan tests two bf16
-# per instruction (light_rows.SCAN_SIMD), cuBLAS + scan is ahead at every size measured:
+# per instruction (light_rows.SCAN_SIMD), cuBLAS + scan is ahead or level everywhere:
 # H100, K=2048, N=5632, graph / back to back / per call, ms, fused against epilogue:
 # uniform 4096 0.302 / 0.303 / 0.346 against 0.327 / 0.327 / 0.370, 8192 0.556 / 0.556 /
 # 0.615 against 0.583 / 0.584 / 0.649, 16384 1.089-1.129 / 1.113-1.156 / 1.183-1.201
