@@ -9,14 +9,16 @@ against the first variant's.
 A variant sets light_rows' ROW_MIN_BLOCKS (the launch bound of blocks per SM: 8 gives
 up to 255 registers, 12 warps per SM at K = 2048; 16 gives 128 registers, 16 warps) and
 SCAN_SIMD (the fused kernels' scan of a pre-activation tile two bf16 per instruction,
-empty tiles skipped; 0: one value at a time, as before the fourteenth session).
+empty tiles skipped; 0: one value at a time, as before the fifteenth session).
 (Commit 7f0c95f also built ROW_PIPELINE and commit 3c3be60 a ballot prefix in the scan and
 2048 row flags compacted by the heavy-row kernels: none faster, taken out;
 docs/perf-log.md.)
-``--variants old new`` compares the defaults before and after the 2026-11-26
-(fourteenth session) change. ``--tail`` times the light-row kernel alone with the
+``--variants old new`` compares the defaults of the thirteenth session with today's
+(both the fourteenth session's register bound and the fifteenth's SIMD scan);
+``--variants scan`` the scan alone. ``--tail`` times the light-row kernel alone with the
 longest rows sent to the heavy rows (how much of its time they set); ``--paths`` the
-block by light-row route.
+block by light-row route (also per call; ``--K``/``--N`` set its shape, and
+``--plain-fused`` keeps "fused" off the sliced gather, which the records then say).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def use(variant: dict) -> None:
 
 def paths(m: int, workload: str, names: list[str], k: int = 2048, n: int = 5632) -> list[dict]:
     """The block with each light-row route (``Options.path``) against dense, in the
-    user's CUDA graph and back to back; bits against the first route's."""
+    user's CUDA graph, back to back and per call; bits against the first route's."""
 
     _, x, ws, sets = torch_problem(workload, m, k, n)
 
@@ -73,6 +75,7 @@ def paths(m: int, workload: str, names: list[str], k: int = 2048, n: int = 5632)
         ref = y.clone() if ref is None else ref
         fn = lambda i, blocks=blocks: blocks[i](x)  # noqa: E731
         r = {"M": m, "K": k, "N": n, "workload": workload, "path": name,
+             "sliced_min_rows": light_rows_sliced.MIN_ROWS,
              "bits_equal": bool(torch.equal(y.view(torch.int16), ref.view(torch.int16))),
              "graph_ms": graph_ms(fn, sets), "b2b_ms": back_to_back_ms(fn, sets),
              "call_ms": per_call_ms(fn, sets), "dense_graph_ms": d_graph,
@@ -138,6 +141,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not args.paths and (args.K, args.N, args.plain_fused) != (2048, 5632, False):
+        parser.error("--K, --N and --plain-fused go with --paths")
     if args.plain_fused:
         light_rows_sliced.MIN_ROWS = 1 << 62
     variants = [v for name in args.variants for v in SETS[name]]

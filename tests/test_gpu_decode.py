@@ -302,6 +302,51 @@ def test_wide_kernel_at_every_warp_count(warps: int, gated: bool, k: int) -> Non
         np.testing.assert_array_equal(two, y)
 
 
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize(("tile", "slots"), [(32, 8), (64, 12), (128, 16), (256, 32)])
+def test_simd_scan_equals_the_scalar_scan(
+    tile: int, slots: int, warps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused kernels' scan two bf16 at a time (light_rows.SCAN_SIMD, the default) gives
+    the scalar scan's heavy flags and output bits at every tile width, on rows holding
+    the bit patterns at the edges of relu's rule: +0, -0, the smallest positive and
+    negative subnormals, +Inf, -Inf, +NaN and -NaN, and empty tiles."""
+    import dataclasses
+
+    from twell.kernels import compile as kc
+
+    m, k = 70, 264
+    rng = np.random.default_rng(tile + warps)
+    limit = default_max_row_nnz(N_MAIN)
+    pre = random_pre(rng, m, N_MAIN, 0.01)
+    special_rows(pre, tile, slots, limit)
+    edges = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x7F80, 0xFF80, 0x7FC1, 0xFFC1], np.uint16)
+    for i, bits in enumerate(edges):  # one pattern in a light row each, at a lane's odd half
+        row = 20 + i
+        pre[row] = random_pre(rng, 1, N_MAIN, 0.004)[0]
+        pre[row, 3 * tile + 5] = bits
+    pre[30:40] = 0x8000  # -0 everywhere: no entry, no tile scanned
+    pre[35, 7] = 0x0001  # one subnormal entry among empty tiles
+    w_up, w_down_t = weights(N_MAIN, k, seed=tile)
+    x = bf16_bits(rng.standard_normal((m, k)))
+    kw = {"tile": tile, "slots": slots, "max_row_nnz": limit, "warps": warps}
+    assert light_rows.SCAN_SIMD == 1
+    heavy, y = run("wide", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(heavy, expected_heavy(pre, tile, slots, limit))
+    assert heavy[24:28].all() and not heavy[[20, 21, 22, 23, 30, 35]].any()
+    scalar = dataclasses.replace(
+        light_rows.SOURCE, constants={**light_rows.SOURCE.constants, "SCAN_SIMD": 0}
+    )
+    monkeypatch.setattr(light_rows, "SOURCE", scalar)
+    kc._launches.clear()  # the launch cache is keyed on the source's name
+    try:
+        scalar_heavy, scalar_y = run("wide", x, pre, w_up, w_down_t, **kw)
+    finally:
+        kc._launches.clear()
+    np.testing.assert_array_equal(scalar_heavy, heavy)
+    np.testing.assert_array_equal(scalar_y[~heavy], y[~heavy])
+
+
 def test_wide_kernels_registers_allow_the_assumed_warps() -> None:
     per_sm = light_rows._wide_warps_per_sm
     assert per_sm(light_rows.WIDE, 2048, 256, 32, True) >= 8

@@ -266,8 +266,9 @@ class SparseFFN:
             TwELL in its epilogue, then the gather reads it), ``"pack"`` (cuBLAS, a
             packing kernel, the gather) or ``"sliced"`` (as ``"pack"``, the gather by
             column slices of the weights that stay in L2; ``"fused"`` takes it for weights
-            of 96 MiB and more at M >= 4096, and ``"epilogue"`` for other gated blocks at
-            M >= 4096). Same results up to rounding order; docs/design.md compares them.
+            of 96 MiB and more at M >= 4096; a training call takes ``"epilogue"``, the
+            route that writes TwELL). Same results up to rounding order; docs/design.md
+            compares them.
         max_row_nnz: tokens with more active units take the dense path (default 3% of N);
             any value gives the same result.
         dense_capacity: ``"auto"`` (default): sized per call for the share of heavy rows

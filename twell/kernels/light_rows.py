@@ -127,6 +127,8 @@ def from_pre(
     :func:`wide_warps` warps per token, or a warp per token. The kernels give a row
     different bits (their sums differ in order), so a token's output bits depend on M."""
     m = y.shape[0]
+    if max_row_nnz < 0:  # the scan's row limit; Options refuses it too
+        raise ValueError(f"max_row_nnz must be >= 0, got {max_row_nnz}")
     if m == 0:
         return
     # The kernel is chosen by M here, not in pipeline's fused route: this function is the

@@ -488,7 +488,7 @@ Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 # uniform 4096 0.302 / 0.303 / 0.346 against 0.327 / 0.327 / 0.370, 8192 0.556 / 0.556 /
 # 0.615 against 0.583 / 0.584 / 0.649, 16384 1.089-1.129 / 1.113-1.156 / 1.183-1.201
 # against 1.127 / 1.160 / 1.240; heavy 16384 1.122-1.130 / 1.133-1.136 against 1.166 /
-# 1.195; paperlike 16384 1.113 / 1.123-1.127 against 1.177 / 1.203 (H200: the same
+# 1.195; paperlike 16384 1.113-1.115 / 1.123-1.127 against 1.177 / 1.203 (H200: the same
 # order). Records bench/results/*_2026-11-26_paths_*.json.
 
 
