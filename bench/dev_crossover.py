@@ -9,8 +9,11 @@ Also: batches with heavy rows at fixed dense capacities (inference; ``--capaciti
 from 512 tokens on), the data for choosing a capacity per call and for the switch's
 heavy-row rule.
 
-    PYTHONPATH=. python bench/dev_crossover.py [--quick | --small | --heavy | --capacities]
-        [--out crossover.json]
+    PYTHONPATH=. python bench/dev_crossover.py [--quick | --small | --heavy | --capacities
+        | --mid] [--out crossover.json]
+
+``--mid``: the per-token routes against dense at 256-8192 tokens and 0.25-2% of N (the
+part of the table the fused route's speed sets).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ SETS = 4
 MAIN_M = [64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192]
 MAIN_WORKLOADS = ["density=0.0025", "uniform", "density=0.01", "density=0.02", "paperlike"]
 BIG_M = [64, 128, 256, 512, 1024, 2048, 4096]
+MID_M = [256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192]
 
 
 def problems_for(workload: str, m_max: int, k: int, n: int) -> list:
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument(
         "--capacities", action="store_true", help="heavy rows through cuBLAS at mid batches"
     )
+    ap.add_argument("--mid", action="store_true", help="256-8192 tokens, 0.25-2% of N")
     args = ap.parse_args()
     records = []
     if args.capacities:
@@ -154,6 +159,9 @@ def main() -> None:
             records += sweep("heavy", [256, 512, 1024, 2048, 4096, 8192], 2048, 5632)
             records += sweep("heavy", [64, 256, 1024, 4096], 4096, 14336)
             records += sweep("paperlike", [256, 1024, 4096], 4096, 14336)
+    elif args.mid:
+        for w in MAIN_WORKLOADS[:4]:
+            records += sweep(w, MID_M, 2048, 5632)
     elif args.quick:
         records += sweep("uniform", [128, 256, 512], 2048, 5632)
     else:
