@@ -244,7 +244,7 @@ def settled(block: twell.SparseFFN, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_density_switch_decides_by_batch_size() -> None:
-    # 0.5% of N active: past the crossover at 256 tokens (0.22%), below it at 2048 (0.7%)
+    # 0.5% of N active: past the crossover at 256 tokens (0.32%), below it at 2048 (0.86%)
     p = workloads.uniform(2048, 256, 5632, p=0.005, seed=3)
     x, wg, wu, wd = tensors(p)
     oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)

@@ -253,10 +253,14 @@ def dense_block(block: PreparedBlock, x: Any, y: Any) -> list[Any]:
 #: past the ends. Decode batches gain up to high densities (the by-unit route reads each
 #: active unit once for all tokens); near 256 tokens the dense GEMMs are at their most
 #: efficient per token and the sparse routes at their least; prefill batches gain up to
-#: about 1%.
+#: about 1%. Points up to 192 tokens from the eighth session; from 256 on, the fifteenth
+#: session's (``--mid``, record ``..._2026-11-26_crossover_mid.json``: the fused route
+#: with the SIMD scan; before, 256 0.22%, 512 0.45%, 1024 0.6%, 2048 0.7%, 4096 0.95%,
+#: 8192 1%).
 CROSSOVER = (
     (1, 0.2), (4, 0.1), (16, 0.05), (32, 0.02), (64, 0.012), (128, 0.0065), (192, 0.0045),
-    (256, 0.0022), (512, 0.0045), (1024, 0.006), (2048, 0.007), (4096, 0.0095), (8192, 0.01),
+    (256, 0.0032), (384, 0.0056), (512, 0.0066), (768, 0.0083), (1024, 0.0072),
+    (1536, 0.0078), (2048, 0.0086), (3072, 0.009), (4096, 0.0099), (8192, 0.0113),
 )  # fmt: skip
 #: Batch sizes ``[low, high)`` at which a single heavy row makes the dense path pay: the
 #: heavy-row stage costs 40-91 µs at K=2048, N=5632 whatever the number of heavy rows
