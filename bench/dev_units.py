@@ -71,6 +71,8 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     if 8 <= m <= 64 and k * n >= 2048 * 5632:
         variants += [("units_mma_gate", geometry(mma_gate=True)),
                      ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
+    if m <= 16 and workload == "uniform" and gated and k == 2048:
+        variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (16, 32, 64)]
     if 32 <= m <= 64 and workload == "uniform" and gated and k == 2048:
         variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (32, 64)]
     if m > 64 and workload == "uniform" and gated and k == 2048:
