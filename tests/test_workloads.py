@@ -190,3 +190,13 @@ def test_docstring_examples():
     result = doctest.testmod(workloads, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_benchmark_names_set_the_parameters():
+    """The benchmark's command-line names: ``density=P`` and ``heavy=F``."""
+    from twell.benchmark import make_problem
+
+    assert make_problem("density=0.02", 8, 64, 256).params["p"] == 0.02
+    p = make_problem("heavy=0.02", 500, 64, 256)
+    assert len(p.params["heavy_rows"]) == 10 and p.params["frac"] == 0.02
+    assert len(make_problem("heavy", 500, 64, 256).params["heavy_rows"]) == 5

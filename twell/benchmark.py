@@ -30,11 +30,14 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def make_problem(workload: str, m: int, k: int, n: int, seed: int = 0) -> Any:
-    """A workload of docs/benchmark.md by name (``density=P``: uniform at density P)."""
+    """A workload of docs/benchmark.md by name (``density=P``: uniform at density P;
+    ``heavy=F``: ``heavy`` with a share F of heavy tokens)."""
     from twell import workloads
 
     if workload.startswith("density="):
         return workloads.make("density", m, k, n, seed=seed, p=float(workload.split("=")[1]))
+    if workload.startswith("heavy="):
+        return workloads.make("heavy", m, k, n, seed=seed, frac=float(workload.split("=")[1]))
     return workloads.make(workload, m, k, n, seed=seed)
 
 
