@@ -75,7 +75,10 @@ def test_parameters_are_declared_not_guessed() -> None:
     with pytest.raises(ValueError, match="expected parameters"):
         kc.SOURCES["heavy_rows.cu"].defines({"TILE": 256, "SLOTS": 32})
     text = kc.full_source(source, {"TILE": 256, "SLOTS": 32})
-    defines = "#define TWELL_PACK_WARPS 8\n#define TWELL_SLOTS 32\n#define TWELL_TILE 256\n"
+    defines = (
+        "#define TWELL_PACK_SIMD 1\n#define TWELL_PACK_WARPS 8\n#define TWELL_SLOTS 32\n"
+        "#define TWELL_TILE 256\n"
+    )
     assert text.startswith(defines)
     assert kc.common_header() in text
 

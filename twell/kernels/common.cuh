@@ -211,6 +211,16 @@ TWELL_DEVICE void twell_unpack_lane(const uint32_t (&raw)[(E + 1) / 2], uint16_t
   }
 }
 
+// Inclusive prefix sum of `v` over the lanes of a full warp.
+TWELL_DEVICE int twell_warp_prefix(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += t;
+  }
+  return v;
+}
+
 // One warp's tile: `mask` bit i set when relu keeps this lane's value i, `mine` its
 // popcount, `incl` the inclusive prefix of `mine` over the lanes, `total` the tile's
 // count, `bad` whether any lane holds a non-finite value (warp-wide).
@@ -231,15 +241,36 @@ TWELL_DEVICE TwellTileScan twell_scan_tile(const uint16_t (&v)[E], int lane) {
     bad |= twell_non_finite(v[i]);
   }
   r.mine = __popc(r.mask);
-  r.incl = r.mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int t = __shfl_up_sync(0xffffffffu, r.incl, d);
-    if (lane >= d) r.incl += t;
-  }
+  r.incl = twell_warp_prefix(r.mine, lane);
   r.total = __shfl_sync(0xffffffffu, r.incl, 31);
   r.bad = __any_sync(0xffffffffu, bad);
   return r;
+}
+
+// The bit tests of twell_scan_tile on a lane's raw words (twell_load_lane), two bf16 per
+// instruction (SIMD halfword compares): `mask` bit i set when relu keeps value i, `bad`
+// when one is not finite. KEEP_NAN: the mask is twell_relu_keeps exactly (NaN of either
+// sign kept); without, a negative NaN is not kept ("> 0 as int16" alone), which a caller
+// that sends every row holding a non-finite value to the dense path may accept.
+template <int E, bool KEEP_NAN>
+TWELL_DEVICE void twell_tile_bits(const uint32_t (&raw)[(E + 1) / 2], uint32_t& mask,
+                                  bool& bad) {
+  if constexpr (E == 1) {
+    const uint32_t h = raw[0] & 0xffffu;
+    mask = (KEEP_NAN ? twell_relu_keeps(h) : (h != 0u && !(h & 0x8000u))) ? 1u : 0u;
+    bad = twell_non_finite(h);
+  } else {
+    mask = 0u;
+    uint32_t inf = 0u;
+#pragma unroll
+    for (int w = 0; w < E / 2; ++w) {
+      uint32_t keep = __vcmpgts2(raw[w], 0u);  // 0xffff per positive halfword
+      if constexpr (KEEP_NAN) keep |= __vcmpgtu2(raw[w] & 0x7fff7fffu, 0x7f807f80u);  // NaN
+      inf |= __vcmpeq2(raw[w] & 0x7f807f80u, 0x7f807f80u);
+      mask |= ((keep & 1u) | ((keep >> 15) & 2u)) << (2 * w);
+    }
+    bad = inf != 0u;
+  }
 }
 
 // ---------------------------------------------------------------- mbarriers and TMA

@@ -167,30 +167,6 @@ __device__ __forceinline__ const uint4* load_x(Shared& sm, const uint16_t* __res
   _Pragma("unroll") for (int c = 0; c < NCH; ++c)       \
       _Pragma("unroll") for (int i = 0; i < 8; ++i) acc[c][i] = 0.f;
 
-// A lane's EPL bf16 of a pre-activation tile, as raw words: `mask` bit i set when value i
-// is positive and nonzero (as a signed 16-bit integer: > 0), `bad` when one is not finite.
-// Two bf16 per instruction (SIMD halfword compares). A non-finite value makes the row
-// heavy, so relu's rule for NaN (kept whatever its sign) need not be applied here: for
-// finite values "> 0 as int16" is twell_relu_keeps.
-__device__ __forceinline__ void tile_bits(const uint32_t (&raw)[(EPL + 1) / 2], uint32_t& mask,
-                                          bool& bad) {
-  if constexpr (EPL == 1) {
-    const uint32_t h = raw[0] & 0xffffu;
-    mask = (h != 0u && !(h & 0x8000u)) ? 1u : 0u;
-    bad = twell_non_finite(h);
-  } else {
-    mask = 0u;
-    uint32_t inf = 0u;
-#pragma unroll
-    for (int w = 0; w < EPL / 2; ++w) {
-      const uint32_t keep = __vcmpgts2(raw[w], 0u);  // 0xffff per positive halfword
-      inf |= __vcmpeq2(raw[w] & 0x7f807f80u, 0x7f807f80u);
-      mask |= ((keep & 1u) | ((keep >> 15) & 2u)) << (2 * w);
-    }
-    bad = inf != 0u;
-  }
-}
-
 // Phase 1 of the fused kernels (one warp): scan the pre-activation row ``src`` (SCAN_BATCH
 // tiles' loads in flight), append its entries to ``list`` in ascending columns, and
 // return whether the row is heavy; ``total`` gets the number of entries.
@@ -211,19 +187,16 @@ __device__ __forceinline__ bool scan_row(const uint16_t* __restrict__ src, int t
 #if TWELL_SCAN_SIMD
       uint32_t mask;
       bool bad;
-      tile_bits(raw[b], mask, bad);
+      // A non-finite value makes the row heavy, so relu's rule for a negative NaN need not
+      // be applied.
+      twell_tile_bits<EPL, false>(raw[b], mask, bad);
       if (__any_sync(0xffffffffu, bad)) {
         is_heavy = true;
         break;
       }
       if (__ballot_sync(0xffffffffu, mask != 0u) == 0u) continue;  // no entry in the tile
       const int mine = __popc(mask);
-      int incl = mine;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += o;
-      }
+      const int incl = twell_warp_prefix(mine, lane);
       const int count = __shfl_sync(0xffffffffu, incl, 31);
       is_heavy = twell_tile_overflows(count, TWELL_SLOTS) ||
                  twell_row_over_limit(total + count, max_row_nnz);

@@ -10,7 +10,10 @@
 // rule of common.cuh; relu decided on bits, NaN counts as a nonzero).
 // Limits: N % TILE == 0, N <= 65536, TILE in {32..256}, SLOTS in {2..TILE}.
 //
-// Compile-time parameters: TWELL_TILE, TWELL_SLOTS; constant TWELL_PACK_WARPS (pack.py).
+// Compile-time parameters: TWELL_TILE, TWELL_SLOTS; constants TWELL_PACK_WARPS and
+// TWELL_PACK_SIMD (pack.py): the bit tests two bf16 per instruction (twell_tile_bits, the
+// same mask as twell_relu_keeps), and a tile without entries stored as zeros straight
+// away (no prefix sum, no staging); 0: one value at a time. The same words either way.
 
 #define EPL (TWELL_TILE / 32)
 #define PACK_WARPS TWELL_PACK_WARPS
@@ -33,6 +36,35 @@ twell_pack_rows(const uint16_t* __restrict__ pre,   // [M, N] bf16 bits, gate pr
   uint32_t next[(EPL + 1) / 2];
   twell_load_lane<EPL>(src + lane * EPL, next);
   for (int j = 0; j < tiles; ++j) {
+#if TWELL_PACK_SIMD
+    uint32_t raw[(EPL + 1) / 2];
+#pragma unroll
+    for (int w = 0; w < (EPL + 1) / 2; ++w) raw[w] = next[w];
+    if (j + 1 < tiles) twell_load_lane<EPL>(src + (j + 1) * TWELL_TILE + lane * EPL, next);
+    uint32_t mask;
+    bool bad;
+    twell_tile_bits<EPL, true>(raw, mask, bad);
+    is_heavy |= __any_sync(0xffffffffu, bad);
+    if (__ballot_sync(0xffffffffu, mask != 0u) == 0u) {  // no entry: count 0, zeros
+      for (int w = lane; w < TWELL_SLOTS; w += 32) __stcs(dst + j * TWELL_SLOTS + w, 0u);
+      continue;
+    }
+    const int mine = __popc(mask);
+    const int incl = twell_warp_prefix(mine, lane);
+    const int total = __shfl_sync(0xffffffffu, incl, 31);
+    is_heavy |= twell_tile_overflows(total, TWELL_SLOTS);
+    for (int w = lane; w < TWELL_SLOTS; w += 32) stage[warp][w] = 0u;
+    __syncwarp();
+    if (!twell_tile_overflows(total, TWELL_SLOTS) && mask != 0u) {
+      uint16_t v[EPL];
+      twell_unpack_lane<EPL>(raw, v);
+      int slot = 1 + incl - mine;
+      const uint32_t col0 = (uint32_t)(j * TWELL_TILE + lane * EPL);
+#pragma unroll
+      for (int e = 0; e < EPL; ++e)
+        if (mask & (1u << e)) stage[warp][slot++] = (col0 + e) | ((uint32_t)v[e] << 16);
+    }
+#else
     uint16_t v[EPL];
     twell_unpack_lane<EPL>(next, v);
     if (j + 1 < tiles) twell_load_lane<EPL>(src + (j + 1) * TWELL_TILE + lane * EPL, next);
@@ -52,6 +84,7 @@ twell_pack_rows(const uint16_t* __restrict__ pre,   // [M, N] bf16 bits, gate pr
       for (int e = 0; e < EPL; ++e)
         if (mask & (1u << e)) stage[warp][slot++] = (col0 + e) | ((uint32_t)v[e] << 16);
     }
+#endif
     if (lane == 0) stage[warp][0] = (uint32_t)total;
     __syncwarp();
     for (int w = lane; w < TWELL_SLOTS; w += 32) __stcs(dst + j * TWELL_SLOTS + w, stage[warp][w]);

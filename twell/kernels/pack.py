@@ -12,12 +12,15 @@ from twell.kernels.compile import Source, declare
 
 #: Rows packed by one block (one warp each).
 PACK_WARPS = 8
+#: The bit tests two bf16 per instruction and empty tiles stored straight away (1), or
+#: one value at a time (0); the same words (pack.cu).
+PACK_SIMD = 1
 
 SOURCE = declare(
     Source(
         "pack.cu",
         parameters=("TILE", "SLOTS"),
-        constants={"PACK_WARPS": PACK_WARPS},
+        constants={"PACK_WARPS": PACK_WARPS, "PACK_SIMD": PACK_SIMD},
         examples=tuple(
             {"TILE": t, "SLOTS": s}
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
