@@ -235,13 +235,9 @@ def simd_timings():
         specials = [special_problem(m, n, k, 7, non_finite=nf) for nf in (False, True)]
         state = {"i": 0}
 
-        packed = cp.empty((m, n // 256 * 32), dtype=cp.uint32)
-        heavy = cp.zeros((m,), dtype=cp.uint8)
-
-        def run(x=x, ws=ws, state=state, packed=packed, heavy=heavy):
+        def run(x=x, ws=ws, state=state):
             state["i"] ^= 1
-            return gate_gemm.launch(x, ws[state["i"]], tile=256, slots=32, packed=packed,
-                                    heavy=heavy)  # fmt: skip
+            return gate_gemm.launch(x, ws[state["i"]], tile=256, slots=32)
 
         times, words = {0: [], 1: []}, {}
         for simd in (0, 1) * 3:
