@@ -218,53 +218,9 @@ def block_timings():
     return out
 
 
-def simd_timings():
-    """The packing gate GEMM with the packers' bit tests one value at a time and two bf16
-    per instruction (gate_gemm.GATE_PACK_SIMD 0 / 1), interleaved, weights alternated:
-    ms (the best median of three rounds) and whether the words and flags agree (on a
-    pre-activation with rows of +-Inf and NaN too: special_problem)."""
-    import dataclasses
-
-    from twell.kernels import compile as kc
-
-    base = gate_gemm.SOURCE
-    out = []
-    for m, n, k in ((4096, 5632, 2048), (16384, 5632, 2048)):
-        x = rand_bf16((m, k), 5)
-        ws = [rand_bf16((n, k), 6 + i, 1.0 / np.sqrt(k)) for i in range(2)]
-        specials = [special_problem(m, n, k, 7, non_finite=nf) for nf in (False, True)]
-        state = {"i": 0}
-
-        def run(x=x, ws=ws, state=state):
-            state["i"] ^= 1
-            return gate_gemm.launch(x, ws[state["i"]], tile=256, slots=32)
-
-        times, words = {0: [], 1: []}, {}
-        for simd in (0, 1) * 3:
-            gate_gemm.SOURCE = dataclasses.replace(
-                base, constants={**base.constants, "GATE_PACK_SIMD": simd}
-            )
-            kc._launches.clear()  # the launch cache is keyed on the source's name
-            times[simd].append(time_ms(run))
-            if simd not in words:
-                words[simd] = [a.copy() for xs, wss in specials
-                               for a in gate_gemm.gate_pack(xs, wss, 256, 32)]  # fmt: skip
-        gate_gemm.SOURCE = base
-        kc._launches.clear()
-        r = {"M": m, "N": n, "K": k, "scalar_ms": times[0], "simd_ms": times[1],
-             "words_equal": all(bool(cp.array_equal(a, b))
-                                for a, b in zip(words[0][::2], words[1][::2], strict=True)),
-             "heavy_equal": all(bool(cp.array_equal(a, b))
-                                for a, b in zip(words[0][1::2], words[1][1::2], strict=True)),
-             "heavy_rows": [int(h.sum()) for h in words[1][1::2]]}  # fmt: skip
-        print(json.dumps(r), flush=True)
-        out.append(r)
-    return out
-
-
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=["small", "full", "block", "clocks", "simd"])
+    parser.add_argument("phase", choices=["small", "full", "block", "clocks"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = []
@@ -326,16 +282,13 @@ def main():
         print(json.dumps(results[-1]), flush=True)
     if args.phase == "block":
         results += block_timings()
-    if args.phase == "simd":
-        results += simd_timings()
     if args.phase == "clocks":
         results += clocks()
     print(f"elapsed {time.time() - t0:.1f} s")
     if args.out:
         with open(f"{args.out}/gate_gemm_{args.phase}.json", "w") as f:
             json.dump(results, f, indent=1)
-    bad = [r for r in results if "error" in r or r.get("pack_equal") is False
-           or r.get("words_equal") is False or r.get("heavy_equal") is False]  # fmt: skip
+    bad = [r for r in results if "error" in r or r.get("pack_equal") is False]
     sys.exit(1 if bad else 0)
 
 

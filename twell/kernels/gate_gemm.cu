@@ -40,8 +40,7 @@
 //
 // Compile-time parameters: TWELL_TILE, TWELL_SLOTS, TWELL_OUTPUT, TWELL_STAGES and
 // TWELL_SMEM_BYTES (the launcher's sum for that ring, checked here); constants from the
-// launcher: TWELL_BLOCK_M/N/K, TWELL_CONSUMERS, TWELL_GATE_PACK_SIMD (the packers' bit
-// tests two bf16 per instruction; 0: one value at a time).
+// launcher: TWELL_BLOCK_M/N/K, TWELL_CONSUMERS.
 
 // Constants shared with the launcher (gate_gemm.py passes them in the prelude).
 #define BM TWELL_BLOCK_M
@@ -144,11 +143,6 @@ __device__ __forceinline__ void bar_arrive(int id) {
 __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, int tiles_here,
                                          int col0, int lane, uint8_t* __restrict__ heavy_flag) {
   const uint32_t raw[4] = {q.x, q.y, q.z, q.w};
-#if TWELL_GATE_PACK_SIMD  // two bf16 per instruction: the same mask and flag
-  uint32_t mask;
-  bool bad;
-  twell_tile_bits<8, true>(raw, mask, bad);
-#else
   uint32_t mask = 0, bad = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // both halves as the top bits of a 32-bit word
@@ -157,7 +151,6 @@ __device__ __forceinline__ void pack_row(uint4 q, uint32_t* __restrict__ dst, in
     mask |= (nz_lo | (nz_hi << 1)) << (2 * i);
     bad |= twell_non_finite_top(lo) | twell_non_finite_top(hi);
   }
-#endif
   const uint32_t mine = __popc(mask);  // 0..8: four bits
   const uint32_t seg_mask =
       LANES_PER_TILE == 32 ? 0xffffffffu

@@ -43,9 +43,6 @@ def smem_bytes(stages: int = STAGES, output: int = OUTPUT_PACKED) -> int:
 
 
 SMEM_BYTES = smem_bytes()
-#: The packer warps' bit tests two bf16 per instruction (``twell_tile_bits``) (1), or
-#: one value at a time (0); the same words.
-GATE_PACK_SIMD = 1
 _THREADS = 128 * (CONSUMERS + 1)
 
 SOURCE = declare(
@@ -56,7 +53,6 @@ SOURCE = declare(
         parameters=("TILE", "SLOTS", "OUTPUT", "STAGES", "SMEM_BYTES"),
         constants={
             "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "CONSUMERS": CONSUMERS,
-            "GATE_PACK_SIMD": GATE_PACK_SIMD,
         },
         examples=tuple(
             {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "STAGES": STAGES,
