@@ -15,10 +15,9 @@ import dataclasses
 import json
 
 import cupy as cp
-import numpy as np
 
+from bench.dev_gate_gemm import time_ms
 from twell.benchmark import gpu_name, make_problem, to_device, versions
-from twell.kernels import compile as kc
 from twell.kernels import pack
 from twell.kernels.cublas import gemm_nt
 
@@ -29,21 +28,6 @@ CASES = ((4096, 2048, 5632, 0.005), (16384, 2048, 5632, 0.005), (16384, 4096, 14
 
 def use(simd: int) -> None:
     pack.SOURCE = dataclasses.replace(BASE, constants={**BASE.constants, "PACK_SIMD": simd})
-    kc._launches.clear()  # the launch cache is keyed on the source's name
-
-
-def time_us(fn, reps: int = 30) -> float:  # noqa: ANN001
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -63,7 +47,7 @@ def main() -> None:
         for simd in (0, 1, 0, 1):
             use(simd)
             packed, heavy = pack.pack(pre, 256, 32)
-            t = time_us(lambda pre=pre: pack.pack(pre, 256, 32))
+            t = time_ms(lambda pre=pre: pack.pack(pre, 256, 32), reps=30) * 1e3
             results.setdefault(simd, []).append(t)
             if simd not in results.get("words", {}):
                 results.setdefault("words", {})[simd] = (packed.copy(), heavy.copy())

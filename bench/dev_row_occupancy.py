@@ -32,7 +32,6 @@ import torch.nn.functional as F  # noqa: N812
 
 import twell
 from twell.benchmark import gpu_name, versions
-from twell.kernels import compile as kc
 from twell.kernels import light_rows, light_rows_sliced
 from twell.sweeps import back_to_back_ms, graph_ms, per_call_ms, torch_problem
 
@@ -48,7 +47,6 @@ BASE = light_rows.SOURCE
 
 def use(variant: dict) -> None:
     light_rows.SOURCE = dataclasses.replace(BASE, constants={**BASE.constants, **variant})
-    kc._launches.clear()  # the launch cache is keyed on the source's name
     light_rows._wide_warps_per_sm.cache_clear()
 
 

@@ -180,3 +180,20 @@ def test_decode_units_route_limits() -> None:
     assert not decode_units.fits(1, 48)  # 32-unit mask words
     assert decode_units.fits(1, 65536) and not decode_units.fits(1, 65536 + 32)  # 16-bit ids
     assert [decode_units.token_tiles(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]
+
+
+def test_launch_cache_tells_a_variant_from_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Source.kernel caches per Source object (CPU: the compile stubbed): a variant built
+    with other constants gets its own kernel under the same name, the same source hits."""
+    import dataclasses
+
+    built = []
+    monkeypatch.setattr(kc, "_device_id", lambda: 0)
+    monkeypatch.setattr(kc, "_kernel", lambda s, f, d: built.append(d) or object())
+    monkeypatch.setattr(kc, "_launches", {})
+    source = kc.SOURCES["pack.cu"]
+    variant = dataclasses.replace(source, constants={**source.constants, "PACK_SIMD": 0})
+    a = source.kernel("twell_pack_rows", TILE=256, SLOTS=32)
+    assert source.kernel("twell_pack_rows", TILE=256, SLOTS=32) is a
+    b = variant.kernel("twell_pack_rows", TILE=256, SLOTS=32)
+    assert b is not a and [d["PACK_SIMD"] for d in built] == [1, 0]

@@ -46,8 +46,11 @@ COMMON_HEADER = "common.cuh"
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
 _kernels: dict[tuple[int, str, tuple[tuple[str, int], ...], str], Any] = {}
-#: Source.kernel's cache: (device, source, function, *parameter items) -> kernel.
-_launches: dict[tuple, Any] = {}
+#: Source.kernel's cache: (device, id(source), function, *parameter items) -> (source,
+#: kernel). Keyed on the Source object, not its name, so that a variant with other
+#: constants (``dataclasses.replace(SOURCE, constants=...)``, as benchmarks build) gets its
+#: own kernels; the entry holds the source, so its id is not reused while cached.
+_launches: dict[tuple, tuple[Source, Any]] = {}
 
 #: Every declared source, by file name (filled by the launcher modules' imports).
 SOURCES: dict[str, Source] = {}
@@ -93,11 +96,11 @@ class Source:
         and one dict lookup keyed on the call as written (a launcher passes its
         parameters in a fixed order); the first call of a key checks and compiles.
         """
-        key = (_device_id(), self.name, function, *params.items())
+        key = (_device_id(), id(self), function, *params.items())
         found = _launches.get(key)
         if found is None:
-            found = _launches[key] = _kernel(self, function, self.defines(params))
-        return found
+            found = _launches[key] = (self, _kernel(self, function, self.defines(params)))
+        return found[1]
 
 
 def declare(source: Source) -> Source:
