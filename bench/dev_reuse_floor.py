@@ -166,7 +166,7 @@ def main() -> None:
     blocks, slices = heads.shape[0], k // SLICE
     out = cp.empty((blocks * slices, TOKENS, SLICE), cp.uint16)
     probes = {}
-    for sw in (0, 1):
+    for sw in (0, 1, 2):
         for sync in (0, 1):
             kern = SOURCE.kernel("twell_floor_down", SWITCH=sw, SYNC=sync)
             smem = 2 * ROWS * SLICE * 2

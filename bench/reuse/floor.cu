@@ -51,7 +51,30 @@ twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads
     const uint32_t my_e = lane < total ? ent[off + lane] : 0u;
     const float my_h = lane < total ? hv[off + lane] : 0.f;
     const uint4* st = stage + (c & 1) * TWELL_ROWS * 32 + lane;
-#if TWELL_SWITCH
+#if TWELL_SWITCH == 2
+    // The flat list with the next entry's (row, h) and weights loaded while this one is
+    // added (lanes past the list hold row 0: a valid read, never added).
+    uint32_t e = __shfl_sync(FULL, my_e, 0);
+    float h = __shfl_sync(FULL, my_h, 0);
+    uint4 v = st[(e & 255u) * 32];
+    for (int j = 0; j < total; ++j) {
+      const uint32_t e1 = __shfl_sync(FULL, my_e, (j + 1) & 31);
+      const float h1 = __shfl_sync(FULL, my_h, (j + 1) & 31);
+      const uint4 v1 = st[(e1 & 255u) * 32];
+      switch ((e >> 8) & 7u) {
+#define FLOOR_CASE(S) \
+  case S:             \
+    twell_axpy8(h, v, acc[S]); \
+    break;
+        FLOOR_CASE(0) FLOOR_CASE(1) FLOOR_CASE(2) FLOOR_CASE(3)
+        FLOOR_CASE(4) FLOOR_CASE(5) FLOOR_CASE(6) FLOOR_CASE(7)
+#undef FLOOR_CASE
+      }
+      e = e1;
+      h = h1;
+      v = v1;
+    }
+#elif TWELL_SWITCH
     for (int j = 0; j < total; ++j) {
       const uint32_t e = __shfl_sync(FULL, my_e, j);
       const float h = __shfl_sync(FULL, my_h, j);
