@@ -30,12 +30,11 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 
-from twell.benchmark import gpu_name, make_problem, to_device, versions
+from bench.dev_reuse_floor import uniform_block
+from twell.benchmark import gpu_name, versions
 from twell.kernels import heavy_rows, light_rows
 from twell.kernels.buffers import empty_bf16
 from twell.kernels.cublas import gemm_nt
-from twell.kernels.pipeline import PreparedBlock
-from twell.options import Options
 
 SET_IF = r"""
 #include <cuda_device_runtime_api.h>
@@ -129,9 +128,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     m, k, n = args.M, 2048, 5632
-    p = make_problem("uniform", m, k, n)
-    x, wg, wu, wd = (to_device(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    block = PreparedBlock(wg, wu, wd, Options())
+    x, wg, block = uniform_block(m, k, n)
     pre = gemm_nt(x, wg)
     heavy = cp.zeros((m,), cp.uint8)
     y = empty_bf16((m, k))

@@ -105,15 +105,20 @@ def reference(w: np.ndarray, heads, offs, ent, hv, chunks: int, block: int) -> n
     return out
 
 
+def uniform_block(m: int, k: int = 2048, n: int = 5632):
+    """``x``, ``w_gate`` (CuPy) and a prepared block of `uniform` p=0.005."""
+    p = make_problem("uniform", m, k, n)
+    x, wg, wu, wd = (to_device(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
+    return x, wg, PreparedBlock(wg, wu, wd, Options())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, default=16384)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     m, k, n = args.M, 2048, 5632
-    p = make_problem("uniform", m, k, n)
-    x, wg, wu, wd = (to_device(a) for a in (p.x, p.w_gate, p.w_up, p.w_down))
-    block = PreparedBlock(wg, wu, wd, Options())
+    x, wg, block = uniform_block(m, k, n)
     limit = block.max_row_nnz
     packed, heavy = gate_gemm.gate_pack(x, wg, 256, 32)
     y = empty_bf16((m, k))

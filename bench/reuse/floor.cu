@@ -24,6 +24,20 @@
 
 #define FULL 0xffffffffu
 
+// acc[slot] += h * v (8 bf16), the slot picked by a switch: the sums stay in registers
+// (a dynamic index would put them in local memory); the branch is warp-uniform here.
+__device__ __forceinline__ void add_to_slot(uint32_t slot, float h, uint4 v, float (&acc)[8][8]) {
+  switch (slot) {
+#define FLOOR_CASE(S) \
+  case S:             \
+    twell_axpy8(h, v, acc[S]); \
+    break;
+    FLOOR_CASE(0) FLOOR_CASE(1) FLOOR_CASE(2) FLOOR_CASE(3)
+    FLOOR_CASE(4) FLOOR_CASE(5) FLOOR_CASE(6) FLOOR_CASE(7)
+#undef FLOOR_CASE
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(512, 1)
 twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads,
                  const int* __restrict__ offs, const uint32_t* __restrict__ ent,
@@ -61,15 +75,7 @@ twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads
       const uint32_t e1 = __shfl_sync(FULL, my_e, (j + 1) & 31);
       const float h1 = __shfl_sync(FULL, my_h, (j + 1) & 31);
       const uint4 v1 = st[(e1 & 255u) * 32];
-      switch ((e >> 8) & 7u) {
-#define FLOOR_CASE(S) \
-  case S:             \
-    twell_axpy8(h, v, acc[S]); \
-    break;
-        FLOOR_CASE(0) FLOOR_CASE(1) FLOOR_CASE(2) FLOOR_CASE(3)
-        FLOOR_CASE(4) FLOOR_CASE(5) FLOOR_CASE(6) FLOOR_CASE(7)
-#undef FLOOR_CASE
-      }
+      add_to_slot((e >> 8) & 7u, h, v, acc);
       e = e1;
       h = h1;
       v = v1;
@@ -79,15 +85,7 @@ twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads
       const uint32_t e = __shfl_sync(FULL, my_e, j);
       const float h = __shfl_sync(FULL, my_h, j);
       const uint4 v = st[(e & 255u) * 32];
-      switch ((e >> 8) & 7u) {
-#define FLOOR_CASE(S) \
-  case S:             \
-    twell_axpy8(h, v, acc[S]); \
-    break;
-        FLOOR_CASE(0) FLOOR_CASE(1) FLOOR_CASE(2) FLOOR_CASE(3)
-        FLOOR_CASE(4) FLOOR_CASE(5) FLOOR_CASE(6) FLOOR_CASE(7)
-#undef FLOOR_CASE
-      }
+      add_to_slot((e >> 8) & 7u, h, v, acc);
     }
 #else
     int j = 0;
