@@ -12,7 +12,8 @@ per replay, CUDA events over 200 replays, the three interleaved five times):
   alone    from_pre only (the floor)
 Then both graphs with and without one row flagged heavy after from_pre (its light output
 poisoned with NaN, so only the heavy-row stage writes it): the IF graph's y must equal
-the plain graph's bit for bit both times (y poisoned with NaN before each replay).
+the plain graph's bit for bit both times (y poisoned with NaN before each replay), and
+the body must have run only in the first (the row count it writes set to -1 before).
 
 torch 2.11 has no conditional capture of its own (`CUDAGraph.begin_capture_to_if_node`
 came later), hence the driver calls here.
@@ -109,7 +110,7 @@ def capture(stream: cp.cuda.Stream, side: cp.cuda.Stream, before, body, set_if=N
             ctypes.memmove(bodies, params.graphs_out, ctypes.sizeof(bodies))
             _call("cuStreamUpdateCaptureDependencies_v2", _P(stream.ptr), ctypes.byref(node),
                   None, 1, SET_DEPS)  # fmt: skip
-            _call("cuStreamBeginCaptureToGraph", _P(side.ptr), bodies[0], None, None, 0,
+            _call("cuStreamBeginCaptureToGraph", _P(side.ptr), _P(bodies[0]), None, None, 0,
                   THREAD_LOCAL)  # fmt: skip
             with side:
                 body()
@@ -203,10 +204,12 @@ def main() -> None:
             for kind in ("plain", "if_node"):
                 exe = build(kind)
                 u16.fill(0x7FC0)
+                count.fill(-1)  # compact_rows, inside the body, overwrites it when it runs
                 stream.synchronize()
                 _call("cuGraphLaunch", exe, _P(stream.ptr))
                 stream.synchronize()
                 results[(flagged, kind)] = u16.copy()
+                results[(flagged, kind, "count")] = int(count[0])
         want = results[(True, "plain")]
         checks = {
             "flagged_equal_plain": bool(cp.array_equal(results[(True, "if_node")], want)),
@@ -214,6 +217,8 @@ def main() -> None:
             "unflagged_equal_plain": bool(
                 cp.array_equal(results[(False, "if_node")], results[(False, "plain")])
             ),
+            "body_ran_when_flagged": results[(True, "if_node", "count")] == 1,
+            "body_skipped_when_not": results[(False, "if_node", "count")] == -1,
         }
     except Exception as error:  # noqa: BLE001
         checks["error"] = repr(error)
