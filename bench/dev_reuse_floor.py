@@ -22,6 +22,7 @@ column slice), and for NaN (the output is poisoned before the launch) everywhere
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from pathlib import Path
@@ -40,7 +41,7 @@ from twell.options import Options
 ROWS = 128  # units of a chunk (compacted), 512 bytes each at 256 columns
 TOKENS = 128  # tokens of a CTA: 16 warps x 8 slots
 SLICE = 256  # columns of a CTA
-SOURCE = Source("floor.cu", parameters=("SWITCH", "SYNC"), constants={"ROWS": ROWS},
+SOURCE = Source("floor.cu", parameters=("SWITCH", "SYNC", "PREFETCH"), constants={"ROWS": ROWS},
                 directory=Path(__file__).parent / "reuse")  # fmt: skip
 
 
@@ -65,9 +66,9 @@ def build_lists(entries: np.ndarray, row_nnz: np.ndarray, h: np.ndarray):
         per_block.append((toks, chunk, row, hs))
         chunks = max(chunks, int(chunk.max()) + 1 if chunk.size else 0)
     heads = np.zeros((blocks, chunks, 16), np.uint32)
-    offs = np.zeros((blocks, chunks, 16), np.int32)
-    ent, hv = [], []
-    at = capped = 0
+    ent = np.zeros((blocks, chunks, 16, 32), np.uint32)  # zero past a list's end
+    hv = np.zeros((blocks, chunks, 16, 32), np.float32)
+    capped = 0
     for b, (toks, chunk, row, hs) in enumerate(per_block):
         warp, slot = toks // 8, toks % 8
         # Sort by (chunk, warp, slot), stable: a token's entries keep their order.
@@ -88,21 +89,19 @@ def build_lists(entries: np.ndarray, row_nnz: np.ndarray, h: np.ndarray):
             sl = slot[s0:s1][keep]
             counts = np.bincount(sl, minlength=8)
             heads[b, c, w] = sum(int(counts[s]) << (4 * s) for s in range(8))
-            offs[b, c, w] = at
-            ent.append((row[s0:s1][keep] | (sl << 8)).astype(np.uint32))
-            hv.append(hs[s0:s1][keep].astype(np.float32))
-            at += keep.size
-    return heads, offs, np.concatenate(ent), np.concatenate(hv), chunks, capped
+            ent[b, c, w, : keep.size] = row[s0:s1][keep] | (sl << 8)
+            hv[b, c, w, : keep.size] = hs[s0:s1][keep]
+    return heads, ent, hv, chunks, capped
 
 
-def reference(w: np.ndarray, heads, offs, ent, hv, chunks: int, block: int) -> np.ndarray:
+def reference(w: np.ndarray, heads, ent, hv, chunks: int, block: int) -> np.ndarray:
     """float64 [TOKENS, SLICE] of one CTA: the lists of ``block`` over the staged rows."""
     out = np.zeros((TOKENS, SLICE))
     for c in range(chunks):
         for wp in range(16):
-            head, off = int(heads[block, c, wp]), int(offs[block, c, wp])
+            head = int(heads[block, c, wp])
             total = sum((head >> (4 * s)) & 15 for s in range(8))
-            for e, h in zip(ent[off : off + total], hv[off : off + total], strict=True):
+            for e, h in zip(ent[block, c, wp, :total], hv[block, c, wp, :total], strict=True):
                 slot, row = (int(e) >> 8) & 7, int(e) & 255
                 out[wp * 8 + slot] += float(h) * w[c & 1, row]
     return out
@@ -160,55 +159,54 @@ def main() -> None:
     rec["sliced_down_us"] = time_ms(downs) * 1e3
     print(json.dumps(rec), flush=True)
 
-    heads, offs, ent, hv, chunks, capped = build_lists(
+    heads, ent, hv, chunks, capped = build_lists(
         cp.asnumpy(entries), cp.asnumpy(row_nnz), cp.asnumpy(h)
     )
-    rec.update(chunks=chunks, lists_capped=capped, entries=int(ent.size),
+    listed = sum(int(((heads >> (4 * q)) & 15).sum()) for q in range(8))
+    rec.update(chunks=chunks, lists_capped=capped, entries=listed,
                light_rows=int((cp.asnumpy(row_nnz) > 0).sum()))  # fmt: skip
     rng = np.random.default_rng(1)
     w_bits = rng.standard_normal((2, ROWS, SLICE)).astype(np.float32).view(np.uint32) >> 16
     w_bits = w_bits.astype(np.uint16)
     w_f = (w_bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    d_w, d_heads, d_offs = cp.asarray(w_bits), cp.asarray(heads), cp.asarray(offs)
+    d_w, d_heads = cp.asarray(w_bits), cp.asarray(heads)
     d_ent, d_hv = cp.asarray(ent), cp.asarray(hv)
     blocks, slices = heads.shape[0], k // SLICE
     out = cp.empty((blocks * slices, TOKENS, SLICE), cp.uint16)
     probes = {}
     last = blocks - 1
-    refs = {b: reference(w_f, heads, offs, ent, hv, chunks, b) for b in (0, last)}
-    for sw in (0, 1, 2):
-        for sync in (0, 1):
-            kern = SOURCE.kernel("twell_floor_down", SWITCH=sw, SYNC=sync)
-            smem = 2 * ROWS * SLICE * 2
-            kern.max_dynamic_shared_size_bytes = smem
+    refs = {b: reference(w_f, heads, ent, hv, chunks, b) for b in (0, last)}
+    for sw, sync, pf in itertools.product((0, 1, 2), (0, 1), (0, 1)):
+        name = f"switch{sw}_sync{sync}_prefetch{pf}"
+        kern = SOURCE.kernel("twell_floor_down", SWITCH=sw, SYNC=sync, PREFETCH=pf)
+        smem = 2 * ROWS * SLICE * 2
+        kern.max_dynamic_shared_size_bytes = smem
 
-            def run(kern=kern, smem=smem, chunks=chunks) -> None:
-                kern(
-                    (blocks * slices,),
-                    (512,),
-                    (d_w, d_heads, d_offs, d_ent, d_hv, out, i32(chunks), i32(slices)),
-                    shared_mem=smem,
-                )
-
-            out.fill(0xFFFF)  # NaN: an unwritten element shows
-            run()
-            host = (cp.asnumpy(out).astype(np.uint32) << 16).view(np.float32)
-            err = 0.0
-            for b, ref in refs.items():  # the first and the last token block, every slice
-                got = host[b * slices : (b + 1) * slices]
-                err = max(err, float(np.abs(got - ref[None]).max() / np.abs(ref).max()))
-            ok = bool(err < 1e-2 and np.isfinite(host).all())
-            # The same launch with no chunk: the staging copy and the output stores alone.
-            fixed = time_ms(lambda run=run: run(chunks=0)) * 1e3
-            us = time_ms(run) * 1e3
-            probes[f"switch{sw}_sync{sync}"] = {
-                "us": us, "no_chunks_us": fixed, "loop_us": us - fixed, "max_rel_err": err,
-                "all_written": bool(np.isfinite(host).all()), "ok": ok,
-                "registers": int(kern.num_regs), "local_bytes": int(kern.local_size_bytes),
-            }  # fmt: skip
-            print(
-                json.dumps({f"switch{sw}_sync{sync}": probes[f"switch{sw}_sync{sync}"]}), flush=True
+        def run(kern=kern, smem=smem, chunks=chunks) -> None:
+            kern(
+                (blocks * slices,),
+                (512,),
+                (d_w, d_heads, d_ent, d_hv, out, i32(chunks), i32(slices)),
+                shared_mem=smem,
             )
+
+        out.fill(0xFFFF)  # NaN: an unwritten element shows
+        run()
+        host = (cp.asnumpy(out).astype(np.uint32) << 16).view(np.float32)
+        err = 0.0
+        for b, ref in refs.items():  # the first and the last token block, every slice
+            got = host[b * slices : (b + 1) * slices]
+            err = max(err, float(np.abs(got - ref[None]).max() / np.abs(ref).max()))
+        ok = bool(err < 1e-2 and np.isfinite(host).all())
+        # The same launch with no chunk: the staging copy and the output stores alone.
+        fixed = time_ms(lambda run=run: run(chunks=0)) * 1e3
+        us = time_ms(run) * 1e3
+        probes[name] = {
+            "us": us, "no_chunks_us": fixed, "loop_us": us - fixed, "max_rel_err": err,
+            "all_written": bool(np.isfinite(host).all()), "ok": ok,
+            "registers": int(kern.num_regs), "local_bytes": int(kern.local_size_bytes),
+        }  # fmt: skip
+        print(json.dumps({name: probes[name]}), flush=True)
     rec["probe"] = probes
     print(json.dumps(rec), flush=True)
     if args.out:

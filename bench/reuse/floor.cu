@@ -16,11 +16,13 @@
 //              1: entries in list order, the slot taken from bits 8..10 of the entry and
 //                 dispatched by a switch (the branch is warp-uniform).
 // TWELL_SYNC   1: a __syncthreads() per chunk (what a ring hand-over costs at least).
+// TWELL_PREFETCH 1: the next chunk's list loaded before this chunk's entries are added (0:
+//              after, so every chunk starts with a round trip to L2 for its list).
 //
 // Layouts: w [2][ROWS][256] bf16 (uint16); heads [block][chunk][warp] uint32 (CTA i
-// takes token block i / slices: the column slices of a block share its lists); offs the
-// same, int32 (start of the list in ent/hv); ent uint32 / hv float; out [cta][128][256]
-// bf16. A list holds at most 32 entries (the generator caps it).
+// takes token block i / slices: the column slices of a block share its lists); ent
+// uint32 / hv float [block][chunk][warp][32]; out [cta][128][256] bf16. A list holds at
+// most 32 entries (the generator caps it).
 
 #define FULL 0xffffffffu
 
@@ -40,9 +42,8 @@ __device__ __forceinline__ void add_to_slot(uint32_t slot, float h, uint4 v, flo
 
 extern "C" __global__ void __launch_bounds__(512, 1)
 twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads,
-                 const int* __restrict__ offs, const uint32_t* __restrict__ ent,
-                 const float* __restrict__ hv, uint16_t* __restrict__ out, int chunks,
-                 int slices) {
+                 const uint32_t* __restrict__ ent, const float* __restrict__ hv,
+                 uint16_t* __restrict__ out, int chunks, int slices) {
   extern __shared__ uint4 stage[];  // [2][ROWS][32]
   for (int i = threadIdx.x; i < 2 * TWELL_ROWS * 32; i += blockDim.x) stage[i] = w[i];
   __syncthreads();
@@ -54,16 +55,30 @@ twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[s][j] = 0.f;
 
+  // A list: heads[lid], its entries at ent/hv[lid * 32 + lane] (zero past its end: row 0,
+  // slot 0, h 0).
+  auto lid_of = [&](int c) { return (blk * chunks + c) * 16 + warp; };
+  uint32_t head = 0u, my_e = 0u;
+  float my_h = 0.f;
+  if (chunks > 0) {
+    head = heads[lid_of(0)];
+    my_e = ent[lid_of(0) * 32 + lane];
+    my_h = hv[lid_of(0) * 32 + lane];
+  }
   for (int c = 0; c < chunks; ++c) {
-    const long long lid = (blk * chunks + c) * 16 + warp;
-    const uint32_t head = heads[lid];
-    const int off = offs[lid];
+#if TWELL_PREFETCH
+    // The next chunk's list loaded now, used after this chunk's entries.
+    uint32_t head_n = 0u, e_n = 0u;
+    float h_n = 0.f;
+    if (c + 1 < chunks) {
+      head_n = heads[lid_of(c + 1)];
+      e_n = ent[lid_of(c + 1) * 32 + lane];
+      h_n = hv[lid_of(c + 1) * 32 + lane];
+    }
+#endif
     const int total = (int)((head & 15) + ((head >> 4) & 15) + ((head >> 8) & 15) +
-                                        ((head >> 12) & 15) + ((head >> 16) & 15) +
-                                        ((head >> 20) & 15) + ((head >> 24) & 15) +
-                                        ((head >> 28) & 15));
-    const uint32_t my_e = lane < total ? ent[off + lane] : 0u;
-    const float my_h = lane < total ? hv[off + lane] : 0.f;
+                            ((head >> 12) & 15) + ((head >> 16) & 15) +
+                            ((head >> 20) & 15) + ((head >> 24) & 15) + ((head >> 28) & 15));
     const uint4* st = stage + (c & 1) * TWELL_ROWS * 32 + lane;
 #if TWELL_SWITCH == 2
     // The flat list with the next entry's (row, h) and weights loaded while this one is
@@ -102,6 +117,17 @@ twell_floor_down(const uint4* __restrict__ w, const uint32_t* __restrict__ heads
 #endif
 #if TWELL_SYNC
     __syncthreads();
+#endif
+#if TWELL_PREFETCH
+    head = head_n;
+    my_e = e_n;
+    my_h = h_n;
+#else
+    if (c + 1 < chunks) {
+      head = heads[lid_of(c + 1)];
+      my_e = ent[lid_of(c + 1) * 32 + lane];
+      my_h = hv[lid_of(c + 1) * 32 + lane];
+    }
 #endif
   }
 #pragma unroll
