@@ -194,6 +194,7 @@ class Repointed:
         self._exec = int(handle.value or 0)
         self._finalizer = weakref.finalize(self, _destroy, self._exec)
         self._bases = tuple(s for s, _ in self.ranges)
+        self._launch = _driver.function("cuGraphLaunch")  # bound once: a launch per call
 
     def _scan_kernel(self, node: int) -> None:
         params = KernelNodeParams()
@@ -250,7 +251,9 @@ class Repointed:
 
     def launch(self, stream: int) -> None:
         """Launch the graph on ``stream`` (a ``CUstream`` handle)."""
-        call("cuGraphLaunch", self._exec, stream)
+        status = self._launch(self._exec, stream)
+        if status:
+            raise _driver.DriverError("cuGraphLaunch", status)
 
     def close(self) -> None:
         """Destroy the instantiated graph now (it is also destroyed when collected)."""

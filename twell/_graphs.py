@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -95,28 +96,27 @@ class _Graph:
     def __call__(self, x: Any, stream: int) -> Any:
         """The graph's output for ``x``, launched on ``stream`` (a raw CUDA stream: torch's
         current one, where copies and torch's own replay run)."""
-        import torch
-
-        if not self.execs:
+        execs = self.execs
+        if not execs:
             self.static_x.copy_(x)
             self.graph.replay()
             return self.static_y.clone()
-        y = (
-            torch.empty(self.out[0], dtype=self.out[1], device=x.device)
-            if self.fresh_output
-            else None
-        )
+        # (new_empty: x's device without building a torch.device; every microsecond of a
+        # replayed call's host time counts)
+        y = x.new_empty(self.out[0], dtype=self.out[1]) if self.fresh_output else None
         want = (x.data_ptr(),) if y is None else (x.data_ptr(), y.data_ptr())
-        found = next((e for e in self.execs if e.bases == want), None)
-        if found is None:
-            if len(self.execs) < EXECS:
-                found = _graph_nodes.Repointed(self.graph.raw_cuda_graph(), self.execs[0].ranges)
-            else:
-                found = self.execs[0]
-            found.point(want)
-        if found in self.execs:
-            self.execs.remove(found)
-        self.execs.append(found)  # the most recently used last
+        found = execs[-1]  # the most recently used last: a loop in place hits it
+        if found.bases != want:
+            found = next((e for e in execs if e.bases == want), None)
+            if found is None:
+                if len(execs) < EXECS:
+                    found = _graph_nodes.Repointed(self.graph.raw_cuda_graph(), execs[0].ranges)
+                else:
+                    found = execs[0]
+                found.point(want)
+            if found in execs:
+                execs.remove(found)
+            execs.append(found)
         found.launch(stream)
         return self.static_y.clone() if y is None else y
 
@@ -152,8 +152,6 @@ class GraphedBlock:
         self.captures = 0
 
     def __call__(self, x: Any) -> Any:
-        import torch
-
         self._calls += 1
         m = x.shape[0]
         if m == 0 or m > GRAPH_TOKENS or _capturing():
@@ -176,6 +174,8 @@ class GraphedBlock:
             m > COPY_TOKENS and (not _can_repoint() or not _remember(self._seen, key))
         ):
             return self.run(x)
+        import torch
+
         try:
             found, y = self._capture(x, torch.cuda.current_stream(device))
         except BaseException:
@@ -265,23 +265,30 @@ def _note(keys: collections.OrderedDict, key: tuple) -> None:
         keys.popitem(last=False)
 
 
-def _capturing() -> bool:
-    """Whether torch's current stream is capturing (torch's call without its wrapper: a
-    replayed call's host time counts)."""
+@functools.cache
+def _torch_calls() -> tuple[Callable[[], bool], Callable[[int], int]]:
+    """torch's capture check and its current stream as a ``cudaStream_t``, looked up once:
+    the private calls its compiler's generated code uses (the public ones wrap them, and
+    ``torch.cuda.current_stream`` builds a ``Stream`` object: several microseconds of a
+    replayed call's host time), else the public ones."""
     import torch
 
     check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    return check() if check is not None else torch.cuda.is_current_stream_capturing()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return (
+        check or torch.cuda.is_current_stream_capturing,
+        raw or (lambda device: torch.cuda.current_stream(device).cuda_stream),
+    )
+
+
+def _capturing() -> bool:
+    """Whether torch's current stream is capturing."""
+    return _torch_calls()[0]()
 
 
 def _raw_stream(device: int) -> int:
-    """torch's current stream on ``device`` as a ``cudaStream_t`` (torch's private call
-    that its compiler's generated code uses; the public ``torch.cuda.current_stream``
-    builds a ``Stream`` object, several microseconds of a replayed call's host time)."""
-    import torch
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    """torch's current stream on ``device`` as a ``cudaStream_t``."""
+    return _torch_calls()[1](device)
 
 
 def _can_repoint() -> bool:

@@ -331,12 +331,12 @@ class SparseFFN:
             )
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.
-        self._fast_torch: tuple[type, frozenset, Any] | None = None
+        self._fast_torch: tuple[type, frozenset] | None = None
         if self.library == "torch":
             import torch
 
             floats = frozenset(getattr(torch, name) for name in TORCH_FLOATS)
-            self._fast_torch = (torch.Tensor, floats, torch.device("cuda", self._device))
+            self._fast_torch = (torch.Tensor, floats)
 
     @property
     def gated(self) -> bool:
@@ -362,13 +362,14 @@ class SparseFFN:
             fast is not None
             and isinstance(x, fast[0])
             and x.dtype in fast[1]
-            and x.device == fast[2]
-            and x.dim() >= 2
+            and x.is_cuda
+            and x.get_device() == self._device  # (x.device builds a torch.device)
+            and (dims := x.dim()) >= 2
             and x.shape[-1] == k
             and x.numel() > 0
             and x.is_contiguous()
         ):
-            if x.dim() == 2:
+            if dims == 2:
                 return self._graphed(x)
             return self._graphed(x.view(-1, k)).view(x.shape)
         if hasattr(x, "shape") and (len(x.shape) < 1 or x.shape[-1] != k):
