@@ -1,7 +1,8 @@
 """Host time of a replayed `SparseFFN` call (torch tensors, `uniform`), for comparing two
 trees of twell in one device call: run it once per tree with that tree first on
 PYTHONPATH and compare the JSON lines. µs per call: behind a GPU sleep (the GPU never
-what the host waits for; least of 5 rounds of 8 calls) and in a plain loop.
+what the host waits for; the least and the median of ``--repeats`` rounds of ``--calls``
+calls) and in a plain loop.
 
     PYTHONPATH=<tree>:. python bench/dev_host_ab.py [--M 1 64 2048 4096] [--tag NAME]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import numpy as np
@@ -44,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, nargs="+", default=[1, 64, 2048, 4096])
     parser.add_argument("--tag", default="")
+    parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(json.dumps({"tag": args.tag, "allocation_us": allocation_us()}), flush=True)
     for m in args.M:
@@ -56,7 +60,9 @@ def main() -> None:
             block(x)
         call = lambda block=block, x=x: block(x)  # noqa: E731
         rec = {"tag": args.tag, "twell": twell.__file__, "M": m,
-               "host_sleep_us": host_us(call), "host_loop_us": per_call_us(call),
+               "host_sleep_us": host_us(call, args.calls, args.repeats),
+               "host_sleep_median_us": host_us(call, args.calls, args.repeats, statistics.median),
+               "host_loop_us": per_call_us(call),
                "captures": block._graphed.captures}  # fmt: skip
         print(json.dumps(rec), flush=True)
 

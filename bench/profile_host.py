@@ -33,14 +33,15 @@ def per_call_us(fn, calls: int = 300) -> float:  # noqa: ANN001
     return elapsed / calls * 1e6
 
 
-def host_us(fn, calls: int = 8, repeats: int = 5) -> float:  # noqa: ANN001
+def host_us(fn, calls: int = 8, repeats: int = 5, pick=min) -> float:  # noqa: ANN001
     """Host time per call with the GPU held busy: ``calls`` calls are queued behind a long
-    GPU sleep, so the GPU is never what the host waits for; the least of ``repeats``
-    rounds. A call that synchronises with the GPU would wait out the sleep: that raises.
-    (Keep calls x launches per call under the launch queue's depth, about 1000.)"""
+    GPU sleep, so the GPU is never what the host waits for; ``pick`` (the least by
+    default) of ``repeats`` rounds. A call that synchronises with the GPU would wait out
+    the sleep: that raises. (Keep calls x launches per call under the launch queue's
+    depth, about 1000.)"""
     for _ in range(3):
         fn()
-    best = float("inf")
+    rounds = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU clock cycles
@@ -51,8 +52,8 @@ def host_us(fn, calls: int = 8, repeats: int = 5) -> float:  # noqa: ANN001
         torch.cuda.synchronize()
         if elapsed > 0.3:
             raise RuntimeError(f"{fn}: {elapsed:.2f} s behind a GPU sleep: it synchronises")
-        best = min(best, elapsed / calls * 1e6)
-    return best
+        rounds.append(elapsed / calls * 1e6)
+    return pick(rounds)
 
 
 def until_gate_us(fn, calls: int = 20) -> float:  # noqa: ANN001
