@@ -59,7 +59,8 @@ def main() -> None:
         for _ in range(3):  # the graph captured (the second call of a large batch)
             block(x)
         call = lambda block=block, x=x: block(x)  # noqa: E731
-        rec = {"tag": args.tag, "twell": twell.__file__, "M": m,
+        rec = {"tag": args.tag, "twell": twell.__file__, "M": m, "calls": args.calls,
+               "repeats": args.repeats,
                "host_sleep_us": host_us(call, args.calls, args.repeats),
                "host_sleep_median_us": host_us(call, args.calls, args.repeats, statistics.median),
                "host_loop_us": per_call_us(call),

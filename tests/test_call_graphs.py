@@ -69,6 +69,17 @@ def test_alternating_inputs_settle_on_two_instantiations(graph, monkeypatch) -> 
     assert graph.static_x is None and graph.static_y is None  # nothing copied, nothing kept
 
 
+def test_a_tensor_subclass_gets_a_plain_tensor_out(graph) -> None:  # noqa: ANN001
+    """As from an eager call: the fresh output is a torch.Tensor, not the input's subclass."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    y = graph(torch.ones(4, 8).as_subclass(Sub), STREAM)
+    assert type(y) is torch.Tensor and y.shape == (4, 8)
+    assert type(graph(torch.ones(4, 8), STREAM)) is torch.Tensor
+
+
 def test_the_least_recently_used_instantiation_is_re_pointed(graph) -> None:  # noqa: ANN001
     xs = [torch.ones(4, 8) for _ in range(3)]
     kept = [graph(x, STREAM) for x in xs]  # three addresses, two instantiations

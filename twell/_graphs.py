@@ -92,6 +92,9 @@ class _Graph:
         self.static_y = static_y if repointed is None or not self.fresh_output else None
         self.out = (tuple(static_y.shape), static_y.dtype)
         self.keep = keep
+        import torch
+
+        self._tensor, self._empty = torch.Tensor, torch.empty
 
     def __call__(self, x: Any, stream: int) -> Any:
         """The graph's output for ``x``, launched on ``stream`` (a raw CUDA stream: torch's
@@ -101,9 +104,17 @@ class _Graph:
             self.static_x.copy_(x)
             self.graph.replay()
             return self.static_y.clone()
-        # (new_empty: x's device without building a torch.device; every microsecond of a
-        # replayed call's host time counts)
-        y = x.new_empty(self.out[0], dtype=self.out[1]) if self.fresh_output else None
+        y = None
+        if self.fresh_output:
+            # new_empty: x's device without building a torch.device (every microsecond of a
+            # replayed call's host time counts); not for a subclass of Tensor, whose
+            # new_empty would return the subclass where an eager call returns a Tensor
+            shape, dtype = self.out
+            y = (
+                x.new_empty(shape, dtype=dtype)
+                if type(x) is self._tensor
+                else self._empty(shape, dtype=dtype, device=x.device)
+            )
         want = (x.data_ptr(),) if y is None else (x.data_ptr(), y.data_ptr())
         found = execs[-1]  # the most recently used last: a loop in place hits it
         if found.bases != want:
