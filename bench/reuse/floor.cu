@@ -4,7 +4,7 @@
 // list building and the up half left out.
 //
 // A CTA owns 128 tokens x 256 output columns: 16 warps, each with 8 token slots; lane l
-// holds columns [8l, 8l + 8) of its warp's 8 tokens (64 fp32 sums). The CTA walks CHUNKS
+// holds columns [8l, 8l + 8) of its warp's 8 tokens (64 fp32 sums). The CTA walks `chunks`
 // chunks of ROWS weight rows (the units its tokens use, compacted: 256 columns of bf16,
 // 512 bytes a row, two stages of ROWS * 512 bytes filled once at the start). Per (warp,
 // chunk) a list: a head word (8 slot counts, 4 bits each), the entries sorted by slot
@@ -14,7 +14,8 @@
 //
 // TWELL_SWITCH 0: static loops over the 8 slots, the slot's count from the head word;
 //              1: entries in list order, the slot taken from bits 8..10 of the entry and
-//                 dispatched by a switch (the branch is warp-uniform).
+//                 dispatched by a switch (the branch is warp-uniform);
+//              2: as 1, with the next entry's weights loaded while one is added.
 // TWELL_SYNC   1: a __syncthreads() per chunk (what a ring hand-over costs at least).
 // TWELL_PREFETCH 1: the next chunk's list loaded before this chunk's entries are added (0:
 //              after, so every chunk starts with a round trip to L2 for its list).
