@@ -32,6 +32,7 @@ import cupy as cp
 import numpy as np
 
 from bench.dev_reuse_floor import uniform_block
+from twell import _driver
 from twell.benchmark import gpu_name, versions
 from twell.kernels import heavy_rows, light_rows
 from twell.kernels.buffers import empty_bf16
@@ -49,15 +50,14 @@ set_if(unsigned long long handle, const unsigned char* flags, int m) {
 """
 
 _P = ctypes.c_void_p
-_lib = ctypes.CDLL("libcuda.so.1")
 
 
 def _call(name: str, *args) -> None:
-    status = getattr(_lib, name)(*args)
+    """A driver call twell._driver does not declare (pointers passed as ``_P``: without
+    declared argument types ctypes would pass a Python int as a C int)."""
+    status = getattr(_driver.library(), name)(*args)
     if status:
-        text = ctypes.c_char_p()
-        _lib.cuGetErrorName(status, ctypes.byref(text))
-        raise RuntimeError(f"{name}: {text.value.decode() if text.value else status}")
+        raise _driver.DriverError(name, status)
 
 
 class NodeParams(ctypes.Structure):
