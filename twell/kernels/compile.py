@@ -23,6 +23,7 @@ built by :func:`full_source`, for both back ends:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.resources
 import os
@@ -32,6 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from twell import _driver
 
 #: Architecture the kernels are built for (wgmma/setmaxnreg need the ``a`` variant).
 ARCH = "sm_90a"
@@ -220,6 +223,31 @@ def _device_info(device_id: int) -> DeviceInfo:
             f"device {device_id} has compute capability {major}.{minor}"
         )
     return DeviceInfo(device_id, sms, (major, minor))
+
+
+@functools.cache  # one driver query per (device, kernel, geometry): a host call, no sync
+def _active_clusters(device: int, function: int, cluster: int, threads: int, shared: int) -> int:
+    sms = _device_info(device).multiprocessors
+    try:
+        query = _driver.function("cuOccupancyMaxActiveClusters")
+    except RuntimeError:
+        return max(1, sms // cluster)
+    config = _driver.LaunchConfig()
+    config.grid[:] = (cluster * max(1, sms // cluster), 1, 1)
+    config.block[:] = (threads, 1, 1)
+    config.shared_mem_bytes = shared
+    count = ctypes.c_int(0)
+    status = query(ctypes.byref(count), ctypes.c_void_p(function), ctypes.byref(config))
+    return int(count.value) if status == 0 and count.value > 0 else max(1, sms // cluster)
+
+
+def max_active_clusters(kernel: Any, cluster: int, threads: int, shared: int) -> int:
+    """Clusters of ``cluster`` CTAs of the compiled ``kernel`` (a ``cupy.RawKernel`` built
+    with ``__cluster_dims__``) that the current device runs at once with ``threads``
+    threads and ``shared`` bytes of dynamic shared memory per CTA: the driver's
+    ``cuOccupancyMaxActiveClusters`` (the GPCs' SM counts decide it, not only the SM
+    total), or SMs // cluster where the driver cannot say. Asked once per geometry."""
+    return _active_clusters(device_info().id, kernel.kernel.ptr, cluster, threads, shared)
 
 
 def _kernel(source: Source, function: str, defines: Mapping[str, int]) -> Any:

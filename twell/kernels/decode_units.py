@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import alloc, u16
-from twell.kernels.compile import Source, declare, device_info
+from twell.kernels.compile import Source, declare, device_info, max_active_clusters
 from twell.kernels.cublas import gemm_nt
 from twell.options import MAX_COLUMNS
 
@@ -181,25 +181,60 @@ def resident_shared_bytes(m: int, k: int, ksplit: int, tiles: int) -> int:
     return 2 * tokens * row + 4096 * nt + tiles * 16 * (tokens * 6 + words * 4)
 
 
+def resident_tiles(m: int, k: int, n: int, ksplit: int, clusters: int) -> int | None:
+    """The most 16-unit tiles a cluster of the resident gate takes when ``clusters``
+    clusters of ``ksplit`` CTAs share ``n`` units out by octets, or None where that does
+    not fit (k not split into multiples of 256, more than :data:`RESIDENT_TILES` tiles,
+    shared memory)."""
+    if k % (256 * ksplit) or not 1 <= clusters <= n // 8:
+        return None
+    octets = -(-(n // 8) // clusters)  # the most octets of 8 units a cluster takes
+    tiles = -(-octets // 2)
+    shared = resident_shared_bytes(m, k, ksplit, tiles)
+    fits = tiles <= RESIDENT_TILES and shared <= SHARED_PER_SM - STATIC_RESERVE
+    return tiles if fits else None
+
+
 @functools.cache  # a few ints in, one out: computed once per shape, not per call
 def resident_geometry(m: int, k: int, n: int, multiprocessors: int) -> tuple[int, int, int] | None:
     """``(ksplit, clusters, tiles)`` of the resident gate for ``m`` tokens (width ``k``,
     ``n`` units) on a device of ``multiprocessors`` SMs: the fewest CTAs per cluster whose
-    slice of x fits, one CTA per SM, the units' octets shared out among the clusters; None
-    where it does not fit (more than 64 tokens, k not split into multiples of 256, more
-    than :data:`RESIDENT_TILES` tiles per cluster, shared memory)."""
+    slice of x fits (:func:`resident_tiles`), one CTA per SM, the units' octets shared out
+    among the clusters; None where nothing fits or ``m`` exceeds 64 tokens. (The launcher
+    lowers the clusters to those the device runs at once.)"""
     if not 1 <= m <= 64 or n % 32:
         return None
     for ksplit in RESIDENT_SPLITS:
-        if k % (256 * ksplit):
-            continue
         clusters = min(multiprocessors // ksplit, n // 8)
-        octets = -(-(n // 8) // clusters)  # the most octets of 8 units a cluster takes
-        tiles = -(-octets // 2)
-        shared = resident_shared_bytes(m, k, ksplit, tiles)
-        if tiles <= RESIDENT_TILES and shared <= SHARED_PER_SM - STATIC_RESERVE:
+        tiles = resident_tiles(m, k, n, ksplit, clusters)
+        if tiles is not None:
             return ksplit, clusters, tiles
     return None
+
+
+def _resident_gate(m: int, k: int, n: int, gated: bool) -> tuple[Any, int, int, int] | None:
+    """The resident gate's kernel, grid (CTAs), dynamic shared memory and tiles per
+    cluster for this call, or None where it does not fit: :func:`resident_geometry` with
+    the clusters lowered to what the driver says runs at once (a GPC whose SM count is
+    not a multiple of the cluster's leaves SMs over)."""
+    geometry = resident_geometry(m, k, n, device_info().multiprocessors)
+    if geometry is None:
+        return None
+    ksplit, clusters, tiles = geometry
+    gate = RESIDENT.kernel(
+        "twell_units_gate_resident", KDIM=k, GATED=int(gated), NT=token_tiles(m), KSPLIT=ksplit
+    )
+    shared = resident_shared_bytes(m, k, ksplit, tiles)
+    if ksplit > 1:
+        active = max_active_clusters(gate, ksplit, RESIDENT_THREADS, shared)
+        if active < clusters:
+            clusters, tiles = active, resident_tiles(m, k, n, ksplit, active)
+            if tiles is None:
+                return None
+            shared = resident_shared_bytes(m, k, ksplit, tiles)
+    if gate.max_dynamic_shared_size_bytes < shared:
+        gate.max_dynamic_shared_size_bytes = shared
+    return gate, clusters * ksplit, shared, tiles
 
 
 def forward(
@@ -214,7 +249,7 @@ def forward(
     :data:`MMA_GATE_TOKENS`); the down kernel's tokens per CTA are ``down_tokens``
     rounded up to 8, 16, 32 or 64. ``resident`` takes the gate and up products through
     ``twell_units_gate_resident`` (decode_gate.cu; ``ut`` and ``mma_gate`` then do not
-    apply): by default where :func:`resident_geometry` fits. Returns the scratch buffers
+    apply): by default for :data:`RESIDENT_TOKENS` tokens where it fits. Returns the scratch buffers
     it used (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
@@ -223,7 +258,7 @@ def forward(
     gated = w_up is not None
     geometry = None
     if resident or (resident is None and RESIDENT_TOKENS[0] <= m <= RESIDENT_TOKENS[1]):
-        geometry = resident_geometry(m, k, n, device_info().multiprocessors)
+        geometry = _resident_gate(m, k, n, gated)
         if resident and geometry is None:
             raise ValueError(f"decode_units: the resident gate does not take M={m}, K={k}, N={n}")
     mma = m <= MMA_GATE_TOKENS if mma_gate is None else mma_gate
@@ -254,16 +289,9 @@ def forward(
     scratch = [h, masks]
     operands = (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t))
     if geometry is not None:
-        ksplit, clusters, tiles = geometry
-        gate = RESIDENT.kernel(
-            "twell_units_gate_resident", KDIM=k, GATED=int(gated), NT=token_tiles(m),
-            KSPLIT=ksplit,
-        )  # fmt: skip
-        gate_shared = resident_shared_bytes(m, k, ksplit, tiles)
-        if gate.max_dynamic_shared_size_bytes < gate_shared:
-            gate.max_dynamic_shared_size_bytes = gate_shared
+        gate, ctas, gate_shared, tiles = geometry
         gate(
-            (clusters * ksplit,), (RESIDENT_THREADS,),
+            (ctas,), (RESIDENT_THREADS,),
             (*operands, h, masks.view(np.uint8), np.int32(m), np.int32(n), np.int32(tiles)),
             shared_mem=gate_shared,
         )  # fmt: skip

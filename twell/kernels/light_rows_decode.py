@@ -13,14 +13,12 @@ the driver's ``cuOccupancyMaxActiveClusters`` (asked once per device), at most M
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import numpy as np
 
-from twell import _driver
 from twell.kernels.buffers import u16
-from twell.kernels.compile import Source, declare, device_info
+from twell.kernels.compile import Source, declare, max_active_clusters
 from twell.options import LIST_CAPACITY
 
 #: Up to this many tokens (M <= DECODE_ROWS_BELOW), ``light_rows.from_pre`` runs this
@@ -63,8 +61,6 @@ SOURCE = declare(
 
 _NULL = np.uint64(0)
 _FUNCTION = "twell_light_rows_decode"
-#: Clusters that fit at once, per device id (see :func:`_clusters`).
-_CLUSTERS: dict[int, int] = {}
 
 
 def from_pre(
@@ -105,30 +101,6 @@ def _launch(
 
 def _clusters(kernel: Any) -> int:
     """Clusters of the kernel that fit on the current device at once (more would run in
-    a second wave): the driver's ``cuOccupancyMaxActiveClusters``, asked once per device
-    (every variant has the same shared memory, so the same answer), or SMs // CLUSTER
-    when the driver cannot say. A host query: no synchronisation."""
-    info = device_info()
-    found = _CLUSTERS.get(info.id)
-    if found is None:
-        found = _max_active_clusters(kernel.kernel.ptr, info.multiprocessors)
-        if found is None:
-            found = max(1, info.multiprocessors // CLUSTER)
-        _CLUSTERS[info.id] = found
-    return found
-
-
-def _max_active_clusters(function: int, multiprocessors: int) -> int | None:
-    """``cuOccupancyMaxActiveClusters`` for the CUfunction ``function``, or None where the
-    driver cannot say."""
-    try:
-        fn = _driver.function("cuOccupancyMaxActiveClusters")
-    except RuntimeError:
-        return None
-    config = _driver.LaunchConfig()
-    config.grid[:] = (CLUSTER * max(1, multiprocessors // CLUSTER), 1, 1)
-    config.block[:] = (THREADS, 1, 1)
-    config.shared_mem_bytes = SMEM_BYTES
-    count = ctypes.c_int(0)
-    status = fn(ctypes.byref(count), ctypes.c_void_p(function), ctypes.byref(config))
-    return int(count.value) if status == 0 and count.value > 0 else None
+    a second wave): :func:`twell.kernels.compile.max_active_clusters` (every variant has
+    the same shared memory, so the same answer)."""
+    return max_active_clusters(kernel, CLUSTER, THREADS, SMEM_BYTES)
