@@ -12,64 +12,73 @@
 // Why (K = 2048, N = 5632, M = 64, H100): twell_units_gate_up reads x from L2 once per CTA
 // (352 CTAs x 256 KB) and waits on one 32-wide k-chunk of loads at a time, so above 24
 // tokens the route gave its gate to cuBLAS and a third launch did the up products. Here
-// x is read from L2 once per SM, the weight rows stream with two batches of loads in
-// flight per warp, and the up products follow in the same launch.
+// each warp holds its share of x in registers for the whole launch, the weight rows
+// stream through shared memory STAGES tiles ahead, and the up products follow in the
+// same launch.
 //
 // Geometry: a thread-block cluster of KSPLIT CTAs (__cluster_dims__) owns a contiguous
 // range of 8-unit octets (cluster c of G: octets [c O / G, (c + 1) O / G), O = N / 8), cut
 // into tiles of 16 units (the last may hold 8); CTA r of the cluster owns the k-slice
-// [r KS, (r + 1) KS), KS = K / KSPLIT, and holds x[:, slice] for all TOKENS tokens in
-// shared memory (rows padded so that a warp's 16-byte reads are conflict-free).
-//  1. gate: the 8 warps split each tile's slice into contiguous runs of 32-wide k-chunks;
-//     a warp's loads of the next step (CB chunks of its two rows) are issued before it
-//     computes the current one (mma.sync m16n8k16, units as rows, tokens as columns, the
-//     operands' k permuted alike as in decode_units.cu); at a tile's end the warps'
-//     fragments are summed in warp order into the CTA's partial gate of the tile;
+// [r KS, (r + 1) KS), KS = K / KSPLIT, and warp w of it the CPW 32-wide k-chunks
+// [w CPW, (w + 1) CPW) of that slice.
+//  1. gate, on tensor cores (mma.sync m16n8k16; the tokens as rows, in MT tiles of 16,
+//     the units as columns, two n8 tiles per unit tile): a warp loads the A fragments of
+//     its chunks for every token once (a lane's 16 contiguous bytes of two token rows
+//     give two mma steps: logical k 2tig, 2tig+1, 2tig+8, 2tig+9 <-> columns k0 .. k0+3,
+//     then k0+4 .. k0+7, the same permutation for both operands, so the products are exact
+//     reorderings of the plain ones) and keeps them in registers; each lane copies its
+//     own 16-byte pieces of the tile's weight rows into shared memory (cp.async, STAGES
+//     tiles in flight, so no barrier guards the ring) and reads them back as the B
+//     fragments; at a tile's end the warps' fragments are summed in warp order into the
+//     CTA's partial gate of the tile;
 //  2. exchange (cluster barrier): every CTA sums the KSPLIT partials in rank order (DSMEM),
 //     so all CTAs of a cluster hold the same bf16 gate; kept bits per (unit, token);
 //  3. masks (rank 0) and non-gated h; an L2 prefetch of the kept units' w_down_t rows
 //     (units split among the ranks; gated: after the up products' loads are issued);
 //  4. gated: the kept pairs listed (unit-major, tokens ascending); each CTA computes its
-//     slice of every pair's up dot product (a warp per pair, UPB pairs' loads in flight,
-//     x from shared memory), then after a cluster barrier rank r sums the slices of the
-//     pairs p with p % KSPLIT == r in rank order and writes h; a last cluster barrier
-//     keeps every CTA's shared memory alive until its peers have read it.
+//     slice of every pair's up dot product (a warp per pair, x and w_up from global
+//     memory, UPB pairs' loads in flight), then after a cluster barrier rank r sums the
+//     slices of the pairs p with p % KSPLIT == r in rank order and writes h; a last
+//     cluster barrier keeps every CTA's shared memory alive until its peers have read it.
 //
 // Determinism: every sum runs in an order fixed by K, N, M, the grid and the data: the
 // same bits run to run (the launcher fixes the grid by the device's SM count).
 //
 // Layouts (row-major, bf16 as uint16 bits): x [M, K]; w_first, w_up, w_down_t [N, K];
 // h float [M, N]; masks uint8 [M, N / 8]; rows 16-byte aligned.
-// Limits: K = TWELL_KDIM with (K / TWELL_KSPLIT) % 256 == 0; N % 32 == 0 (whole octets,
-// 16-unit mask words); 1 <= M <= 8 TWELL_NT <= 64; a cluster's tiles at most `maxt` <= 8
-// (the launcher's bound, decode_units.resident_geometry, which also sizes the dynamic
-// shared memory: decode_units.resident_shared_bytes).
+// Limits: K = TWELL_KDIM with (K / TWELL_KSPLIT) % 256 == 0 and a warp's A fragments at
+// most 128 registers (K MT <= 4096 KSPLIT); N % 32 == 0 (whole octets, 16-unit mask
+// words); 1 <= M <= 8 TWELL_NT <= 64; a cluster's tiles at most `maxt` <= 8 (the
+// launcher's bound, decode_units.resident_geometry, which also sizes the dynamic shared
+// memory: decode_units.resident_shared_bytes).
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (tiles of 8 tokens: 1, 2, 4
-// or 8), TWELL_KSPLIT (CTAs of a cluster: 1, 2 or 4); constant TWELL_RESIDENT_THREADS (256).
+// or 8), TWELL_KSPLIT (CTAs of a cluster: 1, 2 or 4), TWELL_STAGES (tiles of weight rows
+// in flight: 2 to 4); constant TWELL_RESIDENT_THREADS (256).
 
 namespace resident {
 
 constexpr int K = TWELL_KDIM;
 constexpr bool GATED = TWELL_GATED != 0;
 constexpr int NT = TWELL_NT;
-constexpr int TOKENS = 8 * NT;
+constexpr int TOKENS = 8 * NT;                      // the gate's token columns per unit
+constexpr int MT = (NT + 1) / 2;                    // m16 tiles of tokens
 constexpr int KSPLIT = TWELL_KSPLIT;
 constexpr int KS = K / KSPLIT;                      // this CTA's slice of K
+constexpr int STAGES = TWELL_STAGES;
 constexpr int THREADS = TWELL_RESIDENT_THREADS;
 constexpr int WARPS = THREADS / 32;
-constexpr int CPW = KS / 32 / WARPS;                // 32-wide chunks per warp and tile
-constexpr int CB = CPW % 4 == 0 ? 4 : CPW % 2 == 0 ? 2 : 1;  // chunks per step
-constexpr int SPT = CPW / CB;                       // steps per tile
-constexpr int XS = KS + (KS % 64 == 0 ? 32 : 0);    // x row stride (bf16): 64 mod 128 bytes
+constexpr int CPW = KS / 32 / WARPS;                // 32-wide chunks per warp
 constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a unit's token bits
 constexpr int LP = KS / 256;                        // a lane's 16-byte pieces of a slice row
-constexpr int UPB = LP >= 16 ? 1 : 16 / LP;         // pairs a warp loads at once
+constexpr int UPB = LP >= 8 ? 1 : 8 / LP;           // pairs a warp loads at once
 constexpr int LANES_PER_WORD = TOKENS >= 32 ? 8 : TOKENS / 4;  // lanes holding a word's bits
 
 static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8, "TWELL_NT: 1, 2, 4 or 8");
 static_assert(KSPLIT == 1 || KSPLIT == 2 || KSPLIT == 4, "TWELL_KSPLIT: 1, 2 or 4");
+static_assert(STAGES >= 2 && STAGES <= 4, "TWELL_STAGES: 2 to 4");
 static_assert(KS * KSPLIT == K && KS % 256 == 0, "K / TWELL_KSPLIT a multiple of 256");
+static_assert(8 * CPW * MT <= 128, "a warp's A fragments in at most 128 registers");
 static_assert(THREADS == 256, "eight warps");
 
 __device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
@@ -126,9 +135,9 @@ twell_units_gate_resident(const uint16_t* __restrict__ x,         // [M, K]
   (void)w_up;
   extern __shared__ __align__(16) unsigned char smem[];
   const int cells = maxt * 16 * TOKENS;  // (unit, token) cells of the cluster, at most
-  uint16_t* s_x = reinterpret_cast<uint16_t*>(smem);                    // [TOKENS][XS]
-  float* s_part = reinterpret_cast<float*>(smem + TOKENS * XS * 2);    // [WARPS][NT][32][4]
-  float* s_gate = s_part + WARPS * NT * 32 * 4;  // [cells]: this CTA's partial gate
+  uint4* s_w = reinterpret_cast<uint4*>(smem);  // [STAGES][WARPS][CPW][2][32]: weight pieces
+  float* s_part = reinterpret_cast<float*>(s_w + STAGES * WARPS * CPW * 64);  // [WARPS][MT][2][32][4]
+  float* s_gate = s_part + WARPS * MT * 2 * 32 * 4;  // [cells]: this CTA's partial gate
   uint16_t* s_g = reinterpret_cast<uint16_t*>(s_gate + cells);  // [cells]: the gate, bf16
   uint32_t* s_tok = reinterpret_cast<uint32_t*>(s_g + cells);   // [maxt * 16][TW]
   uint16_t* s_pairs = reinterpret_cast<uint16_t*>(s_part);  // after the gate: u << 8 | t
@@ -145,97 +154,103 @@ twell_units_gate_resident(const uint16_t* __restrict__ x,         // [M, K]
   const int o1 = (int)((long long)(cluster + 1) * octets / clusters);
   const int n0 = o0 * 8, nunits = (o1 - o0) * 8;
   const int ntiles = (nunits + 15) / 16;
-  const int kbeg = (int)rank * KS;
+  const int kw = (int)rank * KS + warp * CPW * 32 + tig * 8;  // this lane's first column
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  // ---- 1. gate. Step s: tile s / SPT, this warp's chunks [warp CPW + (s % SPT) CB, + CB).
-  auto load_step = [&](uint4 (&a)[CB], uint4 (&b)[CB], int s) {
-    const int tile = s / SPT, q = s % SPT;
-    const int r0 = tile * 16 + grp;
-    const bool v0 = r0 < nunits, v1 = r0 + 8 < nunits;
-    const uint16_t* ra = w_first + (long long)(n0 + (v0 ? r0 : 0)) * K + kbeg + tig * 8;
-    const uint16_t* rb = w_first + (long long)(n0 + (v1 ? r0 + 8 : 0)) * K + kbeg + tig * 8;
+  // ---- 1. gate. Tile s's pieces of this lane (rows 16 s + grp and + 8, its chunks) into
+  // stage s % STAGES; a commit group per tile, empty past the last, so that waiting for
+  // all but the STAGES - 1 newest groups always means "tile s has landed".
+  const uint32_t w_base = twell_smem_addr(s_w) + (uint32_t)(warp * CPW * 64 + lane) * 16u;
+  auto copy_tile = [&](int s) {
+    if (s < ntiles) {
+      const uint32_t dst = w_base + (uint32_t)((s % STAGES) * WARPS * CPW * 64) * 16u;
 #pragma unroll
-    for (int i = 0; i < CB; ++i) {
-      const int k = (warp * CPW + q * CB + i) * 32;
-      a[i] = v0 ? ldg16(ra + k) : zero;
-      b[i] = v1 ? ldg16(rb + k) : zero;
-    }
-  };
-  float acc[NT][4];
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = s * 16 + hh * 8 + grp;
+        const bool ok = r < nunits;
+        const uint16_t* src = w_first + (long long)(n0 + (ok ? r : 0)) * K + kw;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
-  const uint32_t x_base = twell_smem_addr(s_x) + (uint32_t)(grp * XS + tig * 8) * 2u;
-  auto mma_step = [&](const uint4 (&a)[CB], const uint4 (&b)[CB], int s) {
-    const int q = s % SPT;
-#pragma unroll
-    for (int i = 0; i < CB; ++i) {
-      const uint32_t kl = (uint32_t)(warp * CPW + q * CB + i) * 64u;  // bytes
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint4 xx = twell_lds128(x_base + (uint32_t)(nt * 8 * XS) * 2u + kl);
-        // logical k 2tig, 2tig+1, 2tig+8, 2tig+9 <-> columns k0 .. k0+3, then k0+4 .. k0+7
-        twell_mma_bf16(acc[nt], a[i].x, b[i].x, a[i].y, b[i].y, xx.x, xx.y);
-        twell_mma_bf16(acc[nt], a[i].z, b[i].z, a[i].w, b[i].w, xx.z, xx.w);
+        for (int i = 0; i < CPW; ++i) {
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                           dst + (uint32_t)((i * 2 + hh) * 32) * 16u),
+                       "l"(src + i * 32), "r"(ok ? 16 : 0)
+                       : "memory");
+        }
       }
     }
+    asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  // a tile's last step: the warps' fragments summed in warp order into s_gate
-  auto finish_tile = [&](int s) {
-    if (s % SPT != SPT - 1) return;  // uniform over the CTA
-    const int tile = s / SPT;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      *reinterpret_cast<float4*>(s_part + ((warp * NT + nt) * 32 + lane) * 4) =
-          make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+  for (int s = 0; s < STAGES - 1; ++s) copy_tile(s);
+
+  // this warp's A fragments, every token (absent tokens zero): per chunk and m16 tile,
+  // {row grp, row grp + 8} x {k-step 1, k-step 2} as the mma's a0..a3
+  uint32_t xa[CPW][MT][8];
+  {
+    uint4 lo[CPW][MT], hi[CPW][MT];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
+    for (int i = 0; i < CPW; ++i)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int t0 = mt * 16 + grp, t8 = t0 + 8;
+        lo[i][mt] = t0 < M ? ldg16(x + (long long)t0 * K + kw + i * 32) : zero;
+        hi[i][mt] = t8 < M ? ldg16(x + (long long)t8 * K + kw + i * 32) : zero;
+      }
+#pragma unroll
+    for (int i = 0; i < CPW; ++i)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4 a = lo[i][mt], b = hi[i][mt];
+        xa[i][mt][0] = a.x; xa[i][mt][1] = b.x; xa[i][mt][2] = a.y; xa[i][mt][3] = b.y;
+        xa[i][mt][4] = a.z; xa[i][mt][5] = b.z; xa[i][mt][6] = a.w; xa[i][mt][7] = b.w;
+      }
+  }
+
+  for (int s = 0; s < ntiles; ++s) {  // uniform over the CTA (and the cluster)
+    copy_tile(s + STAGES - 1);
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+    float acc[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][hh][j] = 0.f;
+    const uint32_t src = w_base + (uint32_t)((s % STAGES) * WARPS * CPW * 64) * 16u;
+#pragma unroll
+    for (int i = 0; i < CPW; ++i) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint4 b = twell_lds128(src + (uint32_t)((i * 2 + hh) * 32) * 16u);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint32_t* a = xa[i][mt];
+          twell_mma_bf16(acc[mt][hh], a[0], a[1], a[2], a[3], b.x, b.y);
+          twell_mma_bf16(acc[mt][hh], a[4], a[5], a[6], a[7], b.z, b.w);
+        }
+      }
     }
+    // the tile's fragments, summed over the warps in warp order into s_gate
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        *reinterpret_cast<float4*>(s_part + (((warp * MT + mt) * 2 + hh) * 32 + lane) * 4) =
+            make_float4(acc[mt][hh][0], acc[mt][hh][1], acc[mt][hh][2], acc[mt][hh][3]);
     __syncthreads();
     for (int i = tid; i < 16 * TOKENS; i += THREADS) {
-      const int u = i / TOKENS, t = i % TOKENS;
-      const int nt = t >> 3, tt = t & 7;
-      const int src = (u & 7) * 4 + (tt >> 1), j = (u >> 3) * 2 + (tt & 1);
+      const int u = i / TOKENS, t = i % TOKENS;  // D: rows tokens, columns units
+      const int hh = u >> 3, col = u & 7, mt = t >> 4, r = t & 15;
+      const int src_lane = (r & 7) * 4 + (col >> 1), j = (r >> 3) * 2 + (col & 1);
       float v = 0.f;
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) v += s_part[((w * NT + nt) * 32 + src) * 4 + j];
-      s_gate[tile * 16 * TOKENS + i] = v;
+      for (int w = 0; w < WARPS; ++w)
+        v += s_part[(((w * MT + mt) * 2 + hh) * 32 + src_lane) * 4 + j];
+      s_gate[s * 16 * TOKENS + i] = v;
     }
     __syncthreads();
-  };
-
-  const int steps = ntiles * SPT;
-  uint4 a0[CB], b0[CB], a1[CB], b1[CB];
-  if (steps > 0) load_step(a0, b0, 0);
-  if (steps > 1) load_step(a1, b1, 1);
-  {  // x[:, slice] into shared memory (rows of absent tokens zero) while those loads fly
-    constexpr int PIECES = KS / 8;
-    for (int i = tid; i < TOKENS * PIECES; i += THREADS) {
-      const int t = i / PIECES, p = i % PIECES;
-      uint16_t* dst = s_x + t * XS + p * 8;
-      if (t < M) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(twell_smem_addr(dst)),
-                     "l"(x + (long long)t * K + kbeg + p * 8)
-                     : "memory");
-      } else {
-        *reinterpret_cast<uint4*>(dst) = zero;
-      }
-    }
-    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
-    __syncthreads();
   }
-  for (int s = 0; s < steps; s += 2) {
-    mma_step(a0, b0, s);
-    if (s + 2 < steps) load_step(a0, b0, s + 2);
-    finish_tile(s);
-    if (s + 1 < steps) {
-      mma_step(a1, b1, s + 1);
-      if (s + 3 < steps) load_step(a1, b1, s + 3);
-      finish_tile(s + 1);
-    }
-  }
+  asm volatile("cp.async.wait_all;" ::: "memory");  // the empty groups past the last tile
 
   // ---- 2. exchange: the gate of every cell, the ranks' partials summed in rank order;
   // a thread takes 4 consecutive tokens of a unit, every load of a round in flight.
@@ -354,26 +369,29 @@ twell_units_gate_resident(const uint16_t* __restrict__ x,         // [M, K]
   __syncthreads();
   const int npairs = s_npairs;
   // this CTA's slice of each pair's up product: a warp per pair, UPB pairs' loads at once;
-  // lane l sums its pieces l*8 + 256 j (j ascending), then an xor butterfly
+  // lane l sums its pieces l*8 + 256 j of the slice (j ascending), then an xor butterfly
   for (int p0 = warp * UPB; p0 < npairs; p0 += WARPS * UPB) {
-    uint4 wv[UPB][LP];
+    uint4 wv[UPB][LP], xv[UPB][LP];
 #pragma unroll
     for (int i = 0; i < UPB; ++i) {
       const int p = p0 + i;
-      const int u = p < npairs ? (int)(s_pairs[p] >> 8) : 0;
-      const uint16_t* row = w_up + (long long)(n0 + u) * K + kbeg + lane * 8;
+      const uint32_t pr = p < npairs ? s_pairs[p] : 0u;
+      const int col = (int)rank * KS + lane * 8;
+      const uint16_t* wrow = w_up + (long long)(n0 + (int)(pr >> 8)) * K + col;
+      const uint16_t* xrow = x + (long long)(pr & 255u) * K + col;
 #pragma unroll
-      for (int j = 0; j < LP; ++j) wv[i][j] = p < npairs ? ldg16(row + j * 256) : zero;
+      for (int j = 0; j < LP; ++j) {
+        wv[i][j] = p < npairs ? ldg16(wrow + j * 256) : zero;
+        xv[i][j] = p < npairs ? ldg16(xrow + j * 256) : zero;
+      }
     }
 #pragma unroll
     for (int i = 0; i < UPB; ++i) {
       const int p = p0 + i;
       if (p >= npairs) break;  // warp-uniform
-      const int t = (int)(s_pairs[p] & 255u);
-      const uint32_t xrow = twell_smem_addr(s_x) + (uint32_t)(t * XS + lane * 8) * 2u;
       float v = 0.f;
 #pragma unroll
-      for (int j = 0; j < LP; ++j) v = twell_dot8(twell_lds128(xrow + (uint32_t)j * 512u), wv[i][j], v);
+      for (int j = 0; j < LP; ++j) v = twell_dot8(xv[i][j], wv[i][j], v);
 #pragma unroll
       for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
       if (lane == 0) s_up[p] = v;

@@ -99,13 +99,14 @@ RESIDENT_TOKENS = (25, 64)
 RESIDENT = declare(
     Source(
         "decode_gate.cu",
-        parameters=("KDIM", "GATED", "NT", "KSPLIT"),
+        parameters=("KDIM", "GATED", "NT", "KSPLIT", "STAGES"),
         constants={"RESIDENT_THREADS": RESIDENT_THREADS},
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "KSPLIT": s}
+            {"KDIM": k, "GATED": g, "NT": nt, "KSPLIT": ks, "STAGES": st}
             for g in (0, 1)
-            for k, nt, s in ((256, 1, 1), (2048, 1, 1), (2048, 4, 1), (2048, 8, 2),
-                             (4096, 1, 1), (4096, 8, 4), (768, 2, 1))
+            for k, nt, ks, st in ((256, 1, 1, 2), (2048, 1, 1, 4), (2048, 4, 1, 4),
+                                  (2048, 8, 2, 4), (2048, 8, 2, 3), (4096, 1, 1, 3),
+                                  (4096, 4, 2, 3), (4096, 8, 4, 4), (768, 2, 1, 2))
         ),
     )
 )  # fmt: skip
@@ -168,47 +169,54 @@ def down_columns(
     return 64
 
 
-def resident_shared_bytes(m: int, k: int, ksplit: int, tiles: int) -> int:
+def resident_shared_bytes(m: int, k: int, ksplit: int, tiles: int, stages: int) -> int:
     """Dynamic shared memory of ``twell_units_gate_resident`` (its layout in
-    decode_gate.cu) for ``m`` tokens, width ``k`` split over ``ksplit`` CTAs and at most
-    ``tiles`` 16-unit tiles per cluster: x's slice (rows padded to 64 bytes mod 128), the
-    warps' fragments, then per (unit, token) cell a float partial, the bf16 gate and the
-    token bits."""
+    decode_gate.cu) for ``m`` tokens, width ``k`` split over ``ksplit`` CTAs, at most
+    ``tiles`` 16-unit tiles per cluster and ``stages`` tiles of weight rows in flight: the
+    ring of weight pieces, the warps' fragments, then per (unit, token) cell a float
+    partial, the bf16 gate and the token bits."""
     nt = token_tiles(m)
-    tokens, ks = 8 * nt, k // ksplit
-    row = ks + (32 if ks % 64 == 0 else 0)
+    tokens, m16 = 8 * nt, (nt + 1) // 2
+    ring = stages * (k // ksplit // 256) * 8192
     words = max(1, tokens // 32)
-    return 2 * tokens * row + 4096 * nt + tiles * 16 * (tokens * 6 + words * 4)
+    return ring + 8192 * m16 + tiles * 16 * (tokens * 6 + words * 4)
 
 
-def resident_tiles(m: int, k: int, n: int, ksplit: int, clusters: int) -> int | None:
-    """The most 16-unit tiles a cluster of the resident gate takes when ``clusters``
-    clusters of ``ksplit`` CTAs share ``n`` units out by octets, or None where that does
-    not fit (k not split into multiples of 256, more than :data:`RESIDENT_TILES` tiles,
-    shared memory)."""
-    if k % (256 * ksplit) or not 1 <= clusters <= n // 8:
+def resident_fit(m: int, k: int, n: int, ksplit: int, clusters: int) -> tuple[int, int] | None:
+    """``(tiles, stages)`` of the resident gate when ``clusters`` clusters of ``ksplit``
+    CTAs share ``n`` units out by octets: the most 16-unit tiles a cluster takes and the
+    most tiles of weight rows in flight (up to all of them, at most 4) that fit in shared
+    memory; None where nothing fits (k not split into multiples of 256, a warp's A
+    fragments over 128 registers, more than :data:`RESIDENT_TILES` tiles)."""
+    m16 = (token_tiles(m) + 1) // 2
+    if k % (256 * ksplit) or k * m16 > 4096 * ksplit or not 1 <= clusters <= n // 8:
         return None
     octets = -(-(n // 8) // clusters)  # the most octets of 8 units a cluster takes
     tiles = -(-octets // 2)
-    shared = resident_shared_bytes(m, k, ksplit, tiles)
-    fits = tiles <= RESIDENT_TILES and shared <= SHARED_PER_SM - STATIC_RESERVE
-    return tiles if fits else None
+    if tiles > RESIDENT_TILES:
+        return None
+    for stages in range(min(4, tiles + 1), 1, -1):
+        if resident_shared_bytes(m, k, ksplit, tiles, stages) <= SHARED_PER_SM - STATIC_RESERVE:
+            return tiles, stages
+    return None
 
 
 @functools.cache  # a few ints in, one out: computed once per shape, not per call
-def resident_geometry(m: int, k: int, n: int, multiprocessors: int) -> tuple[int, int, int] | None:
-    """``(ksplit, clusters, tiles)`` of the resident gate for ``m`` tokens (width ``k``,
-    ``n`` units) on a device of ``multiprocessors`` SMs: the fewest CTAs per cluster whose
-    slice of x fits (:func:`resident_tiles`), one CTA per SM, the units' octets shared out
+def resident_geometry(
+    m: int, k: int, n: int, multiprocessors: int
+) -> tuple[int, int, int, int] | None:
+    """``(ksplit, clusters, tiles, stages)`` of the resident gate for ``m`` tokens (width
+    ``k``, ``n`` units) on a device of ``multiprocessors`` SMs: the fewest CTAs per
+    cluster that fit (:func:`resident_fit`), one CTA per SM, the units' octets shared out
     among the clusters; None where nothing fits or ``m`` exceeds 64 tokens. (The launcher
     lowers the clusters to those the device runs at once.)"""
     if not 1 <= m <= 64 or n % 32:
         return None
     for ksplit in RESIDENT_SPLITS:
         clusters = min(multiprocessors // ksplit, n // 8)
-        tiles = resident_tiles(m, k, n, ksplit, clusters)
-        if tiles is not None:
-            return ksplit, clusters, tiles
+        fit = resident_fit(m, k, n, ksplit, clusters)
+        if fit is not None:
+            return ksplit, clusters, *fit
     return None
 
 
@@ -220,18 +228,22 @@ def _resident_gate(m: int, k: int, n: int, gated: bool) -> tuple[Any, int, int, 
     geometry = resident_geometry(m, k, n, device_info().multiprocessors)
     if geometry is None:
         return None
-    ksplit, clusters, tiles = geometry
-    gate = RESIDENT.kernel(
-        "twell_units_gate_resident", KDIM=k, GATED=int(gated), NT=token_tiles(m), KSPLIT=ksplit
-    )
-    shared = resident_shared_bytes(m, k, ksplit, tiles)
+    ksplit, clusters, tiles, stages = geometry
+    kernel = functools.partial(
+        RESIDENT.kernel, "twell_units_gate_resident", KDIM=k, GATED=int(gated),
+        NT=token_tiles(m), KSPLIT=ksplit,
+    )  # fmt: skip
+    gate = kernel(STAGES=stages)
+    shared = resident_shared_bytes(m, k, ksplit, tiles, stages)
     if ksplit > 1:
         active = max_active_clusters(gate, ksplit, RESIDENT_THREADS, shared)
         if active < clusters:
-            clusters, tiles = active, resident_tiles(m, k, n, ksplit, active)
-            if tiles is None:
+            fit = resident_fit(m, k, n, ksplit, active)
+            if fit is None:
                 return None
-            shared = resident_shared_bytes(m, k, ksplit, tiles)
+            clusters, (tiles, stages) = active, fit
+            gate = kernel(STAGES=stages)
+            shared = resident_shared_bytes(m, k, ksplit, tiles, stages)
     if gate.max_dynamic_shared_size_bytes < shared:
         gate.max_dynamic_shared_size_bytes = shared
     return gate, clusters * ksplit, shared, tiles
