@@ -71,7 +71,7 @@ constexpr int WARPS = THREADS / 32;
 constexpr int CPW = KS / 32 / WARPS;                // 32-wide chunks per warp
 constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a unit's token bits
 constexpr int LP = KS / 256;                        // a lane's 16-byte pieces of a slice row
-constexpr int UPB = LP >= 8 ? 1 : 8 / LP;           // pairs a warp loads at once
+constexpr int UPB = LP >= 16 ? 1 : 16 / LP;         // pairs a warp loads at once
 constexpr int LANES_PER_WORD = TOKENS >= 32 ? 8 : TOKENS / 4;  // lanes holding a word's bits
 
 static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8, "TWELL_NT: 1, 2, 4 or 8");
@@ -238,15 +238,30 @@ twell_units_gate_resident(const uint16_t* __restrict__ x,         // [M, K]
         *reinterpret_cast<float4*>(s_part + (((warp * MT + mt) * 2 + hh) * 32 + lane) * 4) =
             make_float4(acc[mt][hh][0], acc[mt][hh][1], acc[mt][hh][2], acc[mt][hh][3]);
     __syncthreads();
-    for (int i = tid; i < 16 * TOKENS; i += THREADS) {
-      const int u = i / TOKENS, t = i % TOKENS;  // D: rows tokens, columns units
-      const int hh = u >> 3, col = u & 7, mt = t >> 4, r = t & 15;
-      const int src_lane = (r & 7) * 4 + (col >> 1), j = (r >> 3) * 2 + (col & 1);
-      float v = 0.f;
+    // a thread per (m16 tile, n8 tile, lane) slot: its 4 floats over the warps in order
+    // (float4 reads, no bank conflicts), then the D fragment's cells: rows (tokens) grp and
+    // grp + 8, columns (units) 2 tig and 2 tig + 1
+    for (int q = tid; q < MT * 2 * 32; q += THREADS) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w)
-        v += s_part[(((w * MT + mt) * 2 + hh) * 32 + src_lane) * 4 + j];
-      s_gate[s * 16 * TOKENS + i] = v;
+      for (int w = 0; w < WARPS; ++w) {
+        const float4 p = *reinterpret_cast<const float4*>(s_part + (w * MT * 2 * 32 + q) * 4);
+        v.x += p.x;
+        v.y += p.y;
+        v.z += p.z;
+        v.w += p.w;
+      }
+      const int mt = q >> 6, hh = (q >> 5) & 1, ln = q & 31;
+      const int u = hh * 8 + (ln & 3) * 2, t = mt * 16 + (ln >> 2);
+      float* g = s_gate + s * 16 * TOKENS + u * TOKENS + t;
+      if (t < TOKENS) {
+        g[0] = v.x;
+        g[TOKENS] = v.y;
+      }
+      if (t + 8 < TOKENS) {
+        g[8] = v.z;
+        g[TOKENS + 8] = v.w;
+      }
     }
     __syncthreads();
   }
