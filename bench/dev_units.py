@@ -1,9 +1,8 @@
 """The by-unit decode route (decode_units.cu) against the per-token route it replaces at
 M <= 192 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
 with the weights L2-warm (one set) and rotated over sets that exceed L2, plus each of
-its two kernels alone (up to MMA_GATE_TOKENS tokens, where there are two). Where the
-resident gate (decode_gate.cu) fits, the route with it and without it ("classic").
-Checks every variant against float64 dense math first.
+its two kernels alone (up to MMA_GATE_TOKENS tokens, where there are two). Checks every
+variant against float64 dense math first.
 
     PYTHONPATH=. python bench/dev_units.py [--M 1 8 16] [--out dev_units.json]
 """
@@ -70,11 +69,8 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
 
     variants = [("units", units), ("per_token", old), ("dense", dense)]
     if 8 <= m <= 64 and k * n >= 2048 * 5632:
-        variants += [("units_mma_gate", geometry(mma_gate=True, resident=False)),
-                     ("units_cublas_gate", geometry(mma_gate=False, resident=False))]  # fmt: skip
-    if decode_units.resident_geometry(m, k, n, device_info().multiprocessors):
-        variants += [("units_resident", geometry(resident=True)),
-                     ("units_classic", geometry(resident=False))]  # fmt: skip
+        variants += [("units_mma_gate", geometry(mma_gate=True)),
+                     ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
     if m <= 16 and workload == "uniform" and gated and k == 2048:
         variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (16, 32, 64)]
     if 32 <= m <= 64 and workload == "uniform" and gated and k == 2048:

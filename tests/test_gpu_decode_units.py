@@ -30,7 +30,6 @@ from hypothesis import strategies as st  # noqa: E402
 from twell.benchmark import make_problem  # noqa: E402
 from twell.benchmark import to_device as to_gpu  # noqa: E402
 from twell.kernels import buffers, decode_units  # noqa: E402
-from twell.kernels.compile import device_info  # noqa: E402
 from twell.kernels.convert import transpose  # noqa: E402
 from twell.kernels.pipeline import PreparedBlock  # noqa: E402
 from twell.options import Options  # noqa: E402
@@ -50,7 +49,7 @@ def poisoned_outputs() -> Iterator[None]:
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
               w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
     """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``,
-    ``columns``, ``mma_gate``, ``resident``); float64 result."""
+    ``columns``, ``mma_gate``); float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
@@ -204,13 +203,11 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
 
 
 def test_capture_with_the_cublas_gate_replays_its_bits() -> None:
-    """Above MMA_GATE_TOKENS (and past the resident gate's tokens) a call captured from
-    CuPy runs the gate GEMM through torch
+    """Above MMA_GATE_TOKENS a call captured from CuPy runs the gate GEMM through torch
     (CuPy refuses cuBLAS during capture; eager calls use CuPy's, whose bits may differ):
     every replay gives the first replay's bits, and they match dense math."""
     pytest.importorskip("torch")
-    m, n, k = decode_units.RESIDENT_TOKENS[1] + 8, 2048, 1024
-    assert m > decode_units.MMA_GATE_TOKENS
+    m, n, k = decode_units.MMA_GATE_TOKENS + 16, 2048, 1024
     p = workloads.uniform(m, k, n, p=0.01, seed=3)
     block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)),
                           Options(path="fused", density_switch=False))  # fmt: skip
@@ -218,67 +215,6 @@ def test_capture_with_the_cublas_gate_replays_its_bits() -> None:
     first, second = captured_replays(lambda: block(x))
     assert cp.array_equal(first.view(cp.uint16), second.view(cp.uint16))
     check_against_dense(as_host(first).astype(np.float64), p.x, p.w_gate, p.w_up, p.w_down)
-
-
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize(("k", "n"), [(256, 1024), (768, 96), (2048, 2048), (4096, 1024)])
-@pytest.mark.parametrize("m", [1, 2, 8, 9, 17, 33, 48, 64])
-def test_resident_gate_matches_dense(m: int, k: int, n: int, gated: bool) -> None:
-    """The gate with x in shared memory (decode_gate.cu): one CTA per cluster and k-slices
-    over two or four CTAs (K = 2048 and 4096 above 32 tokens), clusters of one octet
-    (N = 96), heavy rows, a NaN and an Inf in x."""
-    geometry = decode_units.resident_geometry(m, k, n, device_info().multiprocessors)
-    assert geometry is not None
-    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + k + n)
-    x = p.x.astype(np.float32)
-    if m >= 2:
-        x[m - 1, k // 2] = np.nan
-        x[0, 1] = np.inf
-    w_gate = p.w_gate if gated else None
-    got = run_units(x, w_gate, p.w_up, p.w_down, resident=True)
-    check_against_dense(got, x, w_gate, p.w_up, p.w_down)
-
-
-@pytest.mark.parametrize("m", [1, 40, 64])
-def test_resident_gate_keeps_every_unit_of_a_token(m: int) -> None:
-    """A token keeping every unit (the pair list at its longest for that token) and the
-    masks of every unit read back through the down kernel."""
-    n, k = 1024, 2048
-    rng = np.random.default_rng(m)
-    w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
-    w_gate[:, 0] = 1.0
-    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
-    w_down = rng.standard_normal((k, n)) / np.sqrt(n)
-    x = rng.standard_normal((m, k))
-    x[:, 0] = 0.0
-    x[m // 2, 0] = 50.0
-    got = run_units(x, w_gate, w_up, w_down, resident=True)
-    check_against_dense(got, x, w_gate, w_up, w_down)
-
-
-def test_resident_gate_capture_gives_the_eager_bits() -> None:
-    m, n, k = 48, 2048, 2048
-    assert decode_units.RESIDENT_TOKENS[0] <= m <= decode_units.RESIDENT_TOKENS[1]
-    p = workloads.uniform(m, k, n, p=0.01, seed=6)
-    block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)),
-                          Options(path="fused", density_switch=False))  # fmt: skip
-    x = to_gpu(p.x)
-    eager = block(x).view(cp.uint16).copy()
-    first, second = captured_replays(lambda: block(x))
-    assert cp.array_equal(first.view(cp.uint16), eager)
-    assert cp.array_equal(second.view(cp.uint16), eager)
-    check_against_dense(as_host(first).astype(np.float64), p.x, p.w_gate, p.w_up, p.w_down)
-
-
-def test_resident_gate_refuses_what_it_cannot_take() -> None:
-    x = cp.zeros((8, 264), cp.uint16)
-    w = cp.zeros((1024, 264), cp.uint16)
-    with pytest.raises(ValueError, match="resident gate"):
-        decode_units.forward(x, w, w, w, x, resident=True)  # K not a multiple of 256
-    x = cp.zeros((65, 256), cp.uint16)
-    w = cp.zeros((1024, 256), cp.uint16)
-    with pytest.raises(ValueError, match="resident gate"):
-        decode_units.forward(x, w, w, w, x, resident=True)  # more than 64 tokens
 
 
 def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.MonkeyPatch):
@@ -372,34 +308,4 @@ def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: flo
         x[rng.integers(m), rng.integers(k)] = float(nonfinite)
     w_gate, w_up_ = (w_first, w_up) if gated else (None, w_first)
     got = run_units(x, w_gate, w_up_, w_down)
-    check_against_dense(got, x, w_gate, w_up_, w_down)
-
-
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(
-    m=st.integers(1, 64),
-    blocks=st.integers(1, 40),
-    k=st.sampled_from([256, 512, 768, 1024, 2048]),
-    gated=st.booleans(),
-    density=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
-    nonfinite=st.sampled_from(["none", "nan", "inf", "-inf"]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_hypothesis_resident_gate(m: int, blocks: int, k: int, gated: bool, density: float,
-                                  nonfinite: str, seed: int) -> None:  # fmt: skip
-    """The resident gate on drawn shapes (N any multiple of 32, so clusters of one to
-    many octets), densities from none to all units, and a non-finite x element."""
-    n = 32 * blocks
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((m, k))
-    w_first = rng.standard_normal((n, k)) / np.sqrt(k)
-    w_first[:, 0] = np.where(rng.random(n) < density, 4.0, -4.0)
-    x[:, 0] = np.abs(x[:, 0]) + 1.0
-    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
-    w_down = rng.standard_normal((k, n)) / np.sqrt(max(1.0, n * max(density, 0.01)))
-    if nonfinite != "none":
-        x[rng.integers(m), rng.integers(k)] = float(nonfinite)
-    w_gate, w_up_ = (w_first, w_up) if gated else (None, w_first)
-    got = run_units(x, w_gate, w_up_, w_down, resident=True)
     check_against_dense(got, x, w_gate, w_up_, w_down)

@@ -244,7 +244,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   __syncthreads();
 
   // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
-  // w_down_t rows start moving into L2 for the down kernel
+  // w_down_t rows start moving into L2 for the down kernel (gated: at the end)
   for (int t = tid; t < M; t += TWELL_GATE_THREADS) {
 #pragma unroll
     for (int b = 0; b < UT; ++b) {
@@ -254,16 +254,21 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
       masks[(long long)t * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
     }
   }
-  if (tid >= TWELL_GATE_THREADS - U) {
-    const int u = tid - (TWELL_GATE_THREADS - U);
-    uint32_t any = 0;
+  // the kept units' w_down_t rows into L2 (gated: after the up products' loads, which the
+  // launch waits on, so that they do not queue behind these)
+  auto prefetch_down = [&]() {
+    if (tid >= TWELL_GATE_THREADS - U) {
+      const int u = tid - (TWELL_GATE_THREADS - U);
+      uint32_t any = 0;
 #pragma unroll
-    for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
-    if (any) {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
-                   "r"((uint32_t)K * 2u) : "memory");
+      for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
+      if (any) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                     ::"l"(w_down_t + (long long)(n0 + u) * K), "r"((uint32_t)K * 2u) : "memory");
+      }
     }
-  }
+  };
+  if constexpr (!GATED) prefetch_down();
 
   // ---- 2. gated: up dot products of the kept pairs. Warp 0 lists the pairs (unit-major,
   // tokens ascending; in s_red, dead by now). They are taken UP_PAIRS at a time, cut into
@@ -340,6 +345,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
       }
       __syncthreads();
     }
+    prefetch_down();
   }
 }
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import alloc, u16
-from twell.kernels.compile import Source, declare, device_info, max_active_clusters
+from twell.kernels.compile import Source, declare, device_info
 from twell.kernels.cublas import gemm_nt
 from twell.options import MAX_COLUMNS
 
@@ -88,29 +88,6 @@ SOURCE = declare(
     )
 )  # fmt: skip
 
-#: Most 16-unit tiles a cluster of the resident gate takes (its pair list keeps the unit
-#: in 7 bits) and the most CTAs of a cluster (the k-slices of x).
-RESIDENT_TILES = 8
-RESIDENT_SPLITS = (1, 2, 4)
-RESIDENT_THREADS = 256
-#: Token counts the resident gate takes by default (where :func:`resident_geometry`
-#: fits); the others keep the tensor-core gate (few tokens) or cuBLAS's.
-RESIDENT_TOKENS = (25, 64)
-RESIDENT = declare(
-    Source(
-        "decode_gate.cu",
-        parameters=("KDIM", "GATED", "NT", "KSPLIT", "STAGES"),
-        constants={"RESIDENT_THREADS": RESIDENT_THREADS},
-        examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "KSPLIT": ks, "STAGES": st}
-            for g in (0, 1)
-            for k, nt, ks, st in ((256, 1, 1, 2), (2048, 1, 1, 4), (2048, 4, 1, 4),
-                                  (2048, 8, 2, 4), (2048, 8, 2, 3), (4096, 1, 1, 3),
-                                  (4096, 4, 2, 3), (4096, 8, 4, 4), (768, 2, 1, 2))
-        ),
-    )
-)  # fmt: skip
-
 _NULL = np.uint64(0)
 
 
@@ -169,123 +146,31 @@ def down_columns(
     return 64
 
 
-def resident_shared_bytes(m: int, k: int, ksplit: int, tiles: int, stages: int) -> int:
-    """Dynamic shared memory of ``twell_units_gate_resident`` (its layout in
-    decode_gate.cu) for ``m`` tokens, width ``k`` split over ``ksplit`` CTAs, at most
-    ``tiles`` 16-unit tiles per cluster and ``stages`` tiles of weight rows in flight: the
-    ring of weight pieces, the warps' fragments, then per (unit, token) cell a float
-    partial, the bf16 gate and the token bits."""
-    nt = token_tiles(m)
-    tokens, m16 = 8 * nt, (nt + 1) // 2
-    ring = stages * (k // ksplit // 256) * 8192
-    words = max(1, tokens // 32)
-    return ring + 8192 * m16 + tiles * 16 * (tokens * 6 + words * 4)
-
-
-def resident_fit(m: int, k: int, n: int, ksplit: int, clusters: int) -> tuple[int, int] | None:
-    """``(tiles, stages)`` of the resident gate when ``clusters`` clusters of ``ksplit``
-    CTAs share ``n`` units out by octets: the most 16-unit tiles a cluster takes and the
-    most tiles of weight rows in flight (up to all of them, at most 4) that fit in shared
-    memory; None where nothing fits (k not split into multiples of 256, a warp's A
-    fragments over 128 registers, more than :data:`RESIDENT_TILES` tiles)."""
-    m16 = (token_tiles(m) + 1) // 2
-    if k % (256 * ksplit) or k * m16 > 4096 * ksplit or not 1 <= clusters <= n // 8:
-        return None
-    octets = -(-(n // 8) // clusters)  # the most octets of 8 units a cluster takes
-    tiles = -(-octets // 2)
-    if tiles > RESIDENT_TILES:
-        return None
-    for stages in range(min(4, tiles + 1), 1, -1):
-        if resident_shared_bytes(m, k, ksplit, tiles, stages) <= SHARED_PER_SM - STATIC_RESERVE:
-            return tiles, stages
-    return None
-
-
-@functools.cache  # a few ints in, one out: computed once per shape, not per call
-def resident_geometry(
-    m: int, k: int, n: int, multiprocessors: int
-) -> tuple[int, int, int, int] | None:
-    """``(ksplit, clusters, tiles, stages)`` of the resident gate for ``m`` tokens (width
-    ``k``, ``n`` units) on a device of ``multiprocessors`` SMs: the fewest CTAs per
-    cluster that fit (:func:`resident_fit`), one CTA per SM, the units' octets shared out
-    among the clusters; None where nothing fits or ``m`` exceeds 64 tokens. (The launcher
-    lowers the clusters to those the device runs at once.)"""
-    if not 1 <= m <= 64 or n % 32:
-        return None
-    for ksplit in RESIDENT_SPLITS:
-        clusters = min(multiprocessors // ksplit, n // 8)
-        fit = resident_fit(m, k, n, ksplit, clusters)
-        if fit is not None:
-            return ksplit, clusters, *fit
-    return None
-
-
-def _resident_gate(m: int, k: int, n: int, gated: bool) -> tuple[Any, int, int, int] | None:
-    """The resident gate's kernel, grid (CTAs), dynamic shared memory and tiles per
-    cluster for this call, or None where it does not fit: :func:`resident_geometry` with
-    the clusters lowered to what the driver says runs at once (a GPC whose SM count is
-    not a multiple of the cluster's leaves SMs over)."""
-    geometry = resident_geometry(m, k, n, device_info().multiprocessors)
-    if geometry is None:
-        return None
-    ksplit, clusters, tiles, stages = geometry
-    kernel = functools.partial(
-        RESIDENT.kernel, "twell_units_gate_resident", KDIM=k, GATED=int(gated),
-        NT=token_tiles(m), KSPLIT=ksplit,
-    )  # fmt: skip
-    gate = kernel(STAGES=stages)
-    shared = resident_shared_bytes(m, k, ksplit, tiles, stages)
-    if ksplit > 1:
-        active = max_active_clusters(gate, ksplit, RESIDENT_THREADS, shared)
-        if active < clusters:
-            fit = resident_fit(m, k, n, ksplit, active)
-            if fit is None:
-                return None
-            clusters, (tiles, stages) = active, fit
-            gate = kernel(STAGES=stages)
-            shared = resident_shared_bytes(m, k, ksplit, tiles, stages)
-    if gate.max_dynamic_shared_size_bytes < shared:
-        gate.max_dynamic_shared_size_bytes = shared
-    return gate, clusters * ksplit, shared, tiles
-
-
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
-    mma_gate: bool | None = None, resident: bool | None = None,
+    mma_gate: bool | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``ut``, ``down_tokens``, ``columns`` and ``mma_gate`` override the geometry
     (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
     :data:`MMA_GATE_TOKENS`); the down kernel's tokens per CTA are ``down_tokens``
-    rounded up to 8, 16, 32 or 64. ``resident`` takes the gate and up products through
-    ``twell_units_gate_resident`` (decode_gate.cu; ``ut`` and ``mma_gate`` then do not
-    apply): by default for :data:`RESIDENT_TOKENS` tokens where it fits. Returns the scratch buffers
-    it used (keep them alive while a captured graph runs)."""
+    rounded up to 8, 16, 32 or 64. Returns the scratch buffers it used (keep them alive
+    while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
-    geometry = None
-    if resident or (resident is None and RESIDENT_TOKENS[0] <= m <= RESIDENT_TOKENS[1]):
-        geometry = _resident_gate(m, k, n, gated)
-        if resident and geometry is None:
-            raise ValueError(f"decode_units: the resident gate does not take M={m}, K={k}, N={n}")
     mma = m <= MMA_GATE_TOKENS if mma_gate is None else mma_gate
-    if geometry is None:
-        if mma and token_tiles(m) > 8:
-            raise ValueError(f"decode_units: the tensor-core gate takes at most 64 tokens, got {m}")
-        ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
-        if not mma and ut * token_tiles(m) > 64:
-            raise ValueError(
-                f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory"
-            )
-        if ut not in (1, 2, 4) or n % (UNITS * ut):
-            raise ValueError(f"decode_units: ut={ut} does not fit N={n}")
-    if down_tokens < 1:
-        raise ValueError(f"decode_units: down_tokens={down_tokens}")
+    if mma and token_tiles(m) > 8:
+        raise ValueError(f"decode_units: the tensor-core gate takes at most 64 tokens, got {m}")
+    ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
+    if not mma and ut * token_tiles(m) > 64:
+        raise ValueError(f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory")
+    if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
+        raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
     if columns is None:
         columns = down_columns(m, k, n, device_info().multiprocessors, down_tokens=down_tokens)
     nt = token_tiles(min(m, down_tokens))
@@ -298,27 +183,16 @@ def forward(
         )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
-    scratch = [h, masks]
-    operands = (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t))
-    if geometry is not None:
-        gate, ctas, gate_shared, tiles = geometry
-        gate(
-            (ctas,), (RESIDENT_THREADS,),
-            (*operands, h, masks.view(np.uint8), np.int32(m), np.int32(n), np.int32(tiles)),
-            shared_mem=gate_shared,
-        )  # fmt: skip
-    else:
-        pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
-        gate = SOURCE.kernel(
-            "twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut, DC=16,
-            PRE=int(not mma),
-        )  # fmt: skip
-        gate(
-            (n // (UNITS * ut),), (GATE_THREADS,),
-            (*operands, _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
-        )  # fmt: skip
-        if pre is not None:
-            scratch.append(pre)
+    pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
+    gate = SOURCE.kernel(
+        "twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut, DC=16,
+        PRE=int(not mma),
+    )  # fmt: skip
+    gate(
+        (n // (UNITS * ut),), (GATE_THREADS,),
+        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
+         _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
+    )  # fmt: skip
     down = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
@@ -329,4 +203,4 @@ def forward(
         (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         shared_mem=shared,
     )  # fmt: skip
-    return scratch
+    return [h, masks] if pre is None else [h, masks, pre]

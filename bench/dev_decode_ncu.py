@@ -1,9 +1,9 @@
-"""A driver for Nsight Compute: the by-unit decode route with the resident gate
-(decode_gate.cu) on `uniform` (K=2048, N=5632), one call per M after a warm-up, each in
-an NVTX range ``M<m>``:
+"""A driver for Nsight Compute: the by-unit decode route (decode_units.forward) on
+`uniform` (K=2048, N=5632), one call per M after a warm-up, each in an NVTX range
+``M<m>``:
 
-    ncu --nvtx --nvtx-include "M64/" -k regex:gate_resident --section ... \\
-        python bench/dev_resident_ncu.py --M 64 [--classic]
+    ncu --nvtx --nvtx-include "M64/" -k regex:units_ --section ... \\
+        python bench/dev_decode_ncu.py --M 64
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from twell.options import Options
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--M", type=int, nargs="+", default=[64])
-    parser.add_argument("--classic", action="store_true", help="the route without it")
     args = parser.parse_args()
     for m in args.M:
         p = make_problem("uniform", m, 2048, 5632, seed=0)
@@ -32,10 +31,10 @@ def main() -> None:
         )  # fmt: skip
         x, y = to_device(p.x), empty_bf16((m, 2048))
         operands = (x, block.w_first, block.w_up, block.w_down_t, y)
-        decode_units.forward(*operands, resident=not args.classic)
+        decode_units.forward(*operands)
         cp.cuda.Device().synchronize()
         cp.cuda.nvtx.RangePush(f"M{m}")
-        decode_units.forward(*operands, resident=not args.classic)
+        decode_units.forward(*operands)
         cp.cuda.Device().synchronize()
         cp.cuda.nvtx.RangePop()
         assert not np.isnan(cp.asnumpy(y.view(cp.uint16)).astype(np.float32)).any()
