@@ -89,7 +89,7 @@ constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token m
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a lane: 8)
 constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
-constexpr int UP_LOADS = 4;                       // work items a warp loads at once
+constexpr int UP_LOADS = NT >= 4 ? 6 : 4;         // work items a warp loads at once
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA
 constexpr int DCHUNKS = DCOLS / 8;                // 8-column pieces of a slice
@@ -119,7 +119,7 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 }  // namespace units
 
 // ---------------------------------------------------------------------- gate and up
-extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_NT >= 4 ? 2 : 3)
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_NT >= 4 && !TWELL_PRE ? 2 : 3)
 twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     const uint16_t* __restrict__ w_first,   // [N, K]
                     const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
@@ -244,7 +244,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   __syncthreads();
 
   // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
-  // w_down_t rows start moving into L2 for the down kernel (gated: at the end)
+  // w_down_t rows start moving into L2 for the down kernel
   for (int t = tid; t < M; t += TWELL_GATE_THREADS) {
 #pragma unroll
     for (int b = 0; b < UT; ++b) {
@@ -254,21 +254,16 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
       masks[(long long)t * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
     }
   }
-  // the kept units' w_down_t rows into L2 (gated: after the up products' loads, which the
-  // launch waits on, so that they do not queue behind these)
-  auto prefetch_down = [&]() {
-    if (tid >= TWELL_GATE_THREADS - U) {
-      const int u = tid - (TWELL_GATE_THREADS - U);
-      uint32_t any = 0;
+  if (tid >= TWELL_GATE_THREADS - U) {
+    const int u = tid - (TWELL_GATE_THREADS - U);
+    uint32_t any = 0;
 #pragma unroll
-      for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
-      if (any) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                     ::"l"(w_down_t + (long long)(n0 + u) * K), "r"((uint32_t)K * 2u) : "memory");
-      }
+    for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
+    if (any) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
+                   "r"((uint32_t)K * 2u) : "memory");
     }
-  };
-  if constexpr (!GATED) prefetch_down();
+  }
 
   // ---- 2. gated: up dot products of the kept pairs. Warp 0 lists the pairs (unit-major,
   // tokens ascending; in s_red, dead by now). They are taken UP_PAIRS at a time, cut into
@@ -345,7 +340,6 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
       }
       __syncthreads();
     }
-    prefetch_down();
   }
 }
 
