@@ -86,7 +86,7 @@ constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps
 constexpr int WPT = WARPS / UT;                   // warps per unit tile (they split K)
 constexpr int CHUNKS = (K + 31) / 32;             // 32-wide k-chunks of a row
 constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token mask
-constexpr int BATCH = NT == 1 ? 8 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
+constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a lane: 8)
 constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
 constexpr int UP_LOADS = NT >= 4 ? 6 : 4;         // work items a warp loads at once
