@@ -89,7 +89,7 @@ constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token m
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a lane: 8)
 constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
-// work items a warp loads at once: from 32 tokens six, so that a CTA's typical pairs at
+// work items a warp loads at once: six from four 8-token tiles (17 tokens), so that a CTA's typical pairs at
 // M = 64 (about 5 pairs x 8 slices) take one round (H100: 26.9-27.3 against 28.3-28.6 us
 // per block with the weights in L2, level from DRAM; docs/perf-log.md, 2026-11-27)
 constexpr int UP_LOADS = NT >= 4 ? 6 : 4;
@@ -122,7 +122,8 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 }  // namespace units
 
 // ---------------------------------------------------------------------- gate and up
-// three CTAs per SM (at most 85 registers) but for the tensor-core gate of 32 or more tokens
+// three CTAs per SM (at most 85 registers), two for the tensor-core gate of four or more
+// 8-token tiles
 extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_NT >= 4 && !TWELL_PRE ? 2 : 3)
 twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     const uint16_t* __restrict__ w_first,   // [N, K]
