@@ -89,9 +89,10 @@ constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token m
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a lane: 8)
 constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
-// work items a warp loads at once: six from four 8-token tiles (17 tokens), so that a CTA's typical pairs at
-// M = 64 (about 5 pairs x 8 slices) take one round (H100: 26.9-27.3 against 28.3-28.6 us
-// per block with the weights in L2, level from DRAM; docs/perf-log.md, 2026-11-27)
+// work items a warp loads at once: six from four 8-token tiles (17 tokens), so that a
+// CTA's typical pairs at M = 64 (about 5 pairs x 8 slices) take one round (H100: 26.9-27.3
+// against 28.3-28.6 us per block with the weights in L2, level from DRAM; perf-log.md,
+// 2026-11-27)
 constexpr int UP_LOADS = NT >= 4 ? 6 : 4;
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA
