@@ -2,7 +2,7 @@
 
 CuPy and torch both run on the driver library ``libcuda.so.1``; twell calls it directly
 for what neither exposes: TMA tensor maps (``kernels/gate_gemm.py``), the clusters of a
-kernel that fit on the GPU at once (``kernels/light_rows_decode.py``) and the nodes of a
+kernel that fit on the GPU at once (``kernels/compile.py``) and the nodes of a
 captured CUDA graph (``_graph_nodes.py``: reading a kernel node's arguments and setting
 new ones in an instantiated graph). Each function is declared once with its argument
 types; :func:`call` raises on an error code.

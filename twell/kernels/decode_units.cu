@@ -89,11 +89,11 @@ constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token m
 constexpr int BATCH = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // chunks a warp loads before its mmas
 constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a lane: 8)
 constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
-// work items a warp loads at once: six from four 8-token tiles (17 tokens), so that a
-// CTA's typical pairs at M = 64 (about 5 pairs x 8 slices) take one round (H100: 26.9-27.3
-// against 28.3-28.6 us per block with the weights in L2, level from DRAM; perf-log.md,
-// 2026-11-27)
-constexpr int UP_LOADS = NT >= 4 ? 6 : 4;
+// work items a warp loads at once: six from 33 tokens (NT >= 8), so that a CTA's typical
+// pairs at M = 64 (about 5 pairs x 8 slices) take one round (H100: 26.9-27.3 against
+// 28.3-28.6 us per block with the weights in L2, level from DRAM; docs/perf-log.md,
+// 2026-11-27); below, four already cover a CTA's typical pairs
+constexpr int UP_LOADS = NT >= 8 ? 6 : 4;
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA
 constexpr int DCHUNKS = DCOLS / 8;                // 8-column pieces of a slice
@@ -123,9 +123,12 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 }  // namespace units
 
 // ---------------------------------------------------------------------- gate and up
-// three CTAs per SM (at most 85 registers), two for the tensor-core gate of four or more
-// 8-token tiles
-extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_NT >= 4 && !TWELL_PRE ? 2 : 3)
+// Launch bound: two CTAs per SM from four 8-token tiles (the tensor-core gate's registers),
+// three below and for the cuBLAS gate from eight tiles: its six up loads then take 80
+// registers (without this bound ~118: two CTAs per SM, a second wave of its 352-CTA grid;
+// with four loads it took 63, four CTAs per SM).
+#define TWELL_GATE_MIN_CTAS (TWELL_NT >= 4 && !(TWELL_PRE && TWELL_NT >= 8) ? 2 : 3)
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_GATE_MIN_CTAS)
 twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     const uint16_t* __restrict__ w_first,   // [N, K]
                     const uint16_t* __restrict__ w_up,      // [N, K] (gated only)

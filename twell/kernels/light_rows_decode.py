@@ -8,7 +8,8 @@ synchronisation: it can be captured in a CUDA graph.
 
 The kernel splits every weight row over the CTAs of a thread-block cluster (its
 ``__cluster_dims__``, so CuPy's plain launch starts clusters); the number of clusters is
-the driver's ``cuOccupancyMaxActiveClusters`` (asked once per device), at most M.
+the driver's ``cuOccupancyMaxActiveClusters``, asked once per device and compiled variant
+(:func:`twell.kernels.compile.max_active_clusters`), at most M.
 """
 
 from __future__ import annotations
@@ -101,6 +102,5 @@ def _launch(
 
 def _clusters(kernel: Any) -> int:
     """Clusters of the kernel that fit on the current device at once (more would run in
-    a second wave): :func:`twell.kernels.compile.max_active_clusters` (every variant has
-    the same shared memory, so the same answer)."""
+    a second wave): :func:`twell.kernels.compile.max_active_clusters`."""
     return max_active_clusters(kernel, CLUSTER, THREADS, SMEM_BYTES)
