@@ -1,8 +1,9 @@
 """The by-unit decode route (decode_units.cu) against the per-token route it replaces at
 M <= 192 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
 with the weights L2-warm (one set) and rotated over sets that exceed L2, plus each of
-its two kernels alone (up to MMA_GATE_TOKENS tokens, where there are two). Checks every
-variant against float64 dense math first.
+its two kernels alone (up to MMA_GATE_TOKENS tokens, where there are two; both down
+kernels, by lists and by mask words). Checks every variant against float64 dense math
+first.
 
     PYTHONPATH=. python bench/dev_units.py [--M 1 8 16] [--out dev_units.json]
 """
@@ -71,8 +72,10 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     if 8 <= m <= 64 and k * n >= 2048 * 5632:
         variants += [("units_mma_gate", geometry(mma_gate=True)),
                      ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
+    if m <= 64:
+        variants += [("units_words", geometry(words=True)), ("units_lists", geometry(words=False))]
     if m <= 16 and workload == "uniform" and gated and k == 2048:
-        variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (16, 32, 64)]
+        variants += [(f"units_dc{dc}", geometry(columns=dc, words=False)) for dc in (16, 32, 64)]
     if 32 <= m <= 64 and workload == "uniform" and gated and k == 2048:
         variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (32, 64)]
     if m > 64 and workload == "uniform" and gated and k == 2048:
@@ -118,8 +121,12 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     d_us = (
         graph_ms_cupy(lambda: down(grid, (threads,), down_args, shared_mem=shared), reps=50) * 1e3
     )
+    words = source.kernel("twell_units_down_words", NT=1, UT=1, DC=16, **kw)
+    w_grid, w_threads = (-(-k // 32), m), (decode_units.WORDS_THREADS,)
+    w_us = graph_ms_cupy(lambda: words(w_grid, w_threads, down_args), reps=50) * 1e3
     out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
-                "variant": "kernels", "gate_up_us": g_us, "down_us": d_us})  # fmt: skip
+                "variant": "kernels", "gate_up_us": g_us, "down_us": d_us,
+                "down_words_us": w_us})  # fmt: skip
     for r in out:
         print(json.dumps(r), flush=True)
     return out
@@ -130,12 +137,15 @@ def main() -> None:
     ap.add_argument("--M", nargs="+", type=int, default=[1, 8, 16, 32, 64, 96, 128, 192, 256])
     ap.add_argument("--out", default=None)
     ap.add_argument("--uniform-only", action="store_true", help="gated uniform, K=2048 only")
+    ap.add_argument("--also", nargs="*", default=[], metavar="WORKLOAD:M",
+                    help="gated K=2048 runs added to the plan, e.g. heavy:8")  # fmt: skip
     args = ap.parse_args()
     records = []
     plan = [("uniform", True, args.M), ("uniform", False, [1, 16]),
             ("paperlike", True, [1, 16, 64, 128]), ("density=0.1", True, [1, 16])]  # fmt: skip
     if args.uniform_only:
         plan = plan[:1]
+    plan += [(w, True, [int(m)]) for w, m in (a.rsplit(":", 1) for a in args.also)]
     for workload, gated, ms in plan:
         for m in ms:
             records += run(workload, m, 2048, 5632, gated)

@@ -49,7 +49,7 @@ def poisoned_outputs() -> Iterator[None]:
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
               w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
     """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``,
-    ``columns``, ``mma_gate``); float64 result."""
+    ``columns``, ``mma_gate``, ``words``); float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
@@ -124,12 +124,46 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + ut)
     x = p.x.astype(np.float32)
     x[m - 1, 3] = np.nan
-    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma)
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma, words=False)
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
     for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (8, 128), (24, 24)):
         other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma,
-                          down_tokens=tokens, columns=columns)  # fmt: skip
+                          down_tokens=tokens, columns=columns, words=False)  # fmt: skip
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["words", "lists"])
+@pytest.mark.parametrize("k", [8, 264])
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 64])
+def test_down_by_words_and_by_lists_match_dense(m: int, k: int, words: bool) -> None:
+    """Either down kernel at any token count (the launcher picks words up to
+    WORDS_TOKENS), with heavy rows, a NaN and an Inf in x; each deterministic."""
+    n = 1024
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=7 * m + k)
+    x = p.x.astype(np.float32)
+    x[m - 1, k // 2] = np.nan
+    x[0, 1] = np.inf
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, words=words)
+    check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["words", "lists"])
+def test_a_token_past_a_threads_staged_ids(words: bool) -> None:
+    """N = 8256 (258 mask words: threads 0 and 1 of a words CTA own three words each):
+    a token keeping every unit gives a thread 96 kept units, three passes of its staged
+    ids; next to it tokens keeping about half and none."""
+    n, k, m = 8256, 136, 4
+    rng = np.random.default_rng(5)
+    w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_gate[:, 0] = 1.0
+    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
+    w_down = rng.standard_normal((k, n)) / np.sqrt(n)
+    x = rng.standard_normal((m, k))
+    x[:, 0] = 0.0
+    x[1, 0] = 50.0  # token 1: every gate positive
+    x[3, 0] = -50.0  # token 3: none
+    got = run_units(x, w_gate, w_up, w_down, words=words)
+    check_against_dense(got, x, w_gate, w_up, w_down)
 
 
 def test_geometry_the_kernels_cannot_take_is_refused() -> None:
@@ -289,12 +323,13 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
     gated=st.booleans(),
     density=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
     nonfinite=st.sampled_from(["none", "nan", "inf", "-inf"]),
+    words=st.sampled_from([None, True, False]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: float,
-                          nonfinite: str, seed: int) -> None:  # fmt: skip
-    """Drawn shapes (N any multiple of 32), densities from none to all units, and a
-    non-finite x element."""
+                          nonfinite: str, words: bool | None, seed: int) -> None:  # fmt: skip
+    """Drawn shapes (N any multiple of 32), densities from none to all units, a
+    non-finite x element, and either down kernel."""
     n = 32 * blocks
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k))
@@ -307,5 +342,5 @@ def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: flo
     if nonfinite != "none":
         x[rng.integers(m), rng.integers(k)] = float(nonfinite)
     w_gate, w_up_ = (w_first, w_up) if gated else (None, w_first)
-    got = run_units(x, w_gate, w_up_, w_down)
+    got = run_units(x, w_gate, w_up_, w_down, words=words)
     check_against_dense(got, x, w_gate, w_up_, w_down)

@@ -253,7 +253,8 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   __syncthreads();
 
   // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
-  // w_down_t rows start moving into L2 for the down kernel
+  // w_up rows (for step 2's later rounds) and w_down_t rows (for the down kernel) start
+  // moving into L2
   for (int t = tid; t < M; t += TWELL_GATE_THREADS) {
 #pragma unroll
     for (int b = 0; b < UT; ++b) {
@@ -269,6 +270,10 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
 #pragma unroll
     for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
     if (any) {
+      if constexpr (GATED) {  // the up products' rows, ahead of their loads in step 2
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_up + (long long)(n0 + u) * K),
+                     "r"((uint32_t)K * 2u) : "memory");
+      }
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
                    "r"((uint32_t)K * 2u) : "memory");
     }
@@ -501,5 +506,127 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
       o.w = twell_pack_bf16x2(a[6], a[7]);
       *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
     }
+  }
+}
+
+// ---------------------------------------------------------------------- down by words
+// twell_units_down_words — the down projection for a few tokens without unit lists: one
+// CTA per (32 columns of y, token) (grid ceil(K / 32) x M, TWELL_WORDS_THREADS threads).
+// Thread i takes the token's mask words i, i + T, i + 2T, ... (T threads: a token's kept
+// units spread over all of them whatever their unit ids) and sums, for each kept unit n of
+// those words in ascending order, h[t, n] * w_down_t[n, 32 columns] into 32 fp32
+// accumulators, four units' loads in flight at once (their ids staged in the thread's own
+// column of shared memory, WORDS_CAP per pass: no barrier before the sums). Then the 32
+// lanes of a warp fold their 32-column sums into one column each (a fixed tree of 31
+// shuffles: lane l ends with column l), and one warp adds the warps' columns in warp
+// order and writes them. Against twell_units_down: no mask staging, counts, list scans,
+// work-unit offsets or partial sums between barriers (one barrier in all), at the price of
+// each (token, column) held by T threads' accumulators, so it suits few tokens (the
+// launcher's WORDS_TOKENS). Deterministic: every sum's order is fixed by N, K and the
+// masks. Limits as twell_units_down's (N % 32 == 0, N <= 65536: 16-bit ids).
+namespace units {
+constexpr int WT = TWELL_WORDS_THREADS;  // threads of a down-by-words CTA
+constexpr int WCAP = 32;                 // unit ids a thread stages per pass
+constexpr int WE = 4;                    // units whose loads a thread has in flight
+static_assert(WT % 32 == 0 && WT <= 1024, "TWELL_WORDS_THREADS: whole warps");
+
+// one step of the fold: lanes with bit S keep columns [S, 2S) of their 2S sums, the
+// others [0, S), each adding its xor-S partner's copy of the ones it keeps
+template <int S>
+__device__ __forceinline__ void fold(float* acc, int lane) {
+  const bool upper = (lane & S) != 0;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const float send = upper ? acc[i] : acc[i + S];
+    const float keep = upper ? acc[i + S] : acc[i];
+    acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, S);
+  }
+}
+}  // namespace units
+
+extern "C" __global__ void __launch_bounds__(TWELL_WORDS_THREADS, 512 / TWELL_WORDS_THREADS)
+twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
+                       const float* __restrict__ h,            // [M, N] (kept pairs)
+                       const uint16_t* __restrict__ w_down_t,  // [N, K]
+                       uint16_t* __restrict__ y,               // [M, K] out (every row)
+                       int M, int N) {
+  using namespace units;
+  __shared__ uint16_t s_ids[WCAP][WT];  // thread i's staged ids in column i
+  __shared__ float s_cols[WT / 32][32];
+  (void)M;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t = blockIdx.y, col0 = blockIdx.x * 32;
+  const int words = N / 32;
+  const uint32_t* mrow = masks + (long long)t * words;
+  const float* ht = h + (long long)t * N;
+  const uint16_t* wcol = w_down_t + col0;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+
+  for (int base = 0;; base += WCAP) {
+    // this thread's kept units with positions [base, base + WCAP) among its own, ascending
+    int c = 0;
+    for (int w0 = tid; w0 < words; w0 += 4 * WT) {
+      uint32_t mw[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mw[i] = w0 + i * WT < words ? __ldg(mrow + w0 + i * WT) : 0u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int bits = __popc(mw[i]);
+        if (c + bits > base && c < base + WCAP) {
+          int at = c;
+          for (uint32_t r = mw[i]; r; r &= r - 1, ++at)
+            if (at >= base && at < base + WCAP)
+              s_ids[at - base][tid] = (uint16_t)((w0 + i * WT) * 32 + __ffs(r) - 1);
+        }
+        c += bits;
+      }
+    }
+    const int here = min(c - base, WCAP);
+    for (int i0 = 0; i0 < here; i0 += WE) {
+      uint4 wv[WE][4];
+      float hv[WE];
+#pragma unroll
+      for (int e = 0; e < WE; ++e) {  // every load of WE units in flight at once
+        hv[e] = 0.f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) wv[e][q] = zero;
+        if (i0 + e < here) {
+          const int n = s_ids[i0 + e][tid];
+          hv[e] = ht[n];
+          const uint16_t* row = wcol + (long long)n * K;
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            if (col0 + 8 * q < K) wv[e][q] = ldg16(row + 8 * q);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < WE; ++e)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) twell_axpy8(hv[e], wv[e][q], acc + 8 * q);
+    }
+    if (c <= base + WCAP) break;
+  }
+
+  // fold the warp's 32 x 32 sums: at step s, lanes with bit s keep columns [s, 2s) of
+  // their current range and add their partner's, the others [0, s): lane l ends with
+  // column l (offsets 16, 8, 4, 2, 1 chosen by its bits)
+  units::fold<16>(acc, lane);
+  units::fold<8>(acc, lane);
+  units::fold<4>(acc, lane);
+  units::fold<2>(acc, lane);
+  units::fold<1>(acc, lane);
+  s_cols[warp][lane] = acc[0];
+  __syncthreads();
+  if (warp == 0) {
+    float v = s_cols[0][lane];
+#pragma unroll
+    for (int w = 1; w < WT / 32; ++w) v += s_cols[w][lane];
+    const float next = __shfl_down_sync(0xffffffffu, v, 1);
+    const int col = col0 + lane;  // K % 8 == 0: an even col < K has col + 1 < K
+    if (!(lane & 1) && col < K)
+      *reinterpret_cast<uint32_t*>(y + (long long)t * K + col) = twell_pack_bf16x2(v, next);
   }
 }

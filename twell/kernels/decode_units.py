@@ -46,6 +46,11 @@ GATE_THREADS = 256
 DOWN_THREADS = 256
 DOWN_LANES = 4
 LIST = 512
+#: Most tokens whose down projection runs by mask words (``twell_units_down_words``: one
+#: CTA per token and 32 columns of y, no unit lists) rather than by lists; the threads of
+#: its CTA.
+WORDS_TOKENS = 8
+WORDS_THREADS = 128
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
 UNIT_TILES = ((16, 1), (64, 2))
@@ -69,7 +74,7 @@ SOURCE = declare(
         parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_LANES": DOWN_LANES, "LIST": LIST,
+            "DOWN_LANES": DOWN_LANES, "LIST": LIST, "WORDS_THREADS": WORDS_THREADS,
         },
         examples=tuple(
             {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
@@ -149,15 +154,16 @@ def down_columns(
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
-    mma_gate: bool | None = None,
+    mma_gate: bool | None = None, words: bool | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    ``ut``, ``down_tokens``, ``columns`` and ``mma_gate`` override the geometry
-    (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
-    :data:`MMA_GATE_TOKENS`); the down kernel's tokens per CTA are ``down_tokens``
-    rounded up to 8, 16, 32 or 64. Returns the scratch buffers it used (keep them alive
-    while a captured graph runs)."""
+    ``ut``, ``down_tokens``, ``columns``, ``mma_gate`` and ``words`` override the
+    geometry (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
+    :data:`MMA_GATE_TOKENS`, :data:`WORDS_TOKENS`); the down kernel's tokens per CTA are
+    ``down_tokens`` rounded up to 8, 16, 32 or 64 (the list kernel's: ``words`` takes one
+    token and 32 columns per CTA and ignores both). Returns the scratch buffers it used
+    (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
@@ -193,6 +199,15 @@ def forward(
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
+    if m <= WORDS_TOKENS if words is None else words:
+        down = SOURCE.kernel(
+            "twell_units_down_words", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
+        )
+        down(
+            (-(-k // 32), m), (WORDS_THREADS,),
+            (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
+        )  # fmt: skip
+        return [h, masks] if pre is None else [h, masks, pre]
     down = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
