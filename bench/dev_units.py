@@ -11,6 +11,7 @@ first.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 import cupy as cp
@@ -72,12 +73,16 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     if 8 <= m <= 64 and k * n >= 2048 * 5632:
         variants += [("units_mma_gate", geometry(mma_gate=True)),
                      ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
-    if m <= 64:
-        variants += [("units_words", geometry(words=True)), ("units_lists", geometry(words=False))]
+    has_words = "words" in inspect.signature(decode_units.forward).parameters  # an old tree's
+    if m <= 64 and has_words:
+        variants += [(f"units_words{t}", geometry(words=True, words_threads=t))
+                     for t in (32, 64, 128)]  # fmt: skip
+        variants += [("units_lists", geometry(words=False))]
+    lists = {"words": False} if has_words else {}
     if m <= 16 and workload == "uniform" and gated and k == 2048:
-        variants += [(f"units_dc{dc}", geometry(columns=dc, words=False)) for dc in (16, 32, 64)]
+        variants += [(f"units_dc{dc}", geometry(columns=dc, **lists)) for dc in (16, 32, 64)]
     if 32 <= m <= 64 and workload == "uniform" and gated and k == 2048:
-        variants += [(f"units_dc{dc}", geometry(columns=dc)) for dc in (32, 64)]
+        variants += [(f"units_dc{dc}", geometry(columns=dc, **lists)) for dc in (32, 64)]
     if m > 64 and workload == "uniform" and gated and k == 2048:
         variants += [
             (f"units_dc{dc}_dt{dt}", geometry(columns=dc, down_tokens=dt))
@@ -121,12 +126,15 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     d_us = (
         graph_ms_cupy(lambda: down(grid, (threads,), down_args, shared_mem=shared), reps=50) * 1e3
     )
-    words = source.kernel("twell_units_down_words", NT=1, UT=1, DC=16, **kw)
-    w_grid, w_threads = (-(-k // 32), m), (decode_units.WORDS_THREADS,)
-    w_us = graph_ms_cupy(lambda: words(w_grid, w_threads, down_args), reps=50) * 1e3
-    out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
-                "variant": "kernels", "gate_up_us": g_us, "down_us": d_us,
-                "down_words_us": w_us})  # fmt: skip
+    record = {"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
+              "variant": "kernels", "gate_up_us": g_us, "down_us": d_us}  # fmt: skip
+    if has_words:
+        words = source.kernel("twell_units_down_words", NT=1, UT=1, DC=16, **kw)
+        for t in (32, 64, 128):
+            record[f"down_words{t}_us"] = 1e3 * graph_ms_cupy(
+                lambda t=t: words((-(-k // 32), m), (t,), down_args), reps=50
+            )
+    out.append(record)
     for r in out:
         print(json.dumps(r), flush=True)
     return out

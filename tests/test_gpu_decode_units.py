@@ -132,26 +132,34 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
-@pytest.mark.parametrize("words", [True, False], ids=["words", "lists"])
+DOWNS = {"words32": {"words": True, "words_threads": 32},
+         "words64": {"words": True, "words_threads": 64},
+         "words128": {"words": True, "words_threads": 128},
+         "lists": {"words": False}}  # fmt: skip
+
+
+@pytest.mark.parametrize("down", DOWNS)
 @pytest.mark.parametrize("k", [8, 264])
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 64])
-def test_down_by_words_and_by_lists_match_dense(m: int, k: int, words: bool) -> None:
-    """Either down kernel at any token count (the launcher picks words up to
-    WORDS_TOKENS), with heavy rows, a NaN and an Inf in x; each deterministic."""
+def test_down_by_words_and_by_lists_match_dense(m: int, k: int, down: str) -> None:
+    """Either down kernel (the words kernel at each CTA size) at any token count (the
+    launcher picks words up to WORDS_TOKENS), with heavy rows, a NaN and an Inf in x;
+    each deterministic."""
     n = 1024
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=7 * m + k)
     x = p.x.astype(np.float32)
     x[m - 1, k // 2] = np.nan
     x[0, 1] = np.inf
-    got = run_units(x, p.w_gate, p.w_up, p.w_down, words=words)
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, **DOWNS[down])
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
 
 
-@pytest.mark.parametrize("words", [True, False], ids=["words", "lists"])
-def test_a_token_past_a_threads_staged_ids(words: bool) -> None:
-    """N = 8256 (258 mask words: threads 0 and 1 of a words CTA own three words each):
-    a token keeping every unit gives a thread 96 kept units, three passes of its staged
-    ids; next to it tokens keeping about half and none."""
+@pytest.mark.parametrize("down", DOWNS)
+def test_a_token_past_a_threads_staged_ids(down: str) -> None:
+    """N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a words CTA own
+    three words each): a token keeping every unit gives a thread 96 kept units (with 32
+    threads, 288), passes of its staged ids; next to it tokens keeping about half and
+    none."""
     n, k, m = 8256, 136, 4
     rng = np.random.default_rng(5)
     w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
@@ -162,7 +170,7 @@ def test_a_token_past_a_threads_staged_ids(words: bool) -> None:
     x[:, 0] = 0.0
     x[1, 0] = 50.0  # token 1: every gate positive
     x[3, 0] = -50.0  # token 3: none
-    got = run_units(x, w_gate, w_up, w_down, words=words)
+    got = run_units(x, w_gate, w_up, w_down, **DOWNS[down])
     check_against_dense(got, x, w_gate, w_up, w_down)
 
 
@@ -176,6 +184,8 @@ def test_geometry_the_kernels_cannot_take_is_refused() -> None:
         decode_units.forward(x, w, w, w, y, down_tokens=128)
     with pytest.raises(ValueError, match="down_tokens"):
         decode_units.forward(x, w, w, w, y, columns=4096)
+    with pytest.raises(ValueError, match="words_threads"):
+        decode_units.forward(x[:8], w, w, w, y[:8], words=True, words_threads=96)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -323,11 +333,11 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
     gated=st.booleans(),
     density=st.sampled_from([0.0, 0.01, 0.2, 1.0]),
     nonfinite=st.sampled_from(["none", "nan", "inf", "-inf"]),
-    words=st.sampled_from([None, True, False]),
+    down=st.sampled_from([None, *DOWNS]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: float,
-                          nonfinite: str, words: bool | None, seed: int) -> None:  # fmt: skip
+                          nonfinite: str, down: str | None, seed: int) -> None:  # fmt: skip
     """Drawn shapes (N any multiple of 32), densities from none to all units, a
     non-finite x element, and either down kernel."""
     n = 32 * blocks
@@ -342,5 +352,5 @@ def test_hypothesis_units(m: int, blocks: int, k: int, gated: bool, density: flo
     if nonfinite != "none":
         x[rng.integers(m), rng.integers(k)] = float(nonfinite)
     w_gate, w_up_ = (w_first, w_up) if gated else (None, w_first)
-    got = run_units(x, w_gate, w_up_, w_down, words=words)
+    got = run_units(x, w_gate, w_up_, w_down, **DOWNS.get(down, {}))
     check_against_dense(got, x, w_gate, w_up_, w_down)

@@ -511,9 +511,9 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 
 // ---------------------------------------------------------------------- down by words
 // twell_units_down_words — the down projection for a few tokens without unit lists: one
-// CTA per (32 columns of y, token) (grid ceil(K / 32) x M, TWELL_WORDS_THREADS threads).
-// Thread i takes the token's mask words i, i + T, i + 2T, ... (T threads: a token's kept
-// units spread over all of them whatever their unit ids) and sums, for each kept unit n of
+// CTA per (32 columns of y, token) (grid ceil(K / 32) x M, T = 32, 64 or 128 threads, at
+// most TWELL_WORDS_THREADS). Thread i takes the token's mask words i, i + T, i + 2T, ...
+// (a token's kept units spread over all T threads whatever their unit ids) and sums, for each kept unit n of
 // those words in ascending order, h[t, n] * w_down_t[n, 32 columns] into 32 fp32
 // accumulators, four units' loads in flight at once (their ids staged in the thread's own
 // column of shared memory, WORDS_CAP per pass: no barrier before the sums). Then the 32
@@ -525,7 +525,7 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 // launcher's WORDS_TOKENS). Deterministic: every sum's order is fixed by N, K and the
 // masks. Limits as twell_units_down's (N % 32 == 0, N <= 65536: 16-bit ids).
 namespace units {
-constexpr int WT = TWELL_WORDS_THREADS;  // threads of a down-by-words CTA
+constexpr int WT = TWELL_WORDS_THREADS;  // most threads of a down-by-words CTA
 constexpr int WCAP = 32;                 // unit ids a thread stages per pass
 constexpr int WE = 4;                    // units whose loads a thread has in flight
 static_assert(WT % 32 == 0 && WT <= 1024, "TWELL_WORDS_THREADS: whole warps");
@@ -554,7 +554,7 @@ twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
   __shared__ uint16_t s_ids[WCAP][WT];  // thread i's staged ids in column i
   __shared__ float s_cols[WT / 32][32];
   (void)M;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, T = blockDim.x;
   const int t = blockIdx.y, col0 = blockIdx.x * 32;
   const int words = N / 32;
   const uint32_t* mrow = masks + (long long)t * words;
@@ -568,10 +568,10 @@ twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
   for (int base = 0;; base += WCAP) {
     // this thread's kept units with positions [base, base + WCAP) among its own, ascending
     int c = 0;
-    for (int w0 = tid; w0 < words; w0 += 4 * WT) {
+    for (int w0 = tid; w0 < words; w0 += 4 * T) {
       uint32_t mw[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) mw[i] = w0 + i * WT < words ? __ldg(mrow + w0 + i * WT) : 0u;
+      for (int i = 0; i < 4; ++i) mw[i] = w0 + i * T < words ? __ldg(mrow + w0 + i * T) : 0u;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int bits = __popc(mw[i]);
@@ -579,7 +579,7 @@ twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
           int at = c;
           for (uint32_t r = mw[i]; r; r &= r - 1, ++at)
             if (at >= base && at < base + WCAP)
-              s_ids[at - base][tid] = (uint16_t)((w0 + i * WT) * 32 + __ffs(r) - 1);
+              s_ids[at - base][tid] = (uint16_t)((w0 + i * T) * 32 + __ffs(r) - 1);
         }
         c += bits;
       }
@@ -622,8 +622,7 @@ twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
   __syncthreads();
   if (warp == 0) {
     float v = s_cols[0][lane];
-#pragma unroll
-    for (int w = 1; w < WT / 32; ++w) v += s_cols[w][lane];
+    for (int w = 1; w < T / 32; ++w) v += s_cols[w][lane];
     const float next = __shfl_down_sync(0xffffffffu, v, 1);
     const int col = col0 + lane;  // K % 8 == 0: an even col < K has col + 1 < K
     if (!(lane & 1) && col < K)

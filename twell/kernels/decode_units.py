@@ -47,9 +47,9 @@ DOWN_THREADS = 256
 DOWN_LANES = 4
 LIST = 512
 #: Most tokens whose down projection runs by mask words (``twell_units_down_words``: one
-#: CTA per token and 32 columns of y, no unit lists) rather than by lists; the threads of
-#: its CTA.
-WORDS_TOKENS = 8
+#: CTA per token and 32 columns of y, no unit lists) rather than by lists, and the most
+#: threads of its CTA (32, 64 or 128: :func:`words_threads_for`).
+WORDS_TOKENS = 16
 WORDS_THREADS = 128
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
@@ -123,6 +123,11 @@ def unit_tiles(m: int, n: int) -> int:
     return ut
 
 
+def words_threads_for(m: int) -> int:
+    """Threads of a down-by-words CTA for ``m`` tokens."""
+    return WORDS_THREADS
+
+
 def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
     """Dynamic shared memory of the down kernel (its layout in decode_units.cu) for a call
     of ``m`` tokens with at most ``down_tokens`` and ``columns`` of y per CTA."""
@@ -154,15 +159,16 @@ def down_columns(
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
-    mma_gate: bool | None = None, words: bool | None = None,
+    mma_gate: bool | None = None, words: bool | None = None, words_threads: int | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    ``ut``, ``down_tokens``, ``columns``, ``mma_gate`` and ``words`` override the
-    geometry (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
-    :data:`MMA_GATE_TOKENS`, :data:`WORDS_TOKENS`); the down kernel's tokens per CTA are
-    ``down_tokens`` rounded up to 8, 16, 32 or 64 (the list kernel's: ``words`` takes one
-    token and 32 columns per CTA and ignores both). Returns the scratch buffers it used
+    ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``words`` and ``words_threads``
+    override the geometry (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`,
+    :func:`down_columns`, :data:`MMA_GATE_TOKENS`, :data:`WORDS_TOKENS`,
+    :func:`words_threads_for`); the down kernel's tokens per CTA are ``down_tokens`` rounded
+    up to 8, 16, 32 or 64 (the list kernel's: the words kernel takes one token and 32
+    columns per CTA and ignores both). Returns the scratch buffers it used
     (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
@@ -187,6 +193,8 @@ def forward(
             f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
             f"memory per CTA ({shared} asked), columns a multiple of 8"
         )
+    if words_threads not in (None, 32, 64, 128):
+        raise ValueError(f"decode_units: words_threads must be 32, 64 or 128, got {words_threads}")
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
     pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
@@ -204,7 +212,7 @@ def forward(
             "twell_units_down_words", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
         )
         down(
-            (-(-k // 32), m), (WORDS_THREADS,),
+            (-(-k // 32), m), (words_threads or words_threads_for(m),),
             (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         )  # fmt: skip
         return [h, masks] if pre is None else [h, masks, pre]
