@@ -49,7 +49,7 @@ def poisoned_outputs() -> Iterator[None]:
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
               w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
     """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``,
-    ``columns``, ``mma_gate``, ``words``); float64 result."""
+    ``columns``, ``mma_gate``, ``down``, ``down_threads``); float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
@@ -124,18 +124,18 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + ut)
     x = p.x.astype(np.float32)
     x[m - 1, 3] = np.nan
-    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma, words=False)
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma, down="lists")
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
     for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (8, 128), (24, 24)):
         other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma,
-                          down_tokens=tokens, columns=columns, words=False)  # fmt: skip
+                          down_tokens=tokens, columns=columns, down="lists")  # fmt: skip
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
-DOWNS = {"words32": {"words": True, "words_threads": 32},
-         "words64": {"words": True, "words_threads": 64},
-         "words128": {"words": True, "words_threads": 128},
-         "lists": {"words": False}}  # fmt: skip
+DOWNS = {
+    f"{d}{t}": {"down": d, "down_threads": t} for d in ("words", "scan") for t in (32, 64, 128)
+}
+DOWNS["lists"] = {"down": "lists"}
 
 
 @pytest.mark.parametrize("down", DOWNS)
@@ -184,8 +184,10 @@ def test_geometry_the_kernels_cannot_take_is_refused() -> None:
         decode_units.forward(x, w, w, w, y, down_tokens=128)
     with pytest.raises(ValueError, match="down_tokens"):
         decode_units.forward(x, w, w, w, y, columns=4096)
-    with pytest.raises(ValueError, match="words_threads"):
-        decode_units.forward(x[:8], w, w, w, y[:8], words=True, words_threads=96)
+    with pytest.raises(ValueError, match="down_threads"):
+        decode_units.forward(x[:8], w, w, w, y[:8], down="words", down_threads=96)
+    with pytest.raises(ValueError, match="down_threads"):
+        decode_units.forward(x[:8], w, w, w, y[:8], down="rows")
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])

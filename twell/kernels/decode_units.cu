@@ -629,3 +629,129 @@ twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
       *reinterpret_cast<uint32_t*>(y + (long long)t * K + col) = twell_pack_bf16x2(v, next);
   }
 }
+
+// ---------------------------------------------------------------------- down by a scan
+// twell_units_down_scan — as twell_units_down_words (one CTA per (32 columns of y, token),
+// T = 32, 64 or 128 threads reading the token's mask words i, i + T, ...), but the kept
+// units are listed in shared memory in ascending order by a prefix sum over the CTA, and
+// thread i = 4 s + q sums list entries s, s + T/4, s + T/2, ... for columns
+// [8q, 8q + 8) of the CTA's 32 (up to SE entries' loads in flight): a token's units spread
+// evenly over the T/4 slots, 8 accumulators a thread. Then the slots of a warp are summed
+// by an xor tree, the warps in order.
+namespace units {
+constexpr int SE = 8;      // entries whose loads a thread has in flight
+constexpr int SLIST = 512;  // list entries per pass
+}  // namespace units
+
+extern "C" __global__ void __launch_bounds__(TWELL_WORDS_THREADS, 1024 / TWELL_WORDS_THREADS)
+twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
+                      const float* __restrict__ h,            // [M, N] (kept pairs)
+                      const uint16_t* __restrict__ w_down_t,  // [N, K]
+                      uint16_t* __restrict__ y,               // [M, K] out (every row)
+                      int M, int N) {
+  using namespace units;
+  __shared__ uint16_t s_list[SLIST];
+  __shared__ int s_warp[WT / 32];
+  __shared__ float s_part[WT / 32][4][8];
+  (void)M;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, T = blockDim.x;
+  const int t = blockIdx.y, col0 = blockIdx.x * 32;
+  const int q = tid & 3, slot = tid >> 2, slots = T >> 2;
+  const int words = N / 32;
+  const uint32_t* mrow = masks + (long long)t * words;
+  const float* ht = h + (long long)t * N;
+  const int col = col0 + 8 * q;
+  const uint16_t* wcol = w_down_t + col;
+
+  // this thread's kept units (its words), then their first list position: a CTA prefix sum
+  int mine = 0;
+  for (int w0 = tid; w0 < words; w0 += 4 * T) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mine += w0 + i * T < words ? __popc(__ldg(mrow + w0 + i * T)) : 0;
+  }
+  int incl = mine;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int o = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += o;
+  }
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  int first = incl - mine, total = 0;
+  for (int w = 0; w < T / 32; ++w) {
+    const int c = s_warp[w];
+    if (w < warp) first += c;
+    total += c;
+  }
+
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int p0 = 0; p0 < total; p0 += SLIST) {
+    if (first < p0 + SLIST && first + mine > p0) {  // this thread's entries in [p0, p0 + SLIST)
+      int at = first;
+      for (int w0 = tid; w0 < words; w0 += 4 * T) {
+        uint32_t mw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mw[i] = w0 + i * T < words ? __ldg(mrow + w0 + i * T) : 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int bits = __popc(mw[i]);
+          if (at + bits > p0 && at < p0 + SLIST) {
+            int a = at;
+            for (uint32_t r = mw[i]; r; r &= r - 1, ++a)
+              if (a >= p0 && a < p0 + SLIST)
+                s_list[a - p0] = (uint16_t)((w0 + i * T) * 32 + __ffs(r) - 1);
+          }
+          at += bits;
+        }
+      }
+    }
+    __syncthreads();
+    const int here = min(total - p0, SLIST);
+    for (int e0 = slot; e0 < here; e0 += SE * slots) {
+      uint4 wv[SE];
+      float hv[SE];
+#pragma unroll
+      for (int e = 0; e < SE; ++e) {  // every load of SE entries in flight at once
+        const int p = e0 + e * slots;
+        hv[e] = 0.f;
+        wv[e] = make_uint4(0u, 0u, 0u, 0u);
+        if (p < here) {
+          const int n = s_list[p];
+          hv[e] = ht[n];
+          if (col < K) wv[e] = ldg16(wcol + (long long)n * K);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < SE; ++e) twell_axpy8(hv[e], wv[e], acc);
+    }
+    __syncthreads();  // the list is rebuilt by the next pass
+  }
+  // the warp's 8 slots of each column group, by an xor tree over lane bits 2..4
+#pragma unroll
+  for (int d = 4; d < 32; d <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], d);
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_part[warp][lane][i] = acc[i];
+  }
+  __syncthreads();
+  if (tid < 4 && col < K) {
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = s_part[0][tid][i];
+    for (int w = 1; w < T / 32; ++w) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] += s_part[w][tid][i];
+    }
+    uint4 o;
+    o.x = twell_pack_bf16x2(v[0], v[1]);
+    o.y = twell_pack_bf16x2(v[2], v[3]);
+    o.z = twell_pack_bf16x2(v[4], v[5]);
+    o.w = twell_pack_bf16x2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
+  }
+}

@@ -48,8 +48,12 @@ DOWN_LANES = 4
 LIST = 512
 #: Most tokens whose down projection runs by mask words (``twell_units_down_words``: one
 #: CTA per token and 32 columns of y, no unit lists) rather than by lists, and the most
-#: threads of its CTA (32, 64 or 128: :func:`words_threads_for`).
-WORDS_TOKENS = 16
+#: threads of its CTA (32, 64 or 128: :func:`words_threads_for`). H100, K = 2048,
+#: N = 5632, uniform, the block in a CUDA graph with the weights from DRAM, words against
+#: lists: M=1 15.0 against 17.3 us, 8 16.5-16.7 / 19.6-19.7, 16 17.4-17.5 / 20.3, 24 21.8
+#: / 23.8, 32 23.7-23.8 / 25.7, 64 30.6 / 29.9-30.0 (docs/perf-log.md, 2026-11-27,
+#: eighteenth session).
+WORDS_TOKENS = 48
 WORDS_THREADS = 128
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
@@ -124,8 +128,11 @@ def unit_tiles(m: int, n: int) -> int:
 
 
 def words_threads_for(m: int) -> int:
-    """Threads of a down-by-words CTA for ``m`` tokens."""
-    return WORDS_THREADS
+    """Threads of a down-by-words CTA for ``m`` tokens: more threads share a token's mask
+    words where the grid (M x K / 32 CTAs) is small, fewer where it would take more than a
+    wave of 128-register threads (H100 at M=1: 128 threads 15.0 us, 64 15.2, 32 15.8; at
+    8 and 16: 64 best; at 24 to 64: 32)."""
+    return 128 if m <= 4 else 64 if m <= 16 else 32
 
 
 def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
@@ -159,17 +166,17 @@ def down_columns(
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
-    mma_gate: bool | None = None, words: bool | None = None, words_threads: int | None = None,
+    mma_gate: bool | None = None, down: str | None = None, down_threads: int | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``words`` and ``words_threads``
+    ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``down`` and ``down_threads``
     override the geometry (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`,
-    :func:`down_columns`, :data:`MMA_GATE_TOKENS`, :data:`WORDS_TOKENS`,
-    :func:`words_threads_for`); the down kernel's tokens per CTA are ``down_tokens`` rounded
-    up to 8, 16, 32 or 64 (the list kernel's: the words kernel takes one token and 32
-    columns per CTA and ignores both). Returns the scratch buffers it used
-    (keep them alive while a captured graph runs)."""
+    :func:`down_columns`, :data:`MMA_GATE_TOKENS`, ``"words"``, ``"scan"`` or ``"lists"``
+    by :data:`WORDS_TOKENS`, :func:`words_threads_for`); the list kernel's tokens per CTA
+    are ``down_tokens`` rounded up to 8, 16, 32 or 64 (the words and scan kernels take
+    one token and 32 columns per CTA and ignore ``down_tokens`` and ``columns``). Returns
+    the scratch buffers it used (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
@@ -193,8 +200,11 @@ def forward(
             f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
             f"memory per CTA ({shared} asked), columns a multiple of 8"
         )
-    if words_threads not in (None, 32, 64, 128):
-        raise ValueError(f"decode_units: words_threads must be 32, 64 or 128, got {words_threads}")
+    if down_threads not in (None, 32, 64, 128) or down not in (None, "lists", "words", "scan"):
+        raise ValueError(
+            f"decode_units: down={down!r}, down_threads={down_threads}: down is 'lists', "
+            "'words' or 'scan', down_threads 32, 64 or 128"
+        )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
     pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
@@ -207,21 +217,22 @@ def forward(
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
-    if m <= WORDS_TOKENS if words is None else words:
-        down = SOURCE.kernel(
-            "twell_units_down_words", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
+    down = down or ("words" if m <= WORDS_TOKENS else "lists")
+    if down != "lists":
+        kernel = SOURCE.kernel(
+            f"twell_units_down_{down}", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
         )
-        down(
-            (-(-k // 32), m), (words_threads or words_threads_for(m),),
+        kernel(
+            (-(-k // 32), m), (down_threads or words_threads_for(m),),
             (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         )  # fmt: skip
         return [h, masks] if pre is None else [h, masks, pre]
-    down = SOURCE.kernel(
+    kernel = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
-    if down.max_dynamic_shared_size_bytes < shared:
-        down.max_dynamic_shared_size_bytes = shared
-    down(
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        kernel.max_dynamic_shared_size_bytes = shared
+    kernel(
         (-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,),
         (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         shared_mem=shared,
