@@ -2,7 +2,7 @@
 M <= 192 and against dense cuBLAS math: µs per block call replayed from a CUDA graph,
 with the weights L2-warm (one set) and rotated over sets that exceed L2, plus each of
 its two kernels alone (up to MMA_GATE_TOKENS tokens, where there are two; the down
-kernels by lists, by mask words and by a scan). Checks every variant against float64
+kernels by lists and by a scan). Checks every variant against float64
 dense math first.
 
     PYTHONPATH=. python bench/dev_units.py [--M 1 8 16] [--out dev_units.json]
@@ -74,9 +74,9 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         variants += [("units_mma_gate", geometry(mma_gate=True)),
                      ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
     has_down = "down" in inspect.signature(decode_units.forward).parameters  # an old tree's
-    if m <= 64 and has_down:
-        variants += [(f"units_{d}{t}", geometry(down=d, down_threads=t))
-                     for d in ("words", "scan") for t in (32, 64, 128)]  # fmt: skip
+    if m <= 192 and has_down:
+        variants += [(f"units_scan{t}", geometry(down="scan", scan_threads=t))
+                     for t in (32, 64, 128)]  # fmt: skip
         variants += [("units_lists", geometry(down="lists"))]
     lists = {"down": "lists"} if has_down else {}
     if m <= 16 and workload == "uniform" and gated and k == 2048:
@@ -129,13 +129,11 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     record = {"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
               "variant": "kernels", "gate_up_us": g_us, "down_us": d_us}  # fmt: skip
     if has_down:
-        for d in ("words", "scan"):
-            kernel = source.kernel(f"twell_units_down_{d}", NT=1, UT=1, DC=16, **kw)
-            for t in (32, 64, 128):
-                record[f"down_{d}{t}_us"] = 1e3 * graph_ms_cupy(
-                    lambda t=t, kernel=kernel: kernel((-(-k // 32), m), (t,), down_args),
-                    reps=50,
-                )
+        scan = source.kernel("twell_units_down_scan", NT=1, UT=1, DC=16, **kw)
+        for t in (32, 64, 128):
+            record[f"down_scan{t}_us"] = 1e3 * graph_ms_cupy(
+                lambda t=t: scan((-(-k // 32), m), (t,), down_args), reps=50
+            )
     out.append(record)
     for r in out:
         print(json.dumps(r), flush=True)

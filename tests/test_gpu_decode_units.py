@@ -49,7 +49,7 @@ def poisoned_outputs() -> Iterator[None]:
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
               w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
     """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``,
-    ``columns``, ``mma_gate``, ``down``, ``down_threads``); float64 result."""
+    ``columns``, ``mma_gate``, ``down``, ``scan_threads``); float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
@@ -132,18 +132,16 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
-DOWNS = {
-    f"{d}{t}": {"down": d, "down_threads": t} for d in ("words", "scan") for t in (32, 64, 128)
-}
+DOWNS = {f"scan{t}": {"down": "scan", "scan_threads": t} for t in (32, 64, 128)}
 DOWNS["lists"] = {"down": "lists"}
 
 
 @pytest.mark.parametrize("down", DOWNS)
 @pytest.mark.parametrize("k", [8, 264])
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 64])
-def test_down_by_words_and_by_lists_match_dense(m: int, k: int, down: str) -> None:
-    """Either down kernel (the words kernel at each CTA size) at any token count (the
-    launcher picks words up to WORDS_TOKENS), with heavy rows, a NaN and an Inf in x;
+def test_down_by_scan_and_by_lists_match_dense(m: int, k: int, down: str) -> None:
+    """Either down kernel (the scan kernel at each CTA size) at any token count (the
+    launcher takes the scan up to SCAN_TOKENS), with heavy rows, a NaN and an Inf in x;
     each deterministic."""
     n = 1024
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=7 * m + k)
@@ -155,11 +153,10 @@ def test_down_by_words_and_by_lists_match_dense(m: int, k: int, down: str) -> No
 
 
 @pytest.mark.parametrize("down", DOWNS)
-def test_a_token_past_a_threads_staged_ids(down: str) -> None:
-    """N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a words CTA own
-    three words each): a token keeping every unit gives a thread 96 kept units (with 32
-    threads, 288), passes of its staged ids; next to it tokens keeping about half and
-    none."""
+def test_a_token_over_many_list_passes(down: str) -> None:
+    """N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a scan CTA read
+    three words each): a token keeping every unit fills 17 passes of the scan kernel's
+    list (the list kernel's too); next to it tokens keeping about half and none."""
     n, k, m = 8256, 136, 4
     rng = np.random.default_rng(5)
     w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
@@ -184,9 +181,9 @@ def test_geometry_the_kernels_cannot_take_is_refused() -> None:
         decode_units.forward(x, w, w, w, y, down_tokens=128)
     with pytest.raises(ValueError, match="down_tokens"):
         decode_units.forward(x, w, w, w, y, columns=4096)
-    with pytest.raises(ValueError, match="down_threads"):
-        decode_units.forward(x[:8], w, w, w, y[:8], down="words", down_threads=96)
-    with pytest.raises(ValueError, match="down_threads"):
+    with pytest.raises(ValueError, match="scan_threads"):
+        decode_units.forward(x[:8], w, w, w, y[:8], down="scan", scan_threads=96)
+    with pytest.raises(ValueError, match="scan_threads"):
         decode_units.forward(x[:8], w, w, w, y[:8], down="rows")
 
 

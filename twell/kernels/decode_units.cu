@@ -35,6 +35,9 @@
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
+// then the down projection, by one of two kernels: twell_units_down_scan (at the end of
+// this file; one CTA per token and 32 columns, for a few tokens) or
+//
 // twell_units_down — one CTA per DC columns of y and 8 NT tokens (grid ceil(K / DC) x
 // ceil(M / (8 NT)), 8 warps; the launcher takes NT for at most 8 tokens, so a CTA's
 // serial steps stay short): the masks of its tokens into shared memory (as uint32: 32
@@ -509,141 +512,33 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
   }
 }
 
-// ---------------------------------------------------------------------- down by words
-// twell_units_down_words — the down projection for a few tokens without unit lists: one
-// CTA per (32 columns of y, token) (grid ceil(K / 32) x M, T = 32, 64 or 128 threads, at
-// most TWELL_WORDS_THREADS). Thread i takes the token's mask words i, i + T, i + 2T, ...
-// (a token's kept units spread over all T threads whatever their unit ids) and sums, for each kept unit n of
-// those words in ascending order, h[t, n] * w_down_t[n, 32 columns] into 32 fp32
-// accumulators, four units' loads in flight at once (their ids staged in the thread's own
-// column of shared memory, WORDS_CAP per pass: no barrier before the sums). Then the 32
-// lanes of a warp fold their 32-column sums into one column each (a fixed tree of 31
-// shuffles: lane l ends with column l), and one warp adds the warps' columns in warp
-// order and writes them. Against twell_units_down: no mask staging, counts, list scans,
-// work-unit offsets or partial sums between barriers (one barrier in all), at the price of
-// each (token, column) held by T threads' accumulators, so it suits few tokens (the
-// launcher's WORDS_TOKENS). Deterministic: every sum's order is fixed by N, K and the
-// masks. Limits as twell_units_down's (N % 32 == 0, N <= 65536: 16-bit ids).
-namespace units {
-constexpr int WT = TWELL_WORDS_THREADS;  // most threads of a down-by-words CTA
-constexpr int WCAP = 32;                 // unit ids a thread stages per pass
-constexpr int WE = 4;                    // units whose loads a thread has in flight
-static_assert(WT % 32 == 0 && WT <= 1024, "TWELL_WORDS_THREADS: whole warps");
-
-// one step of the fold: lanes with bit S keep columns [S, 2S) of their 2S sums, the
-// others [0, S), each adding its xor-S partner's copy of the ones it keeps
-template <int S>
-__device__ __forceinline__ void fold(float* acc, int lane) {
-  const bool upper = (lane & S) != 0;
-#pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const float send = upper ? acc[i] : acc[i + S];
-    const float keep = upper ? acc[i + S] : acc[i];
-    acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, S);
-  }
-}
-}  // namespace units
-
-extern "C" __global__ void __launch_bounds__(TWELL_WORDS_THREADS, 512 / TWELL_WORDS_THREADS)
-twell_units_down_words(const uint32_t* __restrict__ masks,     // [M, N / 32]
-                       const float* __restrict__ h,            // [M, N] (kept pairs)
-                       const uint16_t* __restrict__ w_down_t,  // [N, K]
-                       uint16_t* __restrict__ y,               // [M, K] out (every row)
-                       int M, int N) {
-  using namespace units;
-  __shared__ uint16_t s_ids[WCAP][WT];  // thread i's staged ids in column i
-  __shared__ float s_cols[WT / 32][32];
-  (void)M;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, T = blockDim.x;
-  const int t = blockIdx.y, col0 = blockIdx.x * 32;
-  const int words = N / 32;
-  const uint32_t* mrow = masks + (long long)t * words;
-  const float* ht = h + (long long)t * N;
-  const uint16_t* wcol = w_down_t + col0;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  float acc[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-
-  for (int base = 0;; base += WCAP) {
-    // this thread's kept units with positions [base, base + WCAP) among its own, ascending
-    int c = 0;
-    for (int w0 = tid; w0 < words; w0 += 4 * T) {
-      uint32_t mw[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) mw[i] = w0 + i * T < words ? __ldg(mrow + w0 + i * T) : 0u;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int bits = __popc(mw[i]);
-        if (c + bits > base && c < base + WCAP) {
-          int at = c;
-          for (uint32_t r = mw[i]; r; r &= r - 1, ++at)
-            if (at >= base && at < base + WCAP)
-              s_ids[at - base][tid] = (uint16_t)((w0 + i * T) * 32 + __ffs(r) - 1);
-        }
-        c += bits;
-      }
-    }
-    const int here = min(c - base, WCAP);
-    for (int i0 = 0; i0 < here; i0 += WE) {
-      uint4 wv[WE][4];
-      float hv[WE];
-#pragma unroll
-      for (int e = 0; e < WE; ++e) {  // every load of WE units in flight at once
-        hv[e] = 0.f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) wv[e][q] = zero;
-        if (i0 + e < here) {
-          const int n = s_ids[i0 + e][tid];
-          hv[e] = ht[n];
-          const uint16_t* row = wcol + (long long)n * K;
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            if (col0 + 8 * q < K) wv[e][q] = ldg16(row + 8 * q);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < WE; ++e)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) twell_axpy8(hv[e], wv[e][q], acc + 8 * q);
-    }
-    if (c <= base + WCAP) break;
-  }
-
-  // fold the warp's 32 x 32 sums: at step s, lanes with bit s keep columns [s, 2s) of
-  // their current range and add their partner's, the others [0, s): lane l ends with
-  // column l (offsets 16, 8, 4, 2, 1 chosen by its bits)
-  units::fold<16>(acc, lane);
-  units::fold<8>(acc, lane);
-  units::fold<4>(acc, lane);
-  units::fold<2>(acc, lane);
-  units::fold<1>(acc, lane);
-  s_cols[warp][lane] = acc[0];
-  __syncthreads();
-  if (warp == 0) {
-    float v = s_cols[0][lane];
-    for (int w = 1; w < T / 32; ++w) v += s_cols[w][lane];
-    const float next = __shfl_down_sync(0xffffffffu, v, 1);
-    const int col = col0 + lane;  // K % 8 == 0: an even col < K has col + 1 < K
-    if (!(lane & 1) && col < K)
-      *reinterpret_cast<uint32_t*>(y + (long long)t * K + col) = twell_pack_bf16x2(v, next);
-  }
-}
-
 // ---------------------------------------------------------------------- down by a scan
-// twell_units_down_scan — as twell_units_down_words (one CTA per (32 columns of y, token),
-// T = 32, 64 or 128 threads reading the token's mask words i, i + T, ...), but the kept
-// units are listed in shared memory in ascending order by a prefix sum over the CTA, and
-// thread i = 4 s + q sums list entries s, s + T/4, s + T/2, ... for columns
-// [8q, 8q + 8) of the CTA's 32 (up to SE entries' loads in flight): a token's units spread
-// evenly over the T/4 slots, 8 accumulators a thread. Then the slots of a warp are summed
-// by an xor tree, the warps in order.
+// twell_units_down_scan — the down projection for up to SCAN_TOKENS tokens (the
+// launcher's bound): one CTA per (32 columns of y, token) (grid ceil(K / 32) x M, T = 32,
+// 64 or 128 threads, at most TWELL_SCAN_THREADS). Thread i counts the kept units of the
+// token's mask words i, i + T, i + 2T, ...; a prefix sum over the CTA (a warp scan, then
+// the warps' totals) gives each thread the list position of its first one, and the
+// threads write the token's kept units into a shared list in ascending order (passes of
+// SLIST entries where a token keeps more). Thread 4s + q then sums list entries
+// s, s + T/4, s + T/2, ... for columns [8q, 8q + 8) of the CTA's 32 (h[t, n] *
+// w_down_t[n, cols], fp32, SE entries' loads in flight at once), so a token's units
+// spread evenly over the T/4 slots; the slots of a warp are added by an xor tree over
+// lane bits 2-4, the warps in warp order, and the 8 columns written once.
+// Against twell_units_down: no mask staging, no per-token list building by a warp, no
+// work-unit offsets or partial sums between barriers (three barriers for a token that
+// fits one pass), and its grid grows with M where that kernel's groups tokens by eight;
+// each (token, column) is summed by T/4 threads. Deterministic: every sum's order is
+// fixed by N, K and the masks. Limits as twell_units_down's (N % 32 == 0,
+// N <= 65536: 16-bit ids).
 namespace units {
-constexpr int SE = 8;      // entries whose loads a thread has in flight
-constexpr int SLIST = 512;  // list entries per pass
+constexpr int ST = TWELL_SCAN_THREADS;  // most threads of a scan CTA
+constexpr int SE = 8;                   // list entries whose loads a thread has in flight
+constexpr int SLIST = 512;              // list entries per pass
+static_assert(ST % 32 == 0 && ST <= 1024, "TWELL_SCAN_THREADS: whole warps");
 }  // namespace units
 
-extern "C" __global__ void __launch_bounds__(TWELL_WORDS_THREADS, 1024 / TWELL_WORDS_THREADS)
+// 64 registers: a wave holds 32 one-warp CTAs per SM (M = 64 at K = 2048: 4096 CTAs)
+extern "C" __global__ void __launch_bounds__(TWELL_SCAN_THREADS, 1024 / TWELL_SCAN_THREADS)
 twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
                       const float* __restrict__ h,            // [M, N] (kept pairs)
                       const uint16_t* __restrict__ w_down_t,  // [N, K]
@@ -651,8 +546,8 @@ twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
                       int M, int N) {
   using namespace units;
   __shared__ uint16_t s_list[SLIST];
-  __shared__ int s_warp[WT / 32];
-  __shared__ float s_part[WT / 32][4][8];
+  __shared__ int s_warp[ST / 32];
+  __shared__ float s_part[ST / 32][4][8];
   (void)M;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, T = blockDim.x;
   const int t = blockIdx.y, col0 = blockIdx.x * 32;

@@ -5,8 +5,9 @@ rows read once for all the tokens that use it) instead of by token.
 :func:`forward` writes every row of ``y`` in two launches on CuPy's current stream: the
 gate of 16 or 32 units per CTA on tensor cores (or, above :data:`MMA_GATE_TOKENS`
 tokens, read from a cuBLAS GEMM before them) with the up dot products of the kept pairs,
-then the down projection by slices of columns and groups of at most
-:data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no capacity: rows with many
+then the down projection: up to :data:`SCAN_TOKENS` tokens by one CTA per (token, 32
+columns) listing the token's kept units by a prefix sum, above by slices of columns and
+groups of at most :data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no capacity: rows with many
 active units, or a non-finite pre-activation, are summed over all their kept units), no
 allocation but the scratch outputs, no host synchronisation: it can be captured in a CUDA
 graph (above :data:`MMA_GATE_TOKENS` tokens torch must be imported: the gate GEMM then
@@ -46,15 +47,15 @@ GATE_THREADS = 256
 DOWN_THREADS = 256
 DOWN_LANES = 4
 LIST = 512
-#: Most tokens whose down projection runs by mask words (``twell_units_down_words``: one
-#: CTA per token and 32 columns of y, no unit lists) rather than by lists, and the most
-#: threads of its CTA (32, 64 or 128: :func:`words_threads_for`). H100, K = 2048,
-#: N = 5632, uniform, the block in a CUDA graph with the weights from DRAM, words against
-#: lists: M=1 15.0 against 17.3 us, 8 16.5-16.7 / 19.6-19.7, 16 17.4-17.5 / 20.3, 24 21.8
-#: / 23.8, 32 23.7-23.8 / 25.7, 64 30.6 / 29.9-30.0 (docs/perf-log.md, 2026-11-27,
-#: eighteenth session).
-WORDS_TOKENS = 48
-WORDS_THREADS = 128
+#: Most tokens whose down projection runs by a scan (``twell_units_down_scan``: one CTA
+#: per token and 32 columns of y, the token's units listed by a prefix sum) rather than by
+#: lists of eight-token groups (``twell_units_down``), and the most threads of a scan CTA
+#: (32, 64 or 128: :func:`scan_threads_for`). H100, K = 2048, N = 5632, uniform, the block
+#: in a CUDA graph with the weights from DRAM, scan against lists: M=1 15.3 against 17.6
+#: us, 8 16.9 / 19.8, 16 17.7 / 20.5, 32 23.3 / 25.9, 48 25.6 / 28.4, 64 27.6 / 29.9
+#: (docs/perf-log.md, 2026-11-27, eighteenth session).
+SCAN_TOKENS = 64
+SCAN_THREADS = 128
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
 UNIT_TILES = ((16, 1), (64, 2))
@@ -78,7 +79,7 @@ SOURCE = declare(
         parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_LANES": DOWN_LANES, "LIST": LIST, "WORDS_THREADS": WORDS_THREADS,
+            "DOWN_LANES": DOWN_LANES, "LIST": LIST, "SCAN_THREADS": SCAN_THREADS,
         },
         examples=tuple(
             {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
@@ -127,12 +128,12 @@ def unit_tiles(m: int, n: int) -> int:
     return ut
 
 
-def words_threads_for(m: int) -> int:
-    """Threads of a down-by-words CTA for ``m`` tokens: more threads share a token's mask
-    words where the grid (M x K / 32 CTAs) is small, fewer where it would take more than a
-    wave of 128-register threads (H100 at M=1: 128 threads 15.0 us, 64 15.2, 32 15.8; at
-    8 and 16: 64 best; at 24 to 64: 32)."""
-    return 128 if m <= 4 else 64 if m <= 16 else 32
+def scan_threads_for(m: int) -> int:
+    """Threads of a scan CTA for ``m`` tokens: more threads share a token's units where
+    the grid (M x K / 32 CTAs) is small, one warp where more would take a second wave (H100,
+    as above: at M=8 128 threads 16.9 us, 64 16.8, and 128 faster with heavy rows; at 16
+    and 24 64 threads; at 32 to 64 one warp: M=64 27.6 against 29.7 with 64)."""
+    return 128 if m <= 8 else 64 if m <= 24 else 32
 
 
 def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
@@ -166,16 +167,16 @@ def down_columns(
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
-    mma_gate: bool | None = None, down: str | None = None, down_threads: int | None = None,
+    mma_gate: bool | None = None, down: str | None = None, scan_threads: int | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``down`` and ``down_threads``
-    override the geometry (benchmarks; :func:`unit_tiles`, :data:`DOWN_TOKENS`,
-    :func:`down_columns`, :data:`MMA_GATE_TOKENS`, ``"words"``, ``"scan"`` or ``"lists"``
-    by :data:`WORDS_TOKENS`, :func:`words_threads_for`); the list kernel's tokens per CTA
-    are ``down_tokens`` rounded up to 8, 16, 32 or 64 (the words and scan kernels take
-    one token and 32 columns per CTA and ignore ``down_tokens`` and ``columns``). Returns
+    ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``down`` (``"scan"`` or
+    ``"lists"``) and ``scan_threads`` override the geometry (benchmarks; :func:`unit_tiles`,
+    :data:`DOWN_TOKENS`, :func:`down_columns`, :data:`MMA_GATE_TOKENS`,
+    :data:`SCAN_TOKENS`, :func:`scan_threads_for`); the list kernel's tokens per CTA are
+    ``down_tokens`` rounded up to 8, 16, 32 or 64 (the scan kernel takes one token and 32
+    columns per CTA and ignores ``down_tokens`` and ``columns``). Returns
     the scratch buffers it used (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
@@ -200,10 +201,10 @@ def forward(
             f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
             f"memory per CTA ({shared} asked), columns a multiple of 8"
         )
-    if down_threads not in (None, 32, 64, 128) or down not in (None, "lists", "words", "scan"):
+    if scan_threads not in (None, 32, 64, 128) or down not in (None, "lists", "scan"):
         raise ValueError(
-            f"decode_units: down={down!r}, down_threads={down_threads}: down is 'lists', "
-            "'words' or 'scan', down_threads 32, 64 or 128"
+            f"decode_units: down={down!r}, scan_threads={scan_threads}: down is 'scan' or "
+            "'lists', scan_threads 32, 64 or 128"
         )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
@@ -217,13 +218,12 @@ def forward(
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
-    down = down or ("words" if m <= WORDS_TOKENS else "lists")
-    if down != "lists":
+    if (down or ("scan" if m <= SCAN_TOKENS else "lists")) == "scan":
         kernel = SOURCE.kernel(
-            f"twell_units_down_{down}", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
+            "twell_units_down_scan", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
         )
         kernel(
-            (-(-k // 32), m), (down_threads or words_threads_for(m),),
+            (-(-k // 32), m), (scan_threads or scan_threads_for(m),),
             (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         )  # fmt: skip
         return [h, masks] if pre is None else [h, masks, pre]
