@@ -129,10 +129,10 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     record = {"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
               "variant": "kernels", "gate_up_us": g_us, "down_us": d_us}  # fmt: skip
     if has_down:
-        scan = source.kernel("twell_units_down_scan", NT=1, UT=1, DC=16, **kw)
         for t in (32, 64, 128):
+            scan = source.kernel(f"twell_units_down_scan{t}", NT=1, UT=1, DC=16, **kw)
             record[f"down_scan{t}_us"] = 1e3 * graph_ms_cupy(
-                lambda t=t: scan((-(-k // 32), m), (t,), down_args), reps=50
+                lambda t=t, scan=scan: scan((-(-k // 32), m), (t,), down_args), reps=50
             )
     out.append(record)
     for r in out:

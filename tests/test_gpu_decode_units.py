@@ -152,6 +152,20 @@ def test_down_by_scan_and_by_lists_match_dense(m: int, k: int, down: str) -> Non
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
 
 
+@pytest.mark.parametrize("m", [3, 8, 40])
+def test_scan_bits_do_not_depend_on_its_threads(m: int) -> None:
+    """The scan kernel sums in 32 virtual slots and a fixed tree whatever its CTA size:
+    32, 64 and 128 threads give the same bits (with heavy rows and a NaN row)."""
+    n, k = 2048, 264
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m)
+    x = p.x.astype(np.float32)
+    x[m // 2, 7] = np.nan
+    got = [run_units(x, p.w_gate, p.w_up, p.w_down, **DOWNS[f"scan{t}"]) for t in (32, 64, 128)]
+    check_against_dense(got[0], x, p.w_gate, p.w_up, p.w_down)
+    for other in got[1:]:
+        np.testing.assert_array_equal(other.view(np.uint64), got[0].view(np.uint64))
+
+
 @pytest.mark.parametrize("down", DOWNS)
 def test_a_token_over_many_list_passes(down: str) -> None:
     """N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a scan CTA read

@@ -513,45 +513,43 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 }
 
 // ---------------------------------------------------------------------- down by a scan
-// twell_units_down_scan — the down projection for up to SCAN_TOKENS tokens (the
-// launcher's bound): one CTA per (32 columns of y, token) (grid ceil(K / 32) x M, T = 32,
-// 64 or 128 threads, at most TWELL_SCAN_THREADS). Thread i counts the kept units of the
-// token's mask words i, i + T, i + 2T, ...; a prefix sum over the CTA (a warp scan, then
-// the warps' totals) gives each thread the list position of its first one, and the
-// threads write the token's kept units into a shared list in ascending order (passes of
-// SLIST entries where a token keeps more). Thread 4s + q then sums list entries
-// s, s + T/4, s + T/2, ... for columns [8q, 8q + 8) of the CTA's 32 (h[t, n] *
-// w_down_t[n, cols], fp32, SE entries' loads in flight at once), so a token's units
-// spread evenly over the T/4 slots; the slots of a warp are added by an xor tree over
-// lane bits 2-4, the warps in warp order, and the 8 columns written once.
+// twell_units_down_scan{32,64,128} — the down projection for up to SCAN_TOKENS tokens
+// (the launcher's bound): one CTA of T = 32, 64 or 128 threads per (32 columns of y,
+// token) (grid ceil(K / 32) x M). Thread i counts the kept units of the token's mask words
+// i, i + T, i + 2T, ...; a prefix sum over the CTA (a warp scan, then the warps' totals)
+// gives each thread the list position of its first one, and the threads write the token's
+// kept units into a shared list in ascending order (passes of SLIST entries where a token
+// keeps more). The list is summed in 32 virtual slots: slot v takes positions v, v + 32,
+// v + 64, ... in order (h[t, n] * w_down_t[n, cols], fp32), and the 32 slots are added by
+// a fixed binary tree (v with v ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16). Thread 4s + q holds columns
+// [8q, 8q + 8) of the T/4 slots s, s + T/4, ... below 32 (so 1, 2 or 4 of them); the tree's
+// first three levels are xor shuffles over lane bits 2-4, the last two go through shared
+// memory or stay in the thread. So the bits do not depend on T, which the launcher picks
+// freely: more threads spread a token with many units over more slots, fewer keep a large
+// grid (many tokens) in one wave.
 // Against twell_units_down: no mask staging, no per-token list building by a warp, no
 // work-unit offsets or partial sums between barriers (three barriers for a token that
-// fits one pass), and its grid grows with M where that kernel's groups tokens by eight;
-// each (token, column) is summed by T/4 threads. Deterministic: every sum's order is
-// fixed by N, K and the masks. Limits as twell_units_down's (N % 32 == 0,
-// N <= 65536: 16-bit ids).
+// fits one pass), and its grid grows with M where that kernel groups tokens by eight.
+// Deterministic. Limits as twell_units_down's (N % 32 == 0, N <= 65536: 16-bit ids).
 namespace units {
-constexpr int ST = TWELL_SCAN_THREADS;  // most threads of a scan CTA
-constexpr int SE = 8;                   // list entries whose loads a thread has in flight
-constexpr int SLIST = 512;              // list entries per pass
-static_assert(ST % 32 == 0 && ST <= 1024, "TWELL_SCAN_THREADS: whole warps");
-}  // namespace units
+constexpr int SLIST = 512;  // list entries per pass (a multiple of 32)
 
-// 64 registers: a wave holds 32 one-warp CTAs per SM (M = 64 at K = 2048: 4096 CTAs)
-extern "C" __global__ void __launch_bounds__(TWELL_SCAN_THREADS, 1024 / TWELL_SCAN_THREADS)
-twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
-                      const float* __restrict__ h,            // [M, N] (kept pairs)
-                      const uint16_t* __restrict__ w_down_t,  // [N, K]
-                      uint16_t* __restrict__ y,               // [M, K] out (every row)
-                      int M, int N) {
-  using namespace units;
+template <int T>
+__device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
+                                          const float* __restrict__ h,
+                                          const uint16_t* __restrict__ w_down_t,
+                                          uint16_t* __restrict__ y, int N) {
+  constexpr int SLOTS = T / 4;      // slot threads per column group
+  constexpr int V = 32 / SLOTS;     // virtual slots per thread
+  constexpr int SE = T == 128 ? 8 : 4;  // entries whose loads a thread has in flight
+  constexpr int WARPS_ = T / 32;
+  static_assert(SE % V == 0 && SE * SLOTS % 32 == 0, "a round's entries map to fixed slots");
   __shared__ uint16_t s_list[SLIST];
-  __shared__ int s_warp[ST / 32];
-  __shared__ float s_part[ST / 32][4][8];
-  (void)M;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, T = blockDim.x;
+  __shared__ int s_warp[WARPS_];
+  __shared__ float s_part[WARPS_][V][4][8];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int t = blockIdx.y, col0 = blockIdx.x * 32;
-  const int q = tid & 3, slot = tid >> 2, slots = T >> 2;
+  const int q = tid & 3, slot = tid >> 2;
   const int words = N / 32;
   const uint32_t* mrow = masks + (long long)t * words;
   const float* ht = h + (long long)t * N;
@@ -560,6 +558,7 @@ twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
 
   // this thread's kept units (its words), then their first list position: a CTA prefix sum
   int mine = 0;
+#pragma unroll 1
   for (int w0 = tid; w0 < words; w0 += 4 * T) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) mine += w0 + i * T < words ? __popc(__ldg(mrow + w0 + i * T)) : 0;
@@ -573,18 +572,22 @@ twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
   if (lane == 31) s_warp[warp] = incl;
   __syncthreads();
   int first = incl - mine, total = 0;
-  for (int w = 0; w < T / 32; ++w) {
+#pragma unroll
+  for (int w = 0; w < WARPS_; ++w) {
     const int c = s_warp[w];
     if (w < warp) first += c;
     total += c;
   }
 
-  float acc[8];
+  float acc[V][8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
   for (int p0 = 0; p0 < total; p0 += SLIST) {
     if (first < p0 + SLIST && first + mine > p0) {  // this thread's entries in [p0, p0 + SLIST)
       int at = first;
+#pragma unroll 1
       for (int w0 = tid; w0 < words; w0 += 4 * T) {
         uint32_t mw[4];
 #pragma unroll
@@ -604,12 +607,13 @@ twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
     }
     __syncthreads();
     const int here = min(total - p0, SLIST);
-    for (int e0 = slot; e0 < here; e0 += SE * slots) {
+    // entry e of a round is position e0 + e * SLOTS: virtual slot slot + (e % V) * SLOTS
+    for (int e0 = slot; e0 < here; e0 += SE * SLOTS) {
       uint4 wv[SE];
       float hv[SE];
 #pragma unroll
       for (int e = 0; e < SE; ++e) {  // every load of SE entries in flight at once
-        const int p = e0 + e * slots;
+        const int p = e0 + e * SLOTS;
         hv[e] = 0.f;
         wv[e] = make_uint4(0u, 0u, 0u, 0u);
         if (p < here) {
@@ -619,34 +623,55 @@ twell_units_down_scan(const uint32_t* __restrict__ masks,     // [M, N / 32]
         }
       }
 #pragma unroll
-      for (int e = 0; e < SE; ++e) twell_axpy8(hv[e], wv[e], acc);
+      for (int e = 0; e < SE; ++e) twell_axpy8(hv[e], wv[e], acc[e % V]);
     }
     __syncthreads();  // the list is rebuilt by the next pass
   }
-  // the warp's 8 slots of each column group, by an xor tree over lane bits 2..4
+  // tree levels 1-3 (virtual slot bits 0-2 = lane bits 2-4)
 #pragma unroll
   for (int d = 4; d < 32; d <<= 1) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], d);
+    for (int j = 0; j < V; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[j][i] += __shfl_xor_sync(0xffffffffu, acc[j][i], d);
   }
   if (lane < 4) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s_part[warp][lane][i] = acc[i];
+    for (int j = 0; j < V; ++j)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s_part[warp][j][lane][i] = acc[j][i];
   }
   __syncthreads();
+  // levels 4-5: virtual slot bits 3-4 = g in 0..3, held by warp g % WARPS_, slot set g / WARPS_
   if (tid < 4 && col < K) {
-    float v[8];
+    uint32_t o[4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = s_part[0][tid][i];
-    for (int w = 1; w < T / 32; ++w) {
+    for (int i = 0; i < 8; i += 2) {
+      float r[2];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] += s_part[w][tid][i];
+      for (int c = 0; c < 2; ++c) {
+        auto part = [&](int g) { return s_part[g % WARPS_][g / WARPS_][tid][i + c]; };
+        r[c] = (part(0) + part(1)) + (part(2) + part(3));
+      }
+      o[i / 2] = twell_pack_bf16x2(r[0], r[1]);
     }
-    uint4 o;
-    o.x = twell_pack_bf16x2(v[0], v[1]);
-    o.y = twell_pack_bf16x2(v[2], v[3]);
-    o.z = twell_pack_bf16x2(v[4], v[5]);
-    o.w = twell_pack_bf16x2(v[6], v[7]);
-    *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
+    *reinterpret_cast<uint4*>(y + (long long)t * K + col) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
+}  // namespace units
+
+// at most 64 registers (72 for one warp: its four virtual slots' 32 sums), so a wave
+// holds 32 (28) one-warp CTAs per SM
+#define TWELL_SCAN_BOUND(T) ((T) == 32 ? 28 : 1024 / (T))
+#define TWELL_DOWN_SCAN(T)                                                                 \
+  extern "C" __global__ void __launch_bounds__(T, TWELL_SCAN_BOUND(T)) twell_units_down_scan##T( \
+      const uint32_t* __restrict__ masks, const float* __restrict__ h,                    \
+      const uint16_t* __restrict__ w_down_t, uint16_t* __restrict__ y, int M, int N) {    \
+    (void)M;                                                                               \
+    units::down_scan<T>(masks, h, w_down_t, y, N);                                         \
+  }
+TWELL_DOWN_SCAN(32)
+TWELL_DOWN_SCAN(64)
+TWELL_DOWN_SCAN(128)
+#undef TWELL_DOWN_SCAN
+#undef TWELL_SCAN_BOUND

@@ -7,9 +7,10 @@ gate of 16 or 32 units per CTA on tensor cores (or, above :data:`MMA_GATE_TOKENS
 tokens, read from a cuBLAS GEMM before them) with the up dot products of the kept pairs,
 then the down projection: up to :data:`SCAN_TOKENS` tokens by one CTA per (token, 32
 columns) listing the token's kept units by a prefix sum, above by slices of columns and
-groups of at most :data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no capacity: rows with many
-active units, or a non-finite pre-activation, are summed over all their kept units), no
-allocation but the scratch outputs, no host synchronisation: it can be captured in a CUDA
+groups of at most :data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no
+capacity: rows with many active units, or a non-finite pre-activation, are summed over
+all their kept units), no allocation but the scratch outputs, no host synchronisation:
+it can be captured in a CUDA
 graph (above :data:`MMA_GATE_TOKENS` tokens torch must be imported: the gate GEMM then
 runs through it, and its bits may differ from CuPy's eager GEMM; see
 ``cublas.gemm_nt``). ``PreparedBlock.forward`` takes it for inference calls of the
@@ -49,13 +50,13 @@ DOWN_LANES = 4
 LIST = 512
 #: Most tokens whose down projection runs by a scan (``twell_units_down_scan``: one CTA
 #: per token and 32 columns of y, the token's units listed by a prefix sum) rather than by
-#: lists of eight-token groups (``twell_units_down``), and the most threads of a scan CTA
-#: (32, 64 or 128: :func:`scan_threads_for`). H100, K = 2048, N = 5632, uniform, the block
-#: in a CUDA graph with the weights from DRAM, scan against lists: M=1 15.3 against 17.6
-#: us, 8 16.9 / 19.8, 16 17.7 / 20.5, 32 23.3 / 25.9, 48 25.6 / 28.4, 64 27.6 / 29.9
-#: (docs/perf-log.md, 2026-11-27, eighteenth session).
+#: lists of eight-token groups (``twell_units_down``); a scan CTA has 32, 64 or 128
+#: threads (:func:`scan_threads_for`; the output bits do not depend on it). H100,
+#: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM, scan
+#: against lists: M=1 15.3 against 17.6 us, 8 16.9 / 19.8, 16 17.7 / 20.5, 32 23.3 /
+#: 25.9, 48 25.6 / 28.4, 64 27.6 / 29.9 (docs/perf-log.md, 2026-11-27, eighteenth
+#: session).
 SCAN_TOKENS = 64
-SCAN_THREADS = 128
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
 UNIT_TILES = ((16, 1), (64, 2))
@@ -79,7 +80,7 @@ SOURCE = declare(
         parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_LANES": DOWN_LANES, "LIST": LIST, "SCAN_THREADS": SCAN_THREADS,
+            "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
             {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
@@ -219,11 +220,12 @@ def forward(
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
     if (down or ("scan" if m <= SCAN_TOKENS else "lists")) == "scan":
+        threads = scan_threads or scan_threads_for(m)
         kernel = SOURCE.kernel(
-            "twell_units_down_scan", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
+            f"twell_units_down_scan{threads}", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
         )
         kernel(
-            (-(-k // 32), m), (scan_threads or scan_threads_for(m),),
+            (-(-k // 32), m), (threads,),
             (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
         )  # fmt: skip
         return [h, masks] if pre is None else [h, masks, pre]
