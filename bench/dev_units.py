@@ -76,7 +76,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     has_down = "down" in inspect.signature(decode_units.forward).parameters  # an old tree's
     if m <= 192 and has_down:
         variants += [(f"units_scan{t}", geometry(down="scan", scan_threads=t))
-                     for t in (32, 64, 128)]  # fmt: skip
+                     for t in (64, 128)]  # fmt: skip
         variants += [("units_lists", geometry(down="lists"))]
     lists = {"down": "lists"} if has_down else {}
     if m <= 16 and workload == "uniform" and gated and k == 2048:
@@ -129,7 +129,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     record = {"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
               "variant": "kernels", "gate_up_us": g_us, "down_us": d_us}  # fmt: skip
     if has_down:
-        for t in (32, 64, 128):
+        for t in (64, 128):
             scan = source.kernel(f"twell_units_down_scan{t}", NT=1, UT=1, DC=16, **kw)
             record[f"down_scan{t}_us"] = 1e3 * graph_ms_cupy(
                 lambda t=t, scan=scan: scan((-(-k // 32), m), (t,), down_args), reps=50

@@ -513,8 +513,8 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 }
 
 // ---------------------------------------------------------------------- down by a scan
-// twell_units_down_scan{32,64,128} — the down projection for up to SCAN_TOKENS tokens
-// (the launcher's bound): one CTA of T = 32, 64 or 128 threads per (32 columns of y,
+// twell_units_down_scan{64,128} — the down projection for up to SCAN_TOKENS tokens
+// (the launcher's bound): one CTA of T = 64 or 128 threads per (32 columns of y,
 // token) (grid ceil(K / 32) x M). Thread i counts the kept units of the token's mask words
 // i, i + T, i + 2T, ...; a prefix sum over the CTA (a warp scan, then the warps' totals)
 // gives each thread the list position of its first one, and the threads write the token's
@@ -522,11 +522,11 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 // keeps more). The list is summed in 32 virtual slots: slot v takes positions v, v + 32,
 // v + 64, ... in order (h[t, n] * w_down_t[n, cols], fp32), and the 32 slots are added by
 // a fixed binary tree (v with v ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16). Thread 4s + q holds columns
-// [8q, 8q + 8) of the T/4 slots s, s + T/4, ... below 32 (so 1, 2 or 4 of them); the tree's
+// [8q, 8q + 8) of the T/4 slots s, s + T/4, ... below 32 (so 1 or 2 of them); the tree's
 // first three levels are xor shuffles over lane bits 2-4, the last two go through shared
 // memory or stay in the thread. So the bits do not depend on T, which the launcher picks
 // freely: more threads spread a token with many units over more slots, fewer keep a large
-// grid (many tokens) in one wave.
+// grid (many tokens) in fewer waves.
 // Against twell_units_down: no mask staging, no per-token list building by a warp, no
 // work-unit offsets or partial sums between barriers (three barriers for a token that
 // fits one pass), and its grid grows with M where that kernel groups tokens by eight.
@@ -542,6 +542,7 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
   constexpr int SLOTS = T / 4;      // slot threads per column group
   constexpr int V = 32 / SLOTS;     // virtual slots per thread
   constexpr int SE = T == 128 ? 8 : 4;  // entries whose loads a thread has in flight
+  static_assert(T == 64 || T == 128, "64 or 128 threads");
   constexpr int WARPS_ = T / 32;
   static_assert(SE % V == 0 && SE * SLOTS % 32 == 0, "a round's entries map to fixed slots");
   __shared__ uint16_t s_list[SLIST];
@@ -660,18 +661,14 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
 }
 }  // namespace units
 
-// at most 64 registers (72 for one warp: its four virtual slots' 32 sums), so a wave
-// holds 32 (28) one-warp CTAs per SM
-#define TWELL_SCAN_BOUND(T) ((T) == 32 ? 28 : 1024 / (T))
+// at most 64 registers: a wave holds 32 warps per SM
 #define TWELL_DOWN_SCAN(T)                                                                 \
-  extern "C" __global__ void __launch_bounds__(T, TWELL_SCAN_BOUND(T)) twell_units_down_scan##T( \
+  extern "C" __global__ void __launch_bounds__(T, 1024 / (T)) twell_units_down_scan##T(       \
       const uint32_t* __restrict__ masks, const float* __restrict__ h,                    \
       const uint16_t* __restrict__ w_down_t, uint16_t* __restrict__ y, int M, int N) {    \
     (void)M;                                                                               \
     units::down_scan<T>(masks, h, w_down_t, y, N);                                         \
   }
-TWELL_DOWN_SCAN(32)
 TWELL_DOWN_SCAN(64)
 TWELL_DOWN_SCAN(128)
 #undef TWELL_DOWN_SCAN
-#undef TWELL_SCAN_BOUND

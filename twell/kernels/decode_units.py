@@ -50,13 +50,16 @@ DOWN_LANES = 4
 LIST = 512
 #: Most tokens whose down projection runs by a scan (``twell_units_down_scan``: one CTA
 #: per token and 32 columns of y, the token's units listed by a prefix sum) rather than by
-#: lists of eight-token groups (``twell_units_down``); a scan CTA has 32, 64 or 128
+#: lists of eight-token groups (``twell_units_down``); a scan CTA has 64 or 128
 #: threads (:func:`scan_threads_for`; the output bits do not depend on it). H100,
 #: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM, scan
 #: against lists: M=1 15.3 against 17.6 us, 8 16.9 / 19.8, 16 17.7 / 20.5, 32 23.3 /
 #: 25.9, 48 25.6 / 28.4, 64 27.6 / 29.9 (docs/perf-log.md, 2026-11-27, eighteenth
 #: session).
 SCAN_TOKENS = 64
+#: Mean kept units per token above which a scan CTA takes 128 threads at any token count
+#: (:func:`scan_threads_for`).
+SCAN_WIDE_UNITS = 36
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
 UNIT_TILES = ((16, 1), (64, 2))
@@ -129,12 +132,17 @@ def unit_tiles(m: int, n: int) -> int:
     return ut
 
 
-def scan_threads_for(m: int) -> int:
-    """Threads of a scan CTA for ``m`` tokens: more threads share a token's units where
-    the grid (M x K / 32 CTAs) is small, one warp where more would take a second wave (H100,
-    as above: at M=8 128 threads 16.9 us, 64 16.8, and 128 faster with heavy rows; at 16
-    and 24 64 threads; at 32 to 64 one warp: M=64 27.6 against 29.7 with 64)."""
-    return 128 if m <= 8 else 64 if m <= 24 else 32
+def scan_threads_for(m: int, units_per_token: float | None = None) -> int:
+    """Threads of a scan CTA (64 or 128; the bits are the same) for ``m`` tokens that keep
+    ``units_per_token`` units on average (the density switch's estimate; None: unknown).
+    128 threads spread a token's units over 32 slots, 64 over 16 and make a grid of half
+    the warps. H100, K = 2048, N = 5632, the block in a CUDA graph with the weights from
+    DRAM, 64 against 128 threads: ``uniform`` (28 units a token) M=1 15.4 / 15.3 us, 8 16.7
+    / 16.7, 16 17.6 / 18.0, 32 23.3 / 25.4, 64 29.0 / 33.1; ``paperlike`` (47 on average,
+    a few tokens with hundreds) M=8 29.6 / 22.6, 16 30.6 / 23.8, 32 35.5 / 28.5, 64 39.4
+    / 35.8 (docs/perf-log.md, 2026-11-27, eighteenth session)."""
+    heavy = units_per_token is not None and units_per_token > SCAN_WIDE_UNITS
+    return 128 if m <= 8 or heavy else 64
 
 
 def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
@@ -169,13 +177,15 @@ def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
     mma_gate: bool | None = None, down: str | None = None, scan_threads: int | None = None,
+    units_per_token: float | None = None,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``down`` (``"scan"`` or
     ``"lists"``) and ``scan_threads`` override the geometry (benchmarks; :func:`unit_tiles`,
     :data:`DOWN_TOKENS`, :func:`down_columns`, :data:`MMA_GATE_TOKENS`,
-    :data:`SCAN_TOKENS`, :func:`scan_threads_for`); the list kernel's tokens per CTA are
+    :data:`SCAN_TOKENS`, :func:`scan_threads_for` of ``units_per_token``, a hint that does
+    not change the bits); the list kernel's tokens per CTA are
     ``down_tokens`` rounded up to 8, 16, 32 or 64 (the scan kernel takes one token and 32
     columns per CTA and ignores ``down_tokens`` and ``columns``). Returns
     the scratch buffers it used (keep them alive while a captured graph runs)."""
@@ -202,10 +212,10 @@ def forward(
             f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
             f"memory per CTA ({shared} asked), columns a multiple of 8"
         )
-    if scan_threads not in (None, 32, 64, 128) or down not in (None, "lists", "scan"):
+    if scan_threads not in (None, 64, 128) or down not in (None, "lists", "scan"):
         raise ValueError(
             f"decode_units: down={down!r}, scan_threads={scan_threads}: down is 'scan' or "
-            "'lists', scan_threads 32, 64 or 128"
+            "'lists', scan_threads 64 or 128"
         )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
@@ -220,7 +230,7 @@ def forward(
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
     if (down or ("scan" if m <= SCAN_TOKENS else "lists")) == "scan":
-        threads = scan_threads or scan_threads_for(m)
+        threads = scan_threads or scan_threads_for(m, units_per_token)
         kernel = SOURCE.kernel(
             f"twell_units_down_scan{threads}", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
         )

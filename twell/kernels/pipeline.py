@@ -186,8 +186,9 @@ class PreparedBlock:
         if by_unit:
             # Decode: the whole block by unit, every row (no heavy rows).
             scratch = decode_units.forward(
-                xb, self.w_first, self.w_up if self.gated else None, self.w_down_t, y
-            )
+                xb, self.w_first, self.w_up if self.gated else None, self.w_down_t, y,
+                units_per_token=self.density.estimate,
+            )  # fmt: skip
             if in_capture:
                 self._keep([xb, y, *scratch])
             else:
