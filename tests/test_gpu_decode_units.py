@@ -280,9 +280,10 @@ def test_prepared_block_takes_the_route_up_to_its_bound(monkeypatch: pytest.Monk
     calls: list[int] = []
     real = decode_units.forward
 
-    def spy(x, *args):  # noqa: ANN001, ANN202
+    def spy(x, *args, **hints):  # noqa: ANN001, ANN202
         calls.append(x.shape[0])
-        return real(x, *args)
+        assert hints == {"units_per_token": None}  # the switch is off: no estimate
+        return real(x, *args, **hints)
 
     monkeypatch.setattr(decode_units, "forward", spy)
     for path in ("fused", "epilogue"):

@@ -175,6 +175,11 @@ def test_decode_units_route_limits() -> None:
     widest = decode_units.down_columns(128, 2048, 65536, 132)
     assert widest == 64
     assert decode_units.down_shared_bytes(128, 65536, widest) <= decode_units.SHARED_PER_SM // 2
+    # the scan kernel's CTA: 128 threads for a few tokens or tokens keeping many units
+    wide = decode_units.SCAN_WIDE_UNITS
+    assert [decode_units.scan_threads_for(m) for m in (1, 8, 9, 64)] == [128, 128, 64, 64]
+    assert decode_units.scan_threads_for(64, wide + 1) == 128
+    assert decode_units.scan_threads_for(64, wide) == 64
     assert [decode_units.unit_tiles(m, 5632) for m in (1, 16, 17, 64)] == [1, 1, 2, 2]
     assert decode_units.unit_tiles(64, 96) == 2 and decode_units.unit_tiles(32, 64) == 2
     assert not decode_units.fits(1, 48)  # 32-unit mask words
