@@ -89,9 +89,11 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
             for dc in (64, 128) for dt in (8, 16)
         ]  # fmt: skip
     out = []
+    bits = {}
     for name, fn in variants:
         y = fn(blocks[0])
         y = y[0] if isinstance(y, list) else y
+        bits[name] = y.view(cp.uint16).copy()
         err = relative_error(y, ref)
         again = fn(blocks[0])
         again = again[0] if isinstance(again, list) else again
@@ -101,6 +103,10 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
         out.append({"workload": workload, "M": m, "K": k, "N": n, "gated": gated,
                     "variant": name, "warm_us": warm, "rotated_us": rotated,
                     "rel_err": err, "deterministic": same})  # fmt: skip
+    if "units_scan64" in bits:  # the scan's bits must not depend on its CTA size
+        same = bool(cp.array_equal(bits["units_scan64"], bits["units_scan128"]))
+        out.append({"workload": workload, "M": m, "variant": "scan64_bits_equal_scan128",
+                    "equal": same})  # fmt: skip
     # the two kernels alone (L2-warm), where the gate kernel computes the gate
     if m > decode_units.MMA_GATE_TOKENS or not decode_units.fits(m, n, most=m):
         return out

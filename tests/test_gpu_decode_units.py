@@ -93,23 +93,6 @@ def test_units_match_dense_float64(m: int, gated: bool, k: int) -> None:
     check_against_dense(got, x, w_gate, p.w_up, p.w_down)
 
 
-@pytest.mark.parametrize("m", [5, 12])
-def test_a_token_with_more_units_than_a_list_pass(m: int) -> None:
-    """A token keeping every unit (N > 2 * LIST: the down kernel takes three passes) next
-    to tokens keeping about half of them."""
-    n, k = 2 * decode_units.LIST + 64, 264
-    rng = np.random.default_rng(3)
-    w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
-    w_gate[:, 0] = 1.0
-    w_up = rng.standard_normal((n, k)) / np.sqrt(k)
-    w_down = rng.standard_normal((k, n)) / np.sqrt(n)
-    x = rng.standard_normal((m, k))
-    x[:, 0] = 0.0
-    x[2, 0] = 50.0  # token 2: every gate positive
-    got = run_units(x, w_gate, w_up, w_down)
-    check_against_dense(got, x, w_gate, w_up, w_down)
-
-
 @pytest.mark.parametrize("mma", [True, False], ids=["mma_gate", "cublas_gate"])
 @pytest.mark.parametrize("ut", [1, 2, 4])
 @pytest.mark.parametrize("m", [1, 13, 24, 64])
@@ -152,27 +135,31 @@ def test_down_by_scan_and_by_lists_match_dense(m: int, k: int, down: str) -> Non
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
 
 
-@pytest.mark.parametrize("m", [3, 8, 40])
-def test_scan_bits_do_not_depend_on_its_threads(m: int) -> None:
-    """The scan kernel sums in 32 virtual slots and a fixed tree whatever its CTA size:
-    64 and 128 threads give the same bits (with heavy rows and a NaN row)."""
-    n, k = 2048, 264
-    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m)
+@pytest.mark.parametrize(("m", "n"), [(3, 2048), (3, 5632), (40, 5632), (8, 8256)])
+def test_scan_bits_do_not_depend_on_its_threads(m: int, n: int) -> None:
+    """The scan kernel lists a token's units in ascending order and sums them in 32 virtual
+    slots and a fixed tree whatever its CTA size: 64 and 128 threads give the same bits,
+    also where a thread reads several mask words (N = 5632: 176 words; with heavy rows and
+    a NaN row)."""
+    k = 264
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m + n)
     x = p.x.astype(np.float32)
     x[m // 2, 7] = np.nan
     got = [run_units(x, p.w_gate, p.w_up, p.w_down, **DOWNS[f"scan{t}"]) for t in (64, 128)]
     check_against_dense(got[0], x, p.w_gate, p.w_up, p.w_down)
-    for other in got[1:]:
-        np.testing.assert_array_equal(other.view(np.uint64), got[0].view(np.uint64))
+    np.testing.assert_array_equal(got[1].view(np.uint64), got[0].view(np.uint64))
 
 
-@pytest.mark.parametrize("down", DOWNS)
-def test_a_token_over_many_list_passes(down: str) -> None:
-    """N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a scan CTA read
-    three words each; with 64, five): a token keeping every unit fills 17 passes of the
-    scan kernel's list (the list kernel's too); next to it tokens keeping about half and
-    none."""
-    n, k, m = 8256, 136, 4
+@pytest.mark.parametrize(
+    ("m", "n", "k", "down"),
+    [(5, 2 * decode_units.LIST + 64, 264, "lists"), (12, 2 * decode_units.LIST + 64, 264, None),
+     *((4, 8256, 136, down) for down in DOWNS)],
+)  # fmt: skip
+def test_a_token_over_many_list_passes(m: int, n: int, k: int, down: str | None) -> None:
+    """A token keeping every unit next to tokens keeping about half and one keeping none:
+    at N = 1088 three passes of the list kernel's lists (LIST = 512) and of the scan's;
+    at N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a scan CTA read
+    three words each, with 64 five) 17 passes of either."""
     rng = np.random.default_rng(5)
     w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
     w_gate[:, 0] = 1.0
@@ -181,8 +168,8 @@ def test_a_token_over_many_list_passes(down: str) -> None:
     x = rng.standard_normal((m, k))
     x[:, 0] = 0.0
     x[1, 0] = 50.0  # token 1: every gate positive
-    x[3, 0] = -50.0  # token 3: none
-    got = run_units(x, w_gate, w_up, w_down, **DOWNS[down])
+    x[m - 1, 0] = -50.0  # the last token: none
+    got = run_units(x, w_gate, w_up, w_down, **DOWNS.get(down, {}))
     check_against_dense(got, x, w_gate, w_up, w_down)
 
 
@@ -198,8 +185,10 @@ def test_geometry_the_kernels_cannot_take_is_refused() -> None:
         decode_units.forward(x, w, w, w, y, columns=4096)
     with pytest.raises(ValueError, match="scan_threads"):
         decode_units.forward(x[:8], w, w, w, y[:8], down="scan", scan_threads=32)
-    with pytest.raises(ValueError, match="scan_threads"):
+    with pytest.raises(ValueError, match="down must be"):
         decode_units.forward(x[:8], w, w, w, y[:8], down="rows")
+    with pytest.raises(ValueError, match="scan_threads"):
+        decode_units.forward(x[:8], w, w, w, y[:8], down="lists", scan_threads=64)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])

@@ -515,11 +515,11 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 // ---------------------------------------------------------------------- down by a scan
 // twell_units_down_scan{64,128} — the down projection for up to SCAN_TOKENS tokens
 // (the launcher's bound): one CTA of T = 64 or 128 threads per (32 columns of y,
-// token) (grid ceil(K / 32) x M). Thread i counts the kept units of the token's mask words
-// i, i + T, i + 2T, ...; a prefix sum over the CTA (a warp scan, then the warps' totals)
-// gives each thread the list position of its first one, and the threads write the token's
-// kept units into a shared list in ascending order (passes of SLIST entries where a token
-// keeps more). The list is summed in 32 virtual slots: slot v takes positions v, v + 32,
+// token) (grid ceil(K / 32) x M). Thread i counts the kept units of its run of the
+// token's mask words ([i B, (i + 1) B), B = ceil(N / 32 / T)); a prefix sum over the CTA (a
+// warp scan, then the warps' totals) gives each thread the list position of its first
+// one, and the threads write the token's kept units into a shared list, which is then in
+// ascending unit order whatever T (passes of SLIST entries where a token keeps more). The list is summed in 32 virtual slots: slot v takes positions v, v + 32,
 // v + 64, ... in order (h[t, n] * w_down_t[n, cols], fp32), and the 32 slots are added by
 // a fixed binary tree (v with v ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16). Thread 4s + q holds columns
 // [8q, 8q + 8) of the T/4 slots s, s + T/4, ... below 32 (so 1 or 2 of them); the tree's
@@ -528,7 +528,7 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 // freely: more threads spread a token with many units over more slots, fewer keep a large
 // grid (many tokens) in fewer waves.
 // Against twell_units_down: no mask staging, no per-token list building by a warp, no
-// work-unit offsets or partial sums between barriers (three barriers for a token that
+// work-unit offsets or partial sums between barriers (four barriers for a token that
 // fits one pass), and its grid grows with M where that kernel groups tokens by eight.
 // Deterministic. Limits as twell_units_down's (N % 32 == 0, N <= 65536: 16-bit ids).
 namespace units {
@@ -541,7 +541,7 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
                                           uint16_t* __restrict__ y, int N) {
   constexpr int SLOTS = T / 4;      // slot threads per column group
   constexpr int V = 32 / SLOTS;     // virtual slots per thread
-  constexpr int SE = T == 128 ? 8 : 4;  // entries whose loads a thread has in flight
+  constexpr int SE = T == 128 ? 7 : 4;  // entries whose loads a thread has in flight (64 registers)
   static_assert(T == 64 || T == 128, "64 or 128 threads");
   constexpr int WARPS_ = T / 32;
   static_assert(SE % V == 0 && SE * SLOTS % 32 == 0, "a round's entries map to fixed slots");
@@ -557,12 +557,16 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
   const int col = col0 + 8 * q;
   const uint16_t* wcol = w_down_t + col;
 
-  // this thread's kept units (its words), then their first list position: a CTA prefix sum
+  // this thread's kept units (its words: a contiguous run, so that the list, thread after
+  // thread, is in ascending unit order whatever T), then their first list position: a
+  // CTA prefix sum
+  const int per = (words + T - 1) / T;
+  const int wb = min(words, tid * per), we = min(words, wb + per);
   int mine = 0;
 #pragma unroll 1
-  for (int w0 = tid; w0 < words; w0 += 4 * T) {
+  for (int w0 = wb; w0 < we; w0 += 4) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mine += w0 + i * T < words ? __popc(__ldg(mrow + w0 + i * T)) : 0;
+    for (int i = 0; i < 4; ++i) mine += w0 + i < we ? __popc(__ldg(mrow + w0 + i)) : 0;
   }
   int incl = mine;
 #pragma unroll
@@ -589,10 +593,10 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
     if (first < p0 + SLIST && first + mine > p0) {  // this thread's entries in [p0, p0 + SLIST)
       int at = first;
 #pragma unroll 1
-      for (int w0 = tid; w0 < words; w0 += 4 * T) {
+      for (int w0 = wb; w0 < we; w0 += 4) {
         uint32_t mw[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) mw[i] = w0 + i * T < words ? __ldg(mrow + w0 + i * T) : 0u;
+        for (int i = 0; i < 4; ++i) mw[i] = w0 + i < we ? __ldg(mrow + w0 + i) : 0u;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int bits = __popc(mw[i]);
@@ -600,7 +604,7 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
             int a = at;
             for (uint32_t r = mw[i]; r; r &= r - 1, ++a)
               if (a >= p0 && a < p0 + SLIST)
-                s_list[a - p0] = (uint16_t)((w0 + i * T) * 32 + __ffs(r) - 1);
+                s_list[a - p0] = (uint16_t)((w0 + i) * 32 + __ffs(r) - 1);
           }
           at += bits;
         }

@@ -53,8 +53,9 @@ LIST = 512
 #: lists of eight-token groups (``twell_units_down``); a scan CTA has 64 or 128
 #: threads (:func:`scan_threads_for`; the output bits do not depend on it). H100,
 #: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM, scan
-#: against lists: M=1 15.3 against 17.6 us, 8 16.9 / 19.8, 16 17.7 / 20.5, 32 23.3 /
-#: 25.9, 48 25.6 / 28.4, 64 27.6 / 29.9 (docs/perf-log.md, 2026-11-27, eighteenth
+#: (128 threads up to 8 tokens, 64 above) against lists: M=1 15.2-15.3 against 17.3-17.4
+#: us, 8 16.5-16.7 / 19.7, 16 17.6 / 20.3-20.6, 32 23.3-23.5 / 25.5-26.0, 48 26.5 / 28.2,
+#: 64 29.0-29.3 / 30.0-30.2; 96 35.5 / 34.6 (docs/perf-log.md, 2026-11-27, eighteenth
 #: session).
 SCAN_TOKENS = 64
 #: Mean kept units per token above which a scan CTA takes 128 threads at any token count
@@ -202,51 +203,47 @@ def forward(
         raise ValueError(f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory")
     if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
         raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
-    if columns is None:
-        columns = down_columns(m, k, n, device_info().multiprocessors, down_tokens=down_tokens)
-    nt = token_tiles(min(m, down_tokens))
-    shared = down_shared_bytes(m, n, columns, down_tokens=down_tokens)
-    if columns < 8 or columns % 8 or nt > 8 or shared > SHARED_PER_SM - STATIC_RESERVE:
+    if down not in (None, "lists", "scan"):
+        raise ValueError(f"decode_units: down must be 'scan' or 'lists', got {down!r}")
+    down = down or ("scan" if m <= SCAN_TOKENS else "lists")
+    if scan_threads not in (None, 64, 128) or (scan_threads and down != "scan"):
         raise ValueError(
-            f"decode_units: down_tokens={down_tokens}, columns={columns}: the down kernel "
-            f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
-            f"memory per CTA ({shared} asked), columns a multiple of 8"
+            f"decode_units: scan_threads={scan_threads} with down={down!r}: 64 or 128, for "
+            "the scan kernel only"
         )
-    if scan_threads not in (None, 64, 128) or down not in (None, "lists", "scan"):
-        raise ValueError(
-            f"decode_units: down={down!r}, scan_threads={scan_threads}: down is 'scan' or "
-            "'lists', scan_threads 64 or 128"
-        )
+    if down == "lists":
+        if columns is None:
+            columns = down_columns(m, k, n, device_info().multiprocessors, down_tokens=down_tokens)
+        nt = token_tiles(min(m, down_tokens))
+        shared = down_shared_bytes(m, n, columns, down_tokens=down_tokens)
+        if columns < 8 or columns % 8 or nt > 8 or shared > SHARED_PER_SM - STATIC_RESERVE:
+            raise ValueError(
+                f"decode_units: down_tokens={down_tokens}, columns={columns}: the down kernel "
+                f"takes at most 64 tokens and {SHARED_PER_SM - STATIC_RESERVE} bytes of shared "
+                f"memory per CTA ({shared} asked), columns a multiple of 8"
+            )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
     pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
-    gate = SOURCE.kernel(
-        "twell_units_gate_up", KDIM=k, GATED=int(gated), NT=token_tiles(m), UT=ut, DC=16,
-        PRE=int(not mma),
-    )  # fmt: skip
+    module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
+              "PRE": int(not mma)}  # fmt: skip
+    gate = SOURCE.kernel("twell_units_gate_up", **module)
     gate(
         (n // (UNITS * ut),), (GATE_THREADS,),
         (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
          _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
     )  # fmt: skip
-    if (down or ("scan" if m <= SCAN_TOKENS else "lists")) == "scan":
+    down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
+    if down == "scan":  # (in the gate's module: its parameters do not change the scan)
         threads = scan_threads or scan_threads_for(m, units_per_token)
-        kernel = SOURCE.kernel(
-            f"twell_units_down_scan{threads}", KDIM=k, GATED=int(gated), NT=1, UT=1, DC=16, PRE=0
+        SOURCE.kernel(f"twell_units_down_scan{threads}", **module)(
+            (-(-k // 32), m), (threads,), down_args
         )
-        kernel(
-            (-(-k // 32), m), (threads,),
-            (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
-        )  # fmt: skip
         return [h, masks] if pre is None else [h, masks, pre]
     kernel = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
-    kernel(
-        (-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,),
-        (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n)),
-        shared_mem=shared,
-    )  # fmt: skip
+    kernel((-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,), down_args, shared_mem=shared)
     return [h, masks] if pre is None else [h, masks, pre]
