@@ -514,14 +514,15 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
 
 // ---------------------------------------------------------------------- down by a scan
 // twell_units_down_scan{64,128} — the down projection for up to SCAN_TOKENS tokens
-// (the launcher's bound): one CTA of T = 64 or 128 threads per (32 columns of y,
-// token) (grid ceil(K / 32) x M). Thread i counts the kept units of its run of the
-// token's mask words ([i B, (i + 1) B), B = ceil(N / 32 / T)); a prefix sum over the CTA (a
-// warp scan, then the warps' totals) gives each thread the list position of its first
-// one, and the threads write the token's kept units into a shared list, which is then in
-// ascending unit order whatever T (passes of SLIST entries where a token keeps more). The list is summed in 32 virtual slots: slot v takes positions v, v + 32,
-// v + 64, ... in order (h[t, n] * w_down_t[n, cols], fp32), and the 32 slots are added by
-// a fixed binary tree (v with v ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16). Thread 4s + q holds columns
+// (the launcher's bound): one CTA of T = 64 or 128 threads per (32 columns of y, token)
+// (grid ceil(K / 32) x M). Thread i counts the kept units of its run of the token's mask
+// words ([i B, (i + 1) B), B = ceil(N / 32 / T)); a prefix sum over the CTA (a warp scan,
+// then the warps' totals) gives each thread the list position of its first one, and the
+// threads write the token's kept units into a shared list, which is then in ascending
+// unit order whatever T (passes of SLIST entries where a token keeps more). The list is
+// summed in 32 virtual slots: slot v takes positions v, v + 32, v + 64, ... in order
+// (h[t, n] * w_down_t[n, cols], fp32), and the 32 slots are added by a fixed binary tree
+// (v with v ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16). Thread 4s + q holds columns
 // [8q, 8q + 8) of the T/4 slots s, s + T/4, ... below 32 (so 1 or 2 of them); the tree's
 // first three levels are xor shuffles over lane bits 2-4, the last two go through shared
 // memory or stay in the thread. So the bits do not depend on T, which the launcher picks
