@@ -542,7 +542,8 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
                                           uint16_t* __restrict__ y, int N) {
   constexpr int SLOTS = T / 4;      // slot threads per column group
   constexpr int V = 32 / SLOTS;     // virtual slots per thread
-  constexpr int SE = T == 128 ? 7 : 4;  // entries whose loads a thread has in flight (64 registers)
+  // entries whose loads a thread has in flight (eight at 128 threads spilled at 64 registers)
+  constexpr int SE = T == 128 ? 7 : 4;
   static_assert(T == 64 || T == 128, "64 or 128 threads");
   constexpr int WARPS_ = T / 32;
   static_assert(SE % V == 0 && SE * SLOTS % 32 == 0, "a round's entries map to fixed slots");
