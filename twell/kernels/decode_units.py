@@ -10,11 +10,11 @@ columns) listing the token's kept units by a prefix sum, above by slices of colu
 groups of at most :data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no
 capacity: rows with many active units, or a non-finite pre-activation, are summed over
 all their kept units), no allocation but the scratch outputs, no host synchronisation:
-it can be captured in a CUDA
-graph (above :data:`MMA_GATE_TOKENS` tokens torch must be imported: the gate GEMM then
-runs through it, and its bits may differ from CuPy's eager GEMM; see
-``cublas.gemm_nt``). ``PreparedBlock.forward`` takes it for inference calls of the
-``"fused"`` path when :func:`fits` says so.
+it can be captured in a CUDA graph (above :data:`MMA_GATE_TOKENS` tokens torch must be
+imported: the gate GEMM then runs through it, and its bits may differ from CuPy's eager
+GEMM; see ``cublas.gemm_nt``). ``PreparedBlock.forward`` takes it for inference calls of
+the ``"fused"`` path when :func:`fits` says so, with the density switch's estimate of
+units per token as a hint for the scan's CTA size.
 """
 
 from __future__ import annotations
@@ -183,13 +183,13 @@ def forward(
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``down`` (``"scan"`` or
-    ``"lists"``) and ``scan_threads`` override the geometry (benchmarks; :func:`unit_tiles`,
-    :data:`DOWN_TOKENS`, :func:`down_columns`, :data:`MMA_GATE_TOKENS`,
-    :data:`SCAN_TOKENS`, :func:`scan_threads_for` of ``units_per_token``, a hint that does
-    not change the bits); the list kernel's tokens per CTA are
-    ``down_tokens`` rounded up to 8, 16, 32 or 64 (the scan kernel takes one token and 32
-    columns per CTA and ignores ``down_tokens`` and ``columns``). Returns
-    the scratch buffers it used (keep them alive while a captured graph runs)."""
+    ``"lists"``) and ``scan_threads`` (64 or 128, the scan only) override the geometry
+    (benchmarks; defaults :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
+    :data:`MMA_GATE_TOKENS`, :data:`SCAN_TOKENS`, :func:`scan_threads_for` of
+    ``units_per_token``, a hint that does not change the bits); the list kernel's tokens
+    per CTA are ``down_tokens`` rounded up to 8, 16, 32 or 64 (the scan kernel takes one
+    token and 32 columns per CTA and ignores ``down_tokens`` and ``columns``). Returns the
+    scratch buffers it used (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
