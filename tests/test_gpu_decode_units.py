@@ -158,8 +158,8 @@ def test_scan_bits_do_not_depend_on_its_threads(m: int, n: int) -> None:
 def test_a_token_over_many_list_passes(m: int, n: int, k: int, down: str | None) -> None:
     """A token keeping every unit next to tokens keeping about half and one keeping none:
     at N = 1088 three passes of the list kernel's lists (LIST = 512) and of the scan's;
-    at N = 8256 (258 mask words: with 128 threads, threads 0 and 1 of a scan CTA read
-    three words each, with 64 five) 17 passes of either."""
+    at N = 8256 (258 mask words: a scan CTA's threads read runs of three words each with
+    128 threads, five with 64) 17 passes of either."""
     rng = np.random.default_rng(5)
     w_gate = rng.standard_normal((n, k)) / np.sqrt(k)
     w_gate[:, 0] = 1.0
