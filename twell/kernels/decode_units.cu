@@ -570,12 +570,7 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
 #pragma unroll
     for (int i = 0; i < 4; ++i) mine += w0 + i < we ? __popc(__ldg(mrow + w0 + i)) : 0;
   }
-  int incl = mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int o = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += o;
-  }
+  const int incl = twell_warp_prefix(mine, lane);
   if (lane == 31) s_warp[warp] = incl;
   __syncthreads();
   int first = incl - mine, total = 0;
