@@ -2,9 +2,10 @@
 
 CuPy and torch both run on the driver library ``libcuda.so.1``; twell calls it directly
 for what neither exposes: TMA tensor maps (``kernels/gate_gemm.py``), the clusters of a
-kernel that fit on the GPU at once (``kernels/compile.py``) and the nodes of a
-captured CUDA graph (``_graph_nodes.py``: reading a kernel node's arguments and setting
-new ones in an instantiated graph). Each function is declared once with its argument
+kernel that fit on the GPU at once and launches with a programmatic dependency on the
+kernel before (``kernels/compile.py``), and the nodes of a captured CUDA graph
+(``_graph_nodes.py``: reading a kernel node's arguments and setting new ones in an
+instantiated graph). Each function is declared once with its argument
 types; :func:`call` raises on an error code.
 """
 
@@ -46,9 +47,16 @@ class MemsetNodeParams(ctypes.Structure):
     ]
 
 
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an id, padding to 8 bytes, a 64-byte value union
+    (its first int is the flag of the attributes twell sets)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
 class LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig`` (cuda.h), without attributes (a kernel that carries its cluster
-    size needs none)."""
+    """``CUlaunchConfig`` (cuda.h); a kernel that carries its cluster size needs no
+    attribute for it."""
 
     _fields_ = [
         ("grid", ctypes.c_uint * 3),
@@ -60,6 +68,10 @@ class LaunchConfig(ctypes.Structure):
     ]
 
 
+#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the launched kernel may start
+#: before the previous kernel in the stream has finished (it waits with
+#: ``griddepcontrol.wait`` before it touches that kernel's memory).
+ATTRIBUTE_PROGRAMMATIC = 6
 #: Graph node types (``CUgraphNodeType``) twell tells apart.
 NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_GRAPH, NODE_CONDITIONAL = 0, 1, 2, 4, 13
 #: ``CUDA_ERROR_INVALID_VALUE``: what ``cuFuncGetParamInfo`` returns past the last argument.
@@ -74,6 +86,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuOccupancyMaxActiveClusters": [
         ctypes.POINTER(ctypes.c_int), _P, ctypes.POINTER(LaunchConfig)
     ],
+    "cuLaunchKernelEx": [ctypes.POINTER(LaunchConfig), _P, _PP, _PP],
     "cuGraphGetNodes": [_P, _PP, _PSIZE],
     "cuGraphNodeGetType": [_P, ctypes.POINTER(ctypes.c_int)],
     "cuGraphKernelNodeGetParams_v2": [_P, ctypes.POINTER(KernelNodeParams)],

@@ -16,7 +16,8 @@
 //   pattern;
 // - thread-block cluster helpers (rank, barrier, DSMEM loads) for the cluster kernels;
 // - mbarriers and TMA tensor loads (inline PTX, sm_90) for the kernels that stream
-//   tiles through shared-memory rings (gate_gemm.cu, light_rows_decode.cu).
+//   tiles through shared-memory rings (gate_gemm.cu, light_rows_decode.cu);
+// - the two sides of a programmatic dependent launch (compile.launch_after).
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define TWELL_DEVICE __device__ __forceinline__
@@ -271,6 +272,19 @@ TWELL_DEVICE void twell_tile_bits(const uint32_t (&raw)[(E + 1) / 2], uint32_t& 
     }
     bad = inf != 0u;
   }
+}
+
+// ---------------------------------------------------------------- dependent launches
+// A kernel launched by compile.launch_after may be running before the kernel ahead of it
+// in the stream has finished: twell_grid_wait() returns once that kernel has finished and
+// its writes are visible, so such a kernel calls it before it touches global memory, in
+// every CTA (a CTA that left without waiting could let the kernel after it start early).
+// For a kernel launched as usual it returns at once. twell_grid_release() lets the
+// kernel after this one be scheduled before this one's CTAs end (once every CTA of this
+// kernel has started or called it); without it that happens as they end.
+TWELL_DEVICE void twell_grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+TWELL_DEVICE void twell_grid_release() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- mbarriers and TMA

@@ -19,6 +19,10 @@ built by :func:`full_source`, for both back ends:
   to ``common.cuh`` recompiles and a warm start does not.
 - :func:`compile_cubin` compiles with ``cuda.bindings.nvrtc`` on any machine, GPU or
   not (the CPU test proves that every source builds for sm_90a without spilling).
+
+Kernels launch through CuPy (``kernel(grid, block, args)``), except where one twell kernel
+follows another in a forward pass: :func:`launch_after` lets the second one's CTAs be
+scheduled while the first one's last CTAs still run (programmatic dependent launch).
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ OPTIONS = ("--std=c++17", f"--gpu-architecture={ARCH}", "-ftz=true")
 
 #: The shared device code put in front of every source.
 COMMON_HEADER = "common.cuh"
+
+#: Whether :func:`launch_after` launches with a programmatic dependency on the previous
+#: kernel (``TWELL_PDL=0`` in the environment, or False here: plain launches, for
+#: comparisons or a driver that misbehaves).
+PROGRAMMATIC = os.environ.get("TWELL_PDL", "1") != "0"
+#: The ctypes type of each numpy scalar type a kernel argument may have.
+_SCALARS = {
+    "int32": ctypes.c_int32, "uint32": ctypes.c_uint32, "int64": ctypes.c_int64,
+    "uint64": ctypes.c_uint64, "float32": ctypes.c_float,
+}  # fmt: skip
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
@@ -183,6 +197,45 @@ def unavailable_reason() -> str | None:
     if (major, minor) != (9, 0):
         return f"twell's kernels need a Hopper GPU (compute capability 9.0), not {major}.{minor}"
     return None
+
+
+def launch_after(
+    kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+) -> None:
+    """Launch ``kernel`` (a compiled ``cupy.RawKernel``) on CuPy's current stream as
+    ``kernel(grid, block, args, shared_mem=shared_mem)`` would, but allowed to start
+    before the previous kernel in the stream has finished: its CTAs take SMs as the
+    previous kernel's CTAs leave them (or earlier, where that kernel calls
+    ``twell_grid_release()``), and wait in ``twell_grid_wait()`` (common.cuh) until it
+    has finished and its writes are visible. So the kernel must call ``twell_grid_wait()``
+    before it reads or writes global memory, in every CTA. Captured into a CUDA graph, the
+    dependency becomes a programmatic edge. Arguments: CuPy arrays (their pointers) and
+    numpy scalars of the types in ``_SCALARS``."""
+    if not PROGRAMMATIC:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    cupy = _require_cupy()
+    values = []
+    for arg in args:
+        if isinstance(arg, cupy.ndarray):
+            values.append(ctypes.c_void_p(arg.data.ptr))
+        elif type(arg).__name__ in _SCALARS and hasattr(arg, "item"):
+            values.append(_SCALARS[type(arg).__name__](arg.item()))
+        else:
+            raise TypeError(f"launch_after: unsupported kernel argument {type(arg).__name__}")
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    attribute = _driver.LaunchAttribute(id=_driver.ATTRIBUTE_PROGRAMMATIC)
+    attribute.value[0] = 1
+    config = _driver.LaunchConfig()
+    config.grid[:] = (*grid, 1, 1)[:3]
+    config.block[:] = (*block, 1, 1)[:3]
+    config.shared_mem_bytes = shared_mem
+    config.stream = cupy.cuda.get_current_stream().ptr
+    config.attrs = ctypes.addressof(attribute)
+    config.num_attrs = 1
+    _driver.call(
+        "cuLaunchKernelEx", ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), params, None
+    )
 
 
 def _device_id() -> int:

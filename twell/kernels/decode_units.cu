@@ -141,6 +141,8 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     uint16_t* __restrict__ masks,           // [M, N / 16] out
                     int M, int N) {
   using namespace units;
+  twell_grid_wait();  // with TWELL_PRE, launched after the gate GEMM (compile.launch_after)
+  twell_grid_release();  // the down kernel's CTAs may take SMs as they free up
   // the warps' gate fragments (TWELL_PRE: room for the pair list of step 2 only)
   __shared__ float s_red[PRE ? (UT + 1) / 2 : WARPS][NT][32][4];
   (void)pre;
@@ -368,6 +370,8 @@ twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the
                  uint16_t* __restrict__ y,               // [M_all, K] out (every row)
                  int M_all, int N) {
   using namespace units;
+  twell_grid_wait();  // launched after the gate/up kernel (compile.launch_after)
+  twell_grid_release();
   // this CTA's tokens: TOKENS of them from t0 (grid.y = ceil(M_all / TOKENS))
   const int t0 = blockIdx.y * TOKENS;
   const int M = min(M_all - t0, TOKENS);
@@ -668,6 +672,8 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
       const uint32_t* __restrict__ masks, const float* __restrict__ h,                    \
       const uint16_t* __restrict__ w_down_t, uint16_t* __restrict__ y, int M, int N) {    \
     (void)M;                                                                               \
+    twell_grid_wait();                                                                     \
+    twell_grid_release();                                                                  \
     units::down_scan<T>(masks, h, w_down_t, y, N);                                         \
   }
 TWELL_DOWN_SCAN(64)

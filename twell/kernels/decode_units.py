@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import alloc, u16
-from twell.kernels.compile import Source, declare, device_info
+from twell.kernels.compile import Source, declare, device_info, launch_after
 from twell.kernels.cublas import gemm_nt
 from twell.options import MAX_COLUMNS
 
@@ -228,22 +228,24 @@ def forward(
     module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
               "PRE": int(not mma)}  # fmt: skip
     gate = SOURCE.kernel("twell_units_gate_up", **module)
-    gate(
-        (n // (UNITS * ut),), (GATE_THREADS,),
-        (u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
-         _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n)),
+    gate_args = (
+        u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
+        _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n),
     )  # fmt: skip
+    if pre is None:
+        gate((n // (UNITS * ut),), (GATE_THREADS,), gate_args)
+    else:  # after cuBLAS: may start as its last CTAs end
+        launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args)
     down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
     if down == "scan":  # (in the gate's module: its parameters do not change the scan)
         threads = scan_threads or scan_threads_for(m, units_per_token)
-        SOURCE.kernel(f"twell_units_down_scan{threads}", **module)(
-            (-(-k // 32), m), (threads,), down_args
-        )
+        scan = SOURCE.kernel(f"twell_units_down_scan{threads}", **module)
+        launch_after(scan, (-(-k // 32), m), (threads,), down_args)
         return [h, masks] if pre is None else [h, masks, pre]
     kernel = SOURCE.kernel(
         "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
     )
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
-    kernel((-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,), down_args, shared_mem=shared)
+    launch_after(kernel, (-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,), down_args, shared)
     return [h, masks] if pre is None else [h, masks, pre]

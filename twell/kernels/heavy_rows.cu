@@ -102,6 +102,8 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint8_t* __restrict__ flags, int flag_rows,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
                        uint16_t* __restrict__ out, int o_by_id) {
+  twell_grid_wait();  // in a forward pass, launched after the kernel that flags the rows
+  twell_grid_release();
   // The ring of k-slices and, after the k-loop, this CTA's fp32 fragments ([value]
   // [thread]) share the same bytes: a 5-deep ring (40 KB) fits beside the row ids.
   union Smem {
@@ -288,6 +290,8 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
 extern "C" __global__ void __launch_bounds__(1024)
 twell_compact_rows(const uint8_t* __restrict__ heavy, int M, int* __restrict__ ids,
                    int* __restrict__ count) {
+  twell_grid_wait();  // launched after the kernel that flags the rows
+  twell_grid_release();
   __shared__ int sums[1024];
   const int t = threadIdx.x;
   const int chunk = (M + 1023) / 1024;

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import alloc, grid_1d, u16
-from twell.kernels.compile import Source, declare, device_info
+from twell.kernels.compile import Source, declare, device_info, launch_after
 
 #: Most rows :func:`matmul` takes as flags (compacting them itself).
 FLAG_ROWS = 1024
@@ -62,7 +62,7 @@ def compact_rows(heavy: Any) -> tuple[Any, Any]:
     ids = alloc((max(m, 1),), np.int32)
     count = alloc((1,), np.int32)
     if m:
-        _kernel("twell_compact_rows")((1,), (1024,), (heavy, np.int32(m), ids, count))
+        launch_after(_kernel("twell_compact_rows"), (1,), (1024,), (heavy, np.int32(m), ids, count))
     else:
         count.fill(0)
     return ids, count
@@ -95,6 +95,7 @@ def matmul(
     flags: Any | None = None,
     split: int = 0,
     stages: int = 0,
+    overlap: bool = False,
 ) -> Any:
     """``out[orow(i)] = (gate'[grow(i)] *) (a'[arow(i)] @ b.T)`` for ``i < count[0]``.
 
@@ -106,7 +107,10 @@ def matmul(
     the kernel itself (what :func:`compact_rows` would give, without its launch). One
     launch: the reduction is split over the CTAs of a thread-block cluster
     (``split``, default :func:`split_for`; the ring holds ``stages`` k-slices, default
-    :data:`STAGES`), no workspace. Returns None (no buffer to keep alive; the callers'
+    :data:`STAGES`), no workspace. ``overlap``: launched to start while the kernel
+    before it ends (:func:`twell.kernels.compile.launch_after`); on an H100 that saved
+    ~1.5 µs per forward pass where the stage found no row, and cost 1.5–2.5 where it had
+    rows (``bench/dev_pdl.py``). Returns None (no buffer to keep alive; the callers'
     CUDA-graph scratch lists take what it returns).
     """
     outc, red = b.shape
@@ -131,11 +135,13 @@ def matmul(
         (ids, count, _NULL, np.int32(0)) if flags is None
         else (_NULL, _NULL, flags, np.int32(flags.shape[0]))
     )  # fmt: skip
-    SOURCE.kernel("twell_heavy_rows_matmul", HR_SPLIT=split, HR_STAGES=stages)(
-        (clusters * split,), (128,),
-        (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
-         *rows, *gate_args),
-    )  # fmt: skip
+    kernel = SOURCE.kernel("twell_heavy_rows_matmul", HR_SPLIT=split, HR_STAGES=stages)
+    args = (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
+            *rows, *gate_args)  # fmt: skip
+    if overlap:
+        launch_after(kernel, (clusters * split,), (128,), args)
+    else:
+        kernel((clusters * split,), (128,), args)
     return None
 
 

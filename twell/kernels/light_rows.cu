@@ -241,6 +241,8 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (light rows)
                  int M, int N, int max_row_nnz) {
+  twell_grid_wait();  // launched after the gate GEMM (compile.launch_after)
+  twell_grid_release();  // the heavy-row stage's CTAs may take SMs as they free up
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * TWELL_ROW_WARPS + warp;
@@ -293,6 +295,8 @@ __device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
                                           const uint16_t* __restrict__ w_down_t,
                                           uint16_t* __restrict__ y, int M, int N,
                                           int max_row_nnz) {
+  twell_grid_wait();
+  twell_grid_release();
   __shared__ WideShared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const long long row = blockIdx.x;
@@ -388,6 +392,7 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
                  float* __restrict__ row_l1,             // [M] out (light rows) or null
                  float* __restrict__ up,                 // [M, up_cap] out (gated) or null
                  int up_cap) {
+  twell_grid_release();
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * TWELL_ROW_WARPS + warp;

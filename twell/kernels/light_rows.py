@@ -20,7 +20,7 @@ import numpy as np
 
 from twell.kernels import light_rows_decode
 from twell.kernels.buffers import u16
-from twell.kernels.compile import Source, declare, device_info
+from twell.kernels.compile import Source, declare, device_info, launch_after
 from twell.options import LIST_CAPACITY
 
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
@@ -105,14 +105,16 @@ def _launch(
 ) -> None:  # fmt: skip
     m, k = y.shape
     gated = w_up is not None
-    SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))(
-        (grid,), (block,),
-        (
-            u16(x) if gated else _NULL, source, heavy, u16(w_up) if gated else _NULL,
-            u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
-            np.int32(max_row_nnz), *extra,
-        ),
+    kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
+    args = (
+        u16(x) if gated else _NULL, source, heavy, u16(w_up) if gated else _NULL,
+        u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
+        np.int32(max_row_nnz), *extra,
     )  # fmt: skip
+    if function == "twell_light_rows_from_twell":
+        kernel((grid,), (block,), args)
+    else:  # the kernels that read the pre-activation wait for the gate GEMM in the kernel
+        launch_after(kernel, (grid,), (block,), args)
 
 
 def from_pre(

@@ -247,6 +247,8 @@ twell_light_rows_decode(const uint16_t* __restrict__ x,         // [M, K] (gated
                         uint16_t* __restrict__ y,               // [M, K] out (light rows)
                         int M, int N, int max_row_nnz) {
   using namespace decode;
+  twell_grid_wait();  // launched after the gate GEMM (compile.launch_after)
+  twell_grid_release();  // the heavy-row stage's CTAs may take SMs as they free up
   extern __shared__ __align__(128) unsigned char smem[];
   int* s_wcnt = reinterpret_cast<int*>(smem + M_WCNT);
   int* s_wflag = reinterpret_cast<int*>(smem + M_WFLAG);

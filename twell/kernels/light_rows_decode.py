@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels.buffers import u16
-from twell.kernels.compile import Source, declare, max_active_clusters
+from twell.kernels.compile import Source, declare, launch_after, max_active_clusters
 from twell.options import LIST_CAPACITY
 
 #: Up to this many tokens (M <= DECODE_ROWS_BELOW), ``light_rows.from_pre`` runs this
@@ -89,14 +89,14 @@ def _launch(
     if kernel.max_dynamic_shared_size_bytes < SMEM_BYTES:
         kernel.max_dynamic_shared_size_bytes = SMEM_BYTES
     count = max(1, min(m, _clusters(kernel) if clusters is None else int(clusters)))
-    kernel(
-        (count * CLUSTER,), (THREADS,),
+    launch_after(  # may start while the gate GEMM's last CTAs run
+        kernel, (count * CLUSTER,), (THREADS,),
         (
             u16(x) if gated else _NULL, u16(pre), heavy, u16(w_up) if gated else _NULL,
             u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
             np.int32(max_row_nnz),
         ),
-        shared_mem=SMEM_BYTES,
+        SMEM_BYTES,
     )  # fmt: skip
 
 

@@ -211,7 +211,14 @@ class PreparedBlock:
             ids = count = None
         else:
             ids, count = heavy_rows.compact_rows(light.heavy)
-        scratch = heavy_rows_stage(self, xb, light, ids, count, y, row_l1, capacity) if m else []
+        # The heavy-row kernels start while the route's last kernel ends where no heavy row
+        # is expected (they then find none and end at once).
+        overlap = not self.density.expects_heavy(m)
+        scratch = (
+            heavy_rows_stage(self, xb, light, ids, count, y, row_l1, capacity, overlap=overlap)
+            if m
+            else []
+        )
         if m and not in_capture:
             self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
@@ -348,12 +355,14 @@ class DensitySwitch:
         self.dense = (
             self.enabled
             and self.estimate is not None
-            and (
-                self.estimate > self.threshold(m)
-                or (low <= m < high and self.heavy_share * m >= 0.5)
-            )
+            and (self.estimate > self.threshold(m) or (low <= m < high and self.expects_heavy(m)))
         )
         return self.dense
+
+    def expects_heavy(self, m: int) -> bool:
+        """Whether an ``m``-token call is expected to hold a heavy row (by the last
+        measured share; none measured: no)."""
+        return self.heavy_share * m >= 0.5
 
     def measure_next(self) -> None:
         """Make the next eager call measure, whatever :attr:`EVERY` says (the call graphs'
@@ -567,10 +576,14 @@ def heavy_rows_stage(
     y: Any,
     row_l1: Any | None = None,
     capacity: int | None = None,
+    *,
+    overlap: bool = False,
 ) -> list[Any]:
     """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y`` (and of
     ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given); the first
     ``capacity`` of them (default: the options' fixed capacity) through cuBLAS GEMMs.
+    ``overlap``: the tensor-core kernels launch to start while the kernel before ends
+    (``heavy_rows.matmul``: faster only when they find no row).
     ``ids`` and ``count`` None (at most ``heavy_rows.FLAG_ROWS`` rows, no capacity, no
     ``row_l1``): the heavy-row kernels read ``light.heavy`` and compact it themselves.
 
@@ -594,24 +607,25 @@ def heavy_rows_stage(
     if pre is None:
         pre = empty_bf16((m, block.n))
         scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
-                                           a_by_id=True, out_by_id=True, flags=flags)]  # fmt: skip
+                                           a_by_id=True, out_by_id=True, flags=flags,
+                                           overlap=overlap)]  # fmt: skip
     if block.gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
         scratch.append(
             heavy_rows.matmul(x, block.w_up, pre, ids, count, max_rows, a_by_id=True,
                               out_by_id=True, gate=pre, gate_by_id=True, relu_gate=True,
-                              flags=flags)
+                              flags=flags, overlap=overlap)
         )  # fmt: skip
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True, flags=flags)
+                              out_by_id=True, flags=flags, overlap=overlap)
         )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=False)
     else:
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True, relu_a=True, flags=flags)
+                              out_by_id=True, relu_a=True, flags=flags, overlap=overlap)
         )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=True)

@@ -1,0 +1,116 @@
+"""Programmatic dependent launch (compile.launch_after) on, off, and off for some kernels
+only: µs per block call replayed from a CUDA graph, weights rotated over sets that exceed
+L2 (read from DRAM), the settings alternated in one process, dense cuBLAS math beside
+them. Checks first that every setting gives the same output bits and that they match
+float64 dense math.
+
+    PYTHONPATH=. python bench/dev_pdl.py [--M 1 8 64 2048] [--rounds 2] [--out pdl.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import cupy as cp
+import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
+
+from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
+from twell.kernels import compile as kc
+from twell.kernels import decode_units, heavy_rows, light_rows, light_rows_decode, pipeline
+from twell.kernels.buffers import empty_bf16
+from twell.options import Options
+from twell.reference.forward import ffn_dense
+from twell.testing.asserts import relative_error
+
+SETS = 4  # 4 x 69 MB of weights: far past the 50 MB of L2
+K, N = 2048, 5632
+#: Settings: kernels (name prefixes) launched plainly; None: every launch plain.
+SETTINGS = {
+    "on": (),
+    "off": None,
+    "plain_heavy": ("twell_heavy_rows_matmul", "twell_compact_rows"),
+    "plain_down": ("twell_units_down",),
+    "plain_after_gemm": ("twell_light_rows_from_pre", "twell_light_rows_decode",
+                         "twell_units_gate_up"),
+}  # fmt: skip
+_LAUNCH = kc.launch_after
+_PLAIN: tuple[str, ...] = ()
+
+
+def _launch(kernel, grid, block, args, shared_mem=0):  # noqa: ANN001, ANN202
+    if _PLAIN and getattr(kernel, "name", "").startswith(_PLAIN):
+        return kernel(grid, block, args, shared_mem=shared_mem)
+    return _LAUNCH(kernel, grid, block, args, shared_mem)
+
+
+for _module in (decode_units, heavy_rows, light_rows, light_rows_decode):
+    _module.launch_after = _launch
+
+
+def setting(name: str) -> None:
+    global _PLAIN
+    plain = SETTINGS[name]
+    kc.PROGRAMMATIC = plain is not None
+    _PLAIN = plain or ()
+
+
+def run(workload: str, m: int, rounds: int) -> list[dict]:
+    problems = [make_problem(workload, m, K, N, seed=s) for s in range(SETS)]
+    x = to_device(problems[0].x)
+    blocks = [
+        pipeline.PreparedBlock(to_device(p.w_gate), to_device(p.w_up), to_device(p.w_down),
+                               Options(path="fused", density_switch=False))
+        for p in problems
+    ]  # fmt: skip
+    p0 = problems[0]
+    ref = ffn_dense(p0.x, p0.w_gate, p0.w_up, p0.w_down)
+
+    def dense(b):  # noqa: ANN001, ANN202
+        y = empty_bf16((m, K))
+        return [y, *pipeline.dense_block(b, x, y)]
+
+    bits = {}
+    for name in SETTINGS:
+        setting(name)
+        bits[name] = blocks[0](x).view(cp.uint16).copy()
+    out = [{"workload": workload, "M": m, "variant": "bits_equal",
+            "equal": all(bool(cp.array_equal(bits["off"], b)) for b in bits.values()),
+            "rel_err": relative_error(blocks[0](x), ref)}]  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in (*SETTINGS, "dense")}
+    for _ in range(rounds):
+        for name in times:
+            setting("off" if name == "dense" else name)
+            fn = dense if name == "dense" else (lambda b: b(x))
+            us = graph_ms_cupy(lambda fn=fn: [fn(b) for b in blocks], reps=30) * 1e3 / SETS
+            times[name].append(us)
+    setting("on")
+    for name, values in times.items():
+        out.append({"workload": workload, "M": m, "variant": name, "rotated_us": values})
+    for r in out:
+        print(json.dumps(r), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--M", nargs="+", type=int,
+                    default=[1, 8, 16, 32, 64, 512, 2048, 4096])  # fmt: skip
+    ap.add_argument("--also", nargs="*", default=["paperlike:64", "paperlike:2048",
+                                                  "heavy:2048", "heavy:512"],
+                    metavar="WORKLOAD:M")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    plan = [("uniform", m) for m in args.M]
+    plan += [(w, int(m)) for w, m in (a.rsplit(":", 1) for a in args.also)]
+    records = []
+    for workload, m in plan:
+        records += run(workload, m, args.rounds)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": gpu_name(), "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
