@@ -15,11 +15,10 @@ empty tiles skipped; 0: one value at a time, as before the fifteenth session).
 docs/perf-log.md.)
 ``--variants old new`` compares the defaults of the thirteenth session with today's
 (both the fourteenth session's register bound and the fifteenth's SIMD scan);
-``--variants scan`` the scan alone; ``--variants prefetch`` ROW_PREFETCH (entries ahead
-whose weight rows the one-warp kernels ask L2 for). ``--tail`` times the light-row
-kernel alone with the longest rows sent to the heavy rows (how much of its time they
-set); ``--paths`` the block by light-row route (also per call; ``--K``/``--N`` set its
-shape, and ``--plain-fused`` keeps "fused" off the sliced gather, which the records then say).
+``--variants scan`` the scan alone. ``--tail`` times the light-row kernel alone with the
+longest rows sent to the heavy rows (how much of its time they set); ``--paths`` the
+block by light-row route (also per call; ``--K``/``--N`` set its shape, and
+``--plain-fused`` keeps "fused" off the sliced gather, which the records then say).
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ SETS = {
     "registers": [OLD, {**OLD, "ROW_MIN_BLOCKS": 16}],
     "scan": [{**NEW, "SCAN_SIMD": 0}, NEW],
     "old": [OLD], "new": [NEW],
-    "prefetch": [{**NEW, "ROW_PREFETCH": d} for d in (0, 2, 4, 8)],
 }  # fmt: skip
 BASE = light_rows.SOURCE
 
@@ -188,7 +186,7 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             records.append({**r, "gpu": gpu_name(), **versions()})
             del blocks
-    use({**NEW, "ROW_PREFETCH": BASE.constants["ROW_PREFETCH"]})
+    use(NEW)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)

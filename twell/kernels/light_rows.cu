@@ -31,7 +31,7 @@
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_TILE, TWELL_SLOTS, TWELL_GATED; constants
 // shared with the launcher (light_rows.py): TWELL_ROW_WARPS, TWELL_ROW_MIN_BLOCKS,
-// TWELL_SCAN_SIMD, TWELL_WIDE_WARPS, TWELL_LIST_CAPACITY, TWELL_ROW_PREFETCH.
+// TWELL_SCAN_SIMD, TWELL_WIDE_WARPS, TWELL_LIST_CAPACITY.
 
 #define NCH ((TWELL_KDIM + 255) / 256)
 #define EPL (TWELL_TILE / 32)
@@ -117,39 +117,15 @@ __device__ __forceinline__ float gather_unit(const uint32_t* list, int e, int la
   return use_unit(rows, lane, xs, acc, l1);
 }
 
-// Asks L2 for entry e's weight rows (a bulk prefetch: no registers, nothing to wait for).
-__device__ __forceinline__ void prefetch_unit(const uint32_t* list, int e, int N,
-                                              const uint16_t* __restrict__ w_up,
-                                              const uint16_t* __restrict__ w_down_t) {
-  const int n = list[e] & 0xffffu;
-  if (n >= N) return;
-  constexpr uint32_t bytes = (uint32_t)TWELL_KDIM * 2u;
-#if TWELL_GATED
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_up + (long long)n * TWELL_KDIM),
-               "r"(bytes) : "memory");
-#endif
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)n * TWELL_KDIM),
-               "r"(bytes) : "memory");
-}
-
 // The list's entries in order. With up (the training forward): up[first + e] = the up
-// product of entry e, for first + e < up_cap. With TWELL_ROW_PREFETCH = D > 0, entry
-// e + D's rows are asked of L2 while entry e is gathered.
+// product of entry e, for first + e < up_cap.
 __device__ __forceinline__ void gather_list(const uint32_t* list, int count, int lane, int N,
                                             const uint4* xs, const uint16_t* __restrict__ w_up,
                                             const uint16_t* __restrict__ w_down_t,
                                             float (&acc)[NCH][8], float& l1,
                                             float* __restrict__ up = nullptr, int first = 0,
                                             int up_cap = 0) {
-#if TWELL_ROW_PREFETCH
-  if (lane > 0 && lane <= TWELL_ROW_PREFETCH && lane < count)
-    prefetch_unit(list, lane, N, w_up, w_down_t);
-#endif
   for (int e = 0; e < count; ++e) {
-#if TWELL_ROW_PREFETCH
-    if (lane == 0 && e + TWELL_ROW_PREFETCH < count)
-      prefetch_unit(list, e + TWELL_ROW_PREFETCH, N, w_up, w_down_t);
-#endif
     const float u = gather_unit(list, e, lane, N, xs, w_up, w_down_t, acc, l1);
     if (up != nullptr && lane == 0 && first + e < up_cap) up[first + e] = u;
   }

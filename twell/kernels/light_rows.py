@@ -36,9 +36,6 @@ ROW_MIN_BLOCKS = 16
 #: The fused kernels' scan of a pre-activation tile: two bf16 per instruction (halfword
 #: compares), empty tiles skipped after one ballot (1); or one value at a time (0).
 SCAN_SIMD = 1
-#: Entries ahead whose weight rows the one-warp kernels ask L2 for while gathering one
-#: (a bulk prefetch; 0: none).
-ROW_PREFETCH = 0
 #: Most warps sharing one token in the wide kernels (their launch bound; the launcher
 #: picks 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
@@ -59,7 +56,6 @@ SOURCE = declare(
         constants={
             "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "SCAN_SIMD": SCAN_SIMD,
             "WIDE_WARPS": WIDE_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
-            "ROW_PREFETCH": ROW_PREFETCH,
         },
         examples=tuple(
             {"KDIM": k, "TILE": t, "SLOTS": s, "GATED": g}
