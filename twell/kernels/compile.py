@@ -386,16 +386,30 @@ def compile_cubin(
     Raises:
         RuntimeError: ``cuda.bindings`` or the headers are missing, or compilation failed.
     """
+    extra = ["--ptxas-options=-v"] if verbose_ptxas else []
+    cubin, log = _nvrtc(source, params, list(OPTIONS) + extra, "CUBIN")
+    return CompileResult(cubin, log)
+
+
+def compile_ptx(source: Source, params: Mapping[str, int] | None = None) -> str:
+    """The PTX of ``source`` for ``compute_90a`` (NVRTC on any machine; tests read the
+    order of its instructions)."""
+    options = [o.replace(ARCH, ARCH.replace("sm_", "compute_")) for o in OPTIONS]
+    return _nvrtc(source, params, options, "PTX")[0].decode().rstrip("\x00")
+
+
+def _nvrtc(
+    source: Source, params: Mapping[str, int] | None, options: list[str], output: str
+) -> tuple[bytes, str]:
+    """NVRTC's ``output`` ("CUBIN" or "PTX") for ``source`` with ``params``, and its log."""
     try:
         from cuda.bindings import nvrtc
     except ImportError as error:
         raise RuntimeError("cuda.bindings is not installed (pip install cuda-bindings)") from error
     name = source.name
     code = full_source(source, params or {}).encode()
-    options = [o.encode() for o in OPTIONS]
-    options += [f"--include-path={d}".encode() for d in include_dirs()]
-    if verbose_ptxas:
-        options.append(b"--ptxas-options=-v")
+    flags = [o.encode() for o in options]
+    flags += [f"--include-path={d}".encode() for d in include_dirs()]
 
     def check(result: Any, what: str) -> Any:
         status, *rest = result
@@ -405,16 +419,16 @@ def compile_cubin(
 
     program = check(nvrtc.nvrtcCreateProgram(code, name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
-        status = nvrtc.nvrtcCompileProgram(program, len(options), options)[0]
+        status = nvrtc.nvrtcCompileProgram(program, len(flags), flags)[0]
         size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
         buffer = b" " * size
         check(nvrtc.nvrtcGetProgramLog(program, buffer), "nvrtcGetProgramLog")
         log = buffer.decode(errors="replace").rstrip("\x00 \n")
         if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"compiling {name} {dict(params or {})} failed:\n{log}")
-        size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        size = check(getattr(nvrtc, f"nvrtcGet{output}Size")(program), f"nvrtcGet{output}Size")
+        data = b" " * size
+        check(getattr(nvrtc, f"nvrtcGet{output}")(program, data), f"nvrtcGet{output}")
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-    return CompileResult(cubin, log)
+    return data, log

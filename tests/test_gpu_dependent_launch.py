@@ -1,0 +1,95 @@
+"""Programmatic dependent launch on the GPU (skipped without one): the forward pass gives
+the same bits with ``compile.PROGRAMMATIC`` on and off, on every route that launches
+kernels with ``launch_after`` (decode by unit, the cuBLAS gate then the by-unit kernels,
+the wide and one-warp light-row kernels, the heavy-row stage with and without rows, by
+flags and by compacted ids), matches float64 dense math, and replays from a CUDA graph
+give the same bits twice. Buffers are poisoned first (0xFF: NaN)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from twell import reference, workloads
+from twell.kernels.compile import unavailable_reason
+
+pytestmark = pytest.mark.gpu
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import cupy as cp  # noqa: E402
+
+from twell.benchmark import to_device  # noqa: E402
+from twell.kernels import compile as kc  # noqa: E402
+from twell.kernels import heavy_rows  # noqa: E402
+from twell.kernels.pipeline import PreparedBlock  # noqa: E402
+from twell.options import Options  # noqa: E402
+from twell.testing.asserts import as_host, relative_error  # noqa: E402
+from twell.testing.gpu import captured_replays, poisoned_buffers  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs() -> Iterator[None]:
+    with poisoned_buffers():
+        yield
+
+
+@pytest.fixture
+def restore_programmatic() -> Iterator[None]:
+    saved = kc.PROGRAMMATIC
+    yield
+    kc.PROGRAMMATIC = saved
+
+
+CASES = [
+    ("uniform", 8, {}),  # the tensor-core gate, then the scan down kernel
+    ("uniform", 64, {}),  # cuBLAS, the gate/up kernel after it, the scan
+    ("uniform", 300, {}),  # the wide light-row kernel; the heavy-row stage by flags, empty
+    ("uniform", 1500, {}),  # the one-warp kernel; compact_rows and an empty stage
+    ("heavy", 500, {"frac": 0.02}),  # heavy rows through the flags path
+    ("heavy", 1500, {"frac": 0.01}),  # heavy rows through compact_rows
+]
+
+
+@pytest.mark.parametrize(("workload", "m", "kw"), CASES, ids=[f"{w}-{m}" for w, m, _ in CASES])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain-heavy"])
+def test_dependent_launches_give_the_plain_launches_bits(
+    workload, m, kw, overlap, restore_programmatic, monkeypatch
+):
+    k, n = 1024, 2048
+    p = workloads.make(workload, m, k, n, seed=m, **kw)
+    block = PreparedBlock(*(to_device(a) for a in (p.w_gate, p.w_up, p.w_down)),
+                          Options(density_switch=False))  # fmt: skip
+    real = heavy_rows.matmul
+    monkeypatch.setattr(heavy_rows, "matmul", lambda *a, **o: real(*a, **{**o, "overlap": overlap}))
+    x = to_device(p.x)
+    kc.PROGRAMMATIC = False
+    plain = block(x).view(cp.uint16).copy()
+    kc.PROGRAMMATIC = True
+    on = block(x)
+    assert cp.array_equal(on.view(cp.uint16), plain)
+    bf = [a.astype(BF16) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
+    ref = reference.forward.ffn_dense(*bf)
+    assert relative_error(as_host(on).astype(np.float64), ref) <= 1e-2  # NaN if unwritten
+
+
+@pytest.mark.parametrize("m", [8, 64, 1500])
+def test_dependent_launches_replay_from_a_graph(m, restore_programmatic):
+    pytest.importorskip("torch")  # the cuBLAS gate GEMM is captured through torch
+    kc.PROGRAMMATIC = True
+    p = workloads.heavy(m, 1024, 2048, frac=0.01, seed=7)
+    block = PreparedBlock(*(to_device(a) for a in (p.w_gate, p.w_up, p.w_down)),
+                          Options(density_switch=False))  # fmt: skip
+    x = to_device(p.x)
+    first, second = captured_replays(lambda: block(x))
+    assert cp.array_equal(first.view(cp.uint16), second.view(cp.uint16))
+    bf = [a.astype(BF16) for a in (p.x, p.w_gate, p.w_up, p.w_down)]
+    ref = reference.forward.ffn_dense(*bf)
+    assert relative_error(as_host(first).astype(np.float64), ref) <= 1e-2
