@@ -1,7 +1,8 @@
-"""The gate GEMM through twell's own cuBLAS handle (``twell.kernels.cublas.gemm_nt``: no
-workspace, so cuBLAS picks kernels that need no memset) against ``torch.mm`` on torch's
-handle: captured in a torch CUDA graph, the replay's bits against the eager call's, its
-kernels, and µs per GEMM replayed over weight sets that exceed L2.
+"""The gate GEMM through a cuBLAS handle of twell's own with no workspace (cuBLAS then
+picks kernels that need no memset) against ``torch.mm`` on torch's handle: whether the
+own handle's GEMM can be captured in a torch CUDA graph and a CuPy stream capture, its
+bits eager and replayed, its kernels, and µs per GEMM replayed from a graph over weight
+sets that exceed L2.
 
     PYTHONPATH=. python bench/dev_gate_handle.py [--M 64 2048 4096] [--out FILE]
 """
@@ -12,18 +13,30 @@ import argparse
 import json
 
 import cupy as cp
+import numpy as np
 import torch
+from cupy_backends.cuda.libs import cublas
 
 from bench.dev_gate_cublas import kernels
 from twell.benchmark import gpu_name
-from twell.kernels import cublas
 
 K, N, SETS = 2048, 5632, 4
+ONE, ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
-def own_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        cublas.gemm_nt(*(cp.from_dlpack(t) for t in (x, w, out)))
+def make_handle() -> int:
+    handle = cublas.create()
+    cublas.setWorkspace(handle, 0, 0)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    return handle
+
+
+def own_mm(handle: int, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    cublas.setStream(handle, torch.cuda.current_stream().cuda_stream)
+    cublas.gemmEx(handle, 1, 0, n, m, k, ONE.ctypes.data, w.data_ptr(), 14, k,
+                  x.data_ptr(), 14, k, ZERO.ctypes.data, out.data_ptr(), 14, n, 68, -1)  # fmt: skip
 
 
 def timed(graph: torch.cuda.CUDAGraph) -> float:
@@ -39,18 +52,18 @@ def timed(graph: torch.cuda.CUDAGraph) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run(m: int) -> list[dict]:
+def run(m: int, handle: int) -> list[dict]:
     x = torch.randn(m, K, device="cuda").bfloat16()
     ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(SETS)]
     outs = [torch.empty(m, N, device="cuda", dtype=torch.bfloat16) for _ in range(SETS)]
     records = []
-    for name in ("torch", "own", "torch", "own"):
+    for name in ("torch", "own"):
 
         def gemm(w, o, name=name):  # noqa: ANN001, ANN202
             if name == "torch":
                 torch.mm(x, w.t(), out=o)
             else:
-                own_mm(x, w, o)
+                own_mm(handle, x, w, o)
 
         for w, o in zip(ws, outs, strict=True):
             gemm(w, o)
@@ -71,6 +84,21 @@ def run(m: int) -> list[dict]:
             r["kernels"] = kernels(graph)
         except Exception as error:  # noqa: BLE001 - what the capture says is the record
             r["torch_capture_error"] = repr(error)
+        if name == "own":  # a CuPy stream capture of the same call
+            stream = cp.cuda.Stream(non_blocking=True)
+            try:
+                with stream, torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+                    stream.begin_capture()
+                    own_mm(handle, x, ws[0], outs[0])
+                    g = stream.end_capture()
+                    outs[0].fill_(float("nan"))
+                    g.launch(stream)
+                    stream.synchronize()
+                r["cupy_capture_bits_equal_eager"] = bool(
+                    torch.equal(outs[0].view(torch.int16), eager.view(torch.int16))
+                )
+            except Exception as error:  # noqa: BLE001
+                r["cupy_capture_error"] = repr(error)
         records.append(r)
         print(json.dumps(r), flush=True)
     return records
@@ -81,8 +109,8 @@ def main() -> None:
     ap.add_argument("--M", nargs="+", type=int, default=[64, 2048, 4096])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cublas.prepare()
-    records = [r for m in args.M for r in run(m)]
+    handle = make_handle()
+    records = [r for m in args.M for r in run(m, handle)]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": gpu_name(), "records": records}, f, indent=1)

@@ -651,7 +651,7 @@ def test_backward_dense_capacity_through_torch(
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_backward_dense_capacity_can_be_captured(gated: bool):
-    """forward(save=True) + backward captured in a CUDA graph on a CuPy stream: the fp32
+    """forward(save=True) + backward captured in a CUDA graph on a CuPy stream: the
     capacity GEMMs then go through torch (CuPy refuses cuBLAS during capture); replays
     give the same bits, and the reference's gradients."""
     torch = pytest.importorskip("torch")

@@ -250,17 +250,17 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
 
 
 def test_capture_with_the_cublas_gate_replays_its_bits() -> None:
-    """Above MMA_GATE_TOKENS the gate GEMM is cuBLAS's, on twell's own handle eager and
-    captured alike: every replay gives the eager call's bits, and they match dense math."""
+    """Above MMA_GATE_TOKENS a call captured from CuPy runs the gate GEMM through torch
+    (CuPy refuses cuBLAS during capture; eager calls use CuPy's, whose bits may differ):
+    every replay gives the first replay's bits, and they match dense math."""
+    pytest.importorskip("torch")
     m, n, k = decode_units.MMA_GATE_TOKENS + 16, 2048, 1024
     p = workloads.uniform(m, k, n, p=0.01, seed=3)
     block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)),
                           Options(path="fused", density_switch=False))  # fmt: skip
     x = to_gpu(p.x)
-    eager = block(x).view(cp.uint16).copy()
     first, second = captured_replays(lambda: block(x))
-    assert cp.array_equal(first.view(cp.uint16), eager)
-    assert cp.array_equal(second.view(cp.uint16), eager)
+    assert cp.array_equal(first.view(cp.uint16), second.view(cp.uint16))
     check_against_dense(as_host(first).astype(np.float64), p.x, p.w_gate, p.w_up, p.w_down)
 
 

@@ -1,25 +1,12 @@
 """The dense GEMMs twell takes from cuBLAS, bf16 inputs with fp32 accumulation:
 ``out = x @ w.T`` in bf16 (:func:`gemm_nt`), and ``out (+)= a @ b`` / ``a.T @ b`` in fp32
-(:func:`gemm_f32`, the training backward's heavy rows).
-
-:func:`gemm_nt` (the gate GEMM and the dense block's) runs on a cuBLAS handle of twell's
-own, one per device, with no workspace: cuBLAS then picks kernels that need none, so a
-GEMM is one kernel, with no memset of a workspace before it (on an H100 at 2048 and 4096
-tokens, 1.2–1.4 µs less per gate GEMM replayed from a CUDA graph,
-``bench/dev_gate_cublas.py``). It is called through ctypes, eager and under capture alike
-(CuPy's bindings refuse cuBLAS calls while a stream is being captured), so a captured
-call runs the eager call's kernel and gives its bits. The handle is made outside any
-capture (:func:`prepare`, when a block is prepared): making one inside a capture would
-end it.
-"""
+(:func:`gemm_f32`, the training backward's heavy rows)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,13 +20,8 @@ _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 _CUBLAS_OP_N = 0
 _CUBLAS_OP_T = 1
-_CUBLAS_POINTER_MODE_HOST = 0
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
-#: twell's cuBLAS handles, by device id (see the module's docstring), and the lock that
-#: keeps a (stream, GEMM) pair of calls on one handle together.
-_handles: dict[int, int] = {}
-_handle_lock = threading.Lock()
 #: Whether torch.addmm takes an fp32 ``self`` with bf16 matrices and ``out_dtype``
 #: (None: not tried yet). The first torch versions with ``out_dtype`` want ``self`` in the
 #: matrices' dtype; there :func:`gemm_f32` adds a separately computed fp32 product.
@@ -49,12 +31,13 @@ _ADDMM_F32_SELF: bool | None = None
 def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -> Any:
     """``out[M, N] = x[M, K] @ w[N, K].T`` in bf16 with fp32 accumulation (cuBLAS).
 
-    Runs on twell's own cuBLAS handle (the module's docstring) on CuPy's current stream
-    (torch's current one for an op called with torch tensors), eager or captured alike.
-    ``via="torch"`` runs ``torch.mm`` instead (comparisons), as does a call whose device
-    has no handle yet while a capture is in progress (torch must be imported then). The
-    two may pick different cuBLAS kernels, so their bits can differ (each is
-    deterministic).
+    For an op called with torch tensors, runs through ``torch.mm`` on torch's current
+    stream, eager or captured alike (so torch's cuBLAS handle and workspace are set up by
+    the eager warm-up calls a capture needs, and replays give eager's bits). Otherwise
+    through CuPy's ``gemmEx``, except while CuPy's stream is being captured into a CUDA
+    graph (CuPy refuses cuBLAS then): then through torch too, which must be imported
+    (``via="torch"`` forces that path, for comparisons). The two libraries may pick
+    different cuBLAS kernels, so their bits can differ (each is deterministic).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -65,99 +48,14 @@ def gemm_nt(x: Any, w: Any, out: Any | None = None, *, via: str | None = None) -
     if k == 0:
         u16(out)[...] = 0
         return out
-    handle = None if via == "torch" else _own_handle()
-    if handle is not None:
-        # Column-major view: out^T [N, M] = w [N, K] (op T of a K x N matrix) @ x^T [K, M].
-        _own_gemm(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k, w, k, x, k, out, n)
-        return out
     torch = _torch_route(via, "twell's gate GEMM")
     if torch is not None:
         with _torch_stream(torch, x.device.id):
             _mm(torch, x, w, out)
         return out
+    # Column-major view: out^T [N, M] = w [N, K] (op T of a K x N matrix) @ x^T [K, M].
     _gemm_ex(_CUBLAS_OP_T, _CUBLAS_OP_N, n, m, k, w, k, x, k, _ZERO, out, _CUDA_R_16BF, n)
     return out
-
-
-def prepare() -> None:
-    """Make twell's cuBLAS handle for CuPy's current device, if there is none (outside a
-    capture: a handle made inside one would end it)."""
-    _own_handle()
-
-
-@functools.cache
-def _library() -> Any | None:
-    """The cuBLAS library CuPy loaded, its functions declared; None where it is not
-    found (then :func:`gemm_nt` takes CuPy's or torch's handle)."""
-    from cupy_backends.cuda.libs import cublas  # noqa: F401 - loads libcublas
-
-    p, i = ctypes.c_void_p, ctypes.c_int
-    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        signatures = {
-            "cublasCreate_v2": [ctypes.POINTER(p)],
-            "cublasSetWorkspace_v2": [p, p, ctypes.c_size_t],
-            "cublasSetPointerMode_v2": [p, i],
-            "cublasSetStream_v2": [p, p],
-            "cublasGemmEx": [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i],
-        }
-        for fn, argtypes in signatures.items():
-            getattr(lib, fn).argtypes = argtypes
-            getattr(lib, fn).restype = i
-        return lib
-    return None
-
-
-def _check(status: int, what: str) -> None:
-    if status:
-        raise RuntimeError(f"cuBLAS {what} failed with status {status}")
-
-
-def _own_handle() -> int | None:
-    """twell's handle for CuPy's current device, made if missing and no capture is in
-    progress; None where it cannot be had."""
-    import cupy
-
-    device = cupy.cuda.runtime.getDevice()
-    handle = _handles.get(device)
-    if handle is not None:
-        return handle
-    lib = _library()
-    if lib is None or cupy.cuda.get_current_stream().is_capturing():
-        return None
-    with _handle_lock:
-        if device not in _handles:
-            made = ctypes.c_void_p()
-            _check(lib.cublasCreate_v2(ctypes.byref(made)), "cublasCreate")
-            _check(lib.cublasSetWorkspace_v2(made, None, 0), "cublasSetWorkspace")
-            _check(lib.cublasSetPointerMode_v2(made, _CUBLAS_POINTER_MODE_HOST), "pointer mode")
-            _handles[device] = made.value
-    return _handles[device]
-
-
-def _own_gemm(
-    handle: int, op_a: int, op_b: int, m: int, n: int, k: int, a: Any, lda: int, b: Any,
-    ldb: int, c: Any, ldc: int,
-) -> None:  # fmt: skip
-    """cuBLAS ``c = op(a) @ op(b)`` (column-major, bf16 in and out, fp32 compute) on
-    ``handle`` and CuPy's current stream."""
-    import cupy
-
-    lib = _library()
-    stream = cupy.cuda.get_current_stream().ptr
-    with _handle_lock:
-        _check(lib.cublasSetStream_v2(handle, stream), "cublasSetStream")
-        _check(
-            lib.cublasGemmEx(
-                handle, op_a, op_b, m, n, k, _ONE.ctypes.data, a.data.ptr, _CUDA_R_16BF, lda,
-                b.data.ptr, _CUDA_R_16BF, ldb, _ZERO.ctypes.data, c.data.ptr, _CUDA_R_16BF, ldc,
-                _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT,
-            ),
-            "cublasGemmEx",
-        )  # fmt: skip
 
 
 def gemm_f32(

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from twell.kernels import cublas, decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
+from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.backward import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16, keep_for_graph
 from twell.kernels.convert import as_bf16, from_bf16, transpose
@@ -115,7 +115,6 @@ class PreparedBlock:
             _all_finite(self.w_gate, self.w_up, self.w_down) if check_weights else None
         )
         self.density = DensitySwitch(self.n, self.max_row_nnz, options.density_switch)
-        cublas.prepare()  # the gate GEMM's handle, made before any capture of a call
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     def _keep(self, buffers: list[Any]) -> None:

@@ -46,9 +46,8 @@ def captured_replays(
     capture on a fresh non-blocking stream, then the output poisoned (0xFF bytes) and
     ``between()`` run (eager work that reuses freed pool memory) before the second replay.
     Returns a copy of the output after the first replay and the output after the second.
-    twell's cuBLAS GEMMs are captured on its own cuBLAS handle (made when a block is
-    prepared); the training backward's fp32 GEMMs need torch imported (CuPy refuses
-    cuBLAS while capturing)."""
+    A capture of twell's gate GEMM needs torch imported (CuPy refuses cuBLAS while
+    capturing)."""
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
