@@ -5,6 +5,8 @@ them. Checks first that every setting gives the same output bits and that they m
 float64 dense math.
 
     PYTHONPATH=. python bench/dev_pdl.py [--M 1 8 64 2048] [--rounds 2] [--out pdl.json]
+
+A workload ``W+nan`` is ``W`` with a NaN in token 0's x (a token that keeps every unit).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 
 import cupy as cp
+import numpy as np
 import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
 
 from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
@@ -33,6 +36,7 @@ SETTINGS = {
     "plain_down": ("twell_units_down",),
     "plain_after_gemm": ("twell_light_rows_from_pre", "twell_light_rows_decode",
                          "twell_units_gate_up"),
+    "plain_gate": ("twell_units_gate_up",),
 }  # fmt: skip
 _LAUNCH = kc.launch_after
 _PLAIN: tuple[str, ...] = ()
@@ -55,29 +59,33 @@ def setting(name: str) -> None:
     _PLAIN = plain or ()
 
 
-def run(workload: str, m: int, rounds: int) -> list[dict]:
-    problems = [make_problem(workload, m, K, N, seed=s) for s in range(SETS)]
-    x = to_device(problems[0].x)
+def run(workload: str, m: int, rounds: int, settings: list[str]) -> list[dict]:
+    nan = workload.endswith("+nan")  # token 0's x[0] is NaN: it keeps every unit
+    problems = [make_problem(workload.removesuffix("+nan"), m, K, N, seed=s) for s in range(SETS)]
+    x_host = problems[0].x.copy()
+    if nan:
+        x_host[0, 0] = np.nan
+    x = to_device(x_host)
     blocks = [
         pipeline.PreparedBlock(to_device(p.w_gate), to_device(p.w_up), to_device(p.w_down),
                                Options(path="fused", density_switch=False))
         for p in problems
     ]  # fmt: skip
     p0 = problems[0]
-    ref = ffn_dense(p0.x, p0.w_gate, p0.w_up, p0.w_down)
+    ref = ffn_dense(x_host, p0.w_gate, p0.w_up, p0.w_down)
 
     def dense(b):  # noqa: ANN001, ANN202
         y = empty_bf16((m, K))
         return [y, *pipeline.dense_block(b, x, y)]
 
     bits = {}
-    for name in SETTINGS:
+    for name in settings:
         setting(name)
         bits[name] = blocks[0](x).view(cp.uint16).copy()
     out = [{"workload": workload, "M": m, "variant": "bits_equal",
             "equal": all(bool(cp.array_equal(bits["off"], b)) for b in bits.values()),
             "rel_err": relative_error(blocks[0](x), ref)}]  # fmt: skip
-    times: dict[str, list[float]] = {name: [] for name in (*SETTINGS, "dense")}
+    times: dict[str, list[float]] = {name: [] for name in (*settings, "dense")}
     for _ in range(rounds):
         for name in times:
             setting("off" if name == "dense" else name)
@@ -94,19 +102,21 @@ def run(workload: str, m: int, rounds: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--M", nargs="+", type=int,
+    ap.add_argument("--M", nargs="*", type=int,
                     default=[1, 8, 16, 32, 64, 512, 2048, 4096])  # fmt: skip
     ap.add_argument("--also", nargs="*", default=["paperlike:64", "paperlike:2048",
                                                   "heavy:2048", "heavy:512"],
                     metavar="WORKLOAD:M")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.settings = list(dict.fromkeys(["on", "off", *args.settings]))
     plan = [("uniform", m) for m in args.M]
     plan += [(w, int(m)) for w, m in (a.rsplit(":", 1) for a in args.also)]
     records = []
     for workload, m in plan:
-        records += run(workload, m, args.rounds)
+        records += run(workload, m, args.rounds, args.settings)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": gpu_name(), "records": records}, f, indent=1)

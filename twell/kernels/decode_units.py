@@ -232,10 +232,8 @@ def forward(
         u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
         _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n),
     )  # fmt: skip
-    if pre is None:
-        gate((n // (UNITS * ut),), (GATE_THREADS,), gate_args)
-    else:  # after cuBLAS: may start as its last CTAs end
-        launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args)
+    # may start while the kernel before it (cuBLAS's GEMM, or the caller's) ends
+    launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args)
     down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
     if down == "scan":  # (in the gate's module: its parameters do not change the scan)
         threads = scan_threads or scan_threads_for(m, units_per_token)
