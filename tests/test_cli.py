@@ -67,3 +67,25 @@ def test_bench_help_needs_no_gpu(monkeypatch, capsys) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m twell bench") and "--workloads" in out
+
+
+@pytest.mark.parametrize("densities", [True, False], ids=["with-density", "batch-only"])
+def test_sweep_plot_draws_a_panel_per_kind_of_record(tmp_path, densities) -> None:
+    """The sweep's PNG has the density panel only where the sweep ran densities (an empty
+    panel with an empty legend is what a `--densities`-less run drew before)."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("torch")  # twell.sweeps times torch's dense block
+    from matplotlib.image import imread
+
+    from twell import sweeps
+
+    base = {"gpu": "GPU", "api": "SparseFFN", "K": 2048, "N": 5632}
+    records = [{**base, "workload": "uniform", "M": m, "timing": t, "speedup": 1.5}
+               for m in (1, 64) for t in ("per_call", "graph")]  # fmt: skip
+    if densities:
+        records += [{**base, "workload": f"density={p}", "M": 16384, "p": p,
+                     "timing": "per_call", "speedup": 1.2} for p in (0.001, 0.1)]  # fmt: skip
+    path = tmp_path / "sweep.png"
+    sweeps.plot(records, str(path))
+    height, width = imread(path).shape[:2]
+    assert width > 1.5 * height if densities else width < 1.5 * height

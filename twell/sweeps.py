@@ -158,33 +158,41 @@ def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> lis
 
 def plot(records: list[dict], path: str) -> None:
     """Speedup against batch size (one line per timing mode) and against density, as PNG
-    (needs matplotlib: pip install 'twell[plots]')."""
+    (needs matplotlib: pip install 'twell[plots]'); a panel only where there are records
+    for it (a sweep run with ``--densities`` and no value has no density panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     batch = [r for r in records if r["workload"] == "uniform" and r["api"] == "SparseFFN"]
-    for timing in ("per_call", "back_to_back", "graph"):
-        rs = sorted((r for r in batch if r["timing"] == timing), key=lambda r: r["M"])
-        if rs:
-            left.plot([r["M"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
-    left.set(
-        xscale="log",
-        xlabel="tokens M",
-        ylabel="speedup over dense (×)",
-        title=f"uniform p=0.005, K={batch[0]['K']}, N={batch[0]['N']}" if batch else "",
-    )
     dense = [r for r in records if "p" in r]
-    for timing in ("per_call", "back_to_back"):
-        rs = sorted((r for r in dense if r["timing"] == timing), key=lambda r: r["p"])
-        if rs:
-            right.plot([r["p"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
-    right.set(xscale="log", xlabel="share of active units p", title="density, M=16384")
-    for axis in (left, right):
+    panels = [name for name, rs in (("batch", batch), ("density", dense)) if rs] or ["batch"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    axis_of = dict(zip(panels, axes[0], strict=True))
+    if "batch" in axis_of:
+        left = axis_of["batch"]
+        for timing in ("per_call", "back_to_back", "graph"):
+            rs = sorted((r for r in batch if r["timing"] == timing), key=lambda r: r["M"])
+            if rs:
+                left.plot([r["M"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
+        left.set(
+            xscale="log",
+            xlabel="tokens M",
+            ylabel="speedup over dense (×)",
+            title=f"uniform p=0.005, K={batch[0]['K']}, N={batch[0]['N']}" if batch else "",
+        )
+    if "density" in axis_of:
+        right = axis_of["density"]
+        for timing in ("per_call", "back_to_back"):
+            rs = sorted((r for r in dense if r["timing"] == timing), key=lambda r: r["p"])
+            if rs:
+                right.plot([r["p"] for r in rs], [r["speedup"] for r in rs], "o-", label=timing)
+        right.set(xscale="log", xlabel="share of active units p", title="density, M=16384")
+    for axis in axis_of.values():
         axis.axhline(1.0, color="grey", lw=0.8)
-        axis.legend()
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend()
     fig.suptitle(records[0]["gpu"] if records else "")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
