@@ -1,6 +1,6 @@
 """The gate GEMM as twell runs it (``torch.mm``, bf16, [M, K] x [N, K]^T) replayed from
-a CUDA graph over weight sets that exceed L2, and the kernels cuBLAS launches for it
-(torch profiler over graph replays: names, durations, gaps). Run it once with the default
+a CUDA graph over weight sets that exceed L2 (µs per GEMM), and the kernels cuBLAS
+launches for it (torch profiler over a replay: names, durations, gaps). Run it once with the default
 environment and once with ``CUBLAS_WORKSPACE_CONFIG=:0:0`` (no workspace: cuBLAS may not
 pick kernels that need one) to see what the workspace-using kernels cost.
 
@@ -16,6 +16,7 @@ import os
 import torch
 
 from twell.benchmark import gpu_name
+from twell.sweeps import graph_ms, graph_of
 
 K, N, SETS = 2048, 5632, 4
 
@@ -41,25 +42,13 @@ def run(m: int) -> dict:
     x = torch.randn(m, K, device="cuda").bfloat16()
     ws = [torch.randn(N, K, device="cuda").bfloat16() for _ in range(SETS)]
     outs = [torch.empty(m, N, device="cuda", dtype=torch.bfloat16) for _ in range(SETS)]
-    for w, o in zip(ws, outs, strict=True):
-        torch.mm(x, w.t(), out=o)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w, o in zip(ws, outs, strict=True):
-            torch.mm(x, w.t(), out=o)
-    times = []
-    for i in range(25):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(stop) * 1e3 / SETS)
-    times.sort()
+
+    def gemm(i: int) -> torch.Tensor:
+        return torch.mm(x, ws[i].t(), out=outs[i])
+
+    graph, _ = graph_of(gemm, SETS)
     r = {"M": m, "workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-         "gemm_us": times[len(times) // 2], "kernels": kernels(graph)}  # fmt: skip
+         "gemm_us": graph_ms(gemm, SETS) * 1e3, "kernels": kernels(graph)}  # fmt: skip
     print(json.dumps(r), flush=True)
     return r
 
