@@ -32,6 +32,7 @@ import functools
 import importlib.resources
 import os
 import re
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,11 +55,13 @@ COMMON_HEADER = "common.cuh"
 #: kernel (``TWELL_PDL=0`` in the environment, or False here: plain launches, for
 #: comparisons or a driver that misbehaves).
 PROGRAMMATIC = os.environ.get("TWELL_PDL", "1") != "0"
-#: The ctypes type of each numpy scalar type a kernel argument may have.
-_SCALARS = {
-    "int32": ctypes.c_int32, "uint32": ctypes.c_uint32, "int64": ctypes.c_int64,
-    "uint64": ctypes.c_uint64, "float32": ctypes.c_float,
-}  # fmt: skip
+#: The ``struct`` code of each numpy scalar type a kernel argument may have (a CuPy array
+#: is its pointer, "Q"); a kernel's parameters are laid out with C's alignment, as
+#: ``struct``'s native mode lays them out.
+_CODES = {"int32": "i", "uint32": "I", "int64": "q", "uint64": "Q", "float32": "f"}
+#: ``CU_LAUNCH_PARAM_BUFFER_POINTER``, ``CU_LAUNCH_PARAM_BUFFER_SIZE``, ``CU_LAUNCH_PARAM_END``.
+_BUFFER_POINTER, _BUFFER_SIZE, _PARAMS_END = 1, 2, 0
+_formats: dict[tuple[type, ...], str] = {}
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
@@ -85,6 +88,9 @@ class Source:
         examples: configurations of ``parameters`` the CPU compile test builds.
         directory: where the file lives (default: this package; benchmarks' ladder
             sources live under ``bench/``).
+        dependent: the kernels :func:`launch_after` may launch: each calls
+            ``twell_grid_wait()`` before any global memory access, in every CTA (the CPU
+            test checks that in their PTX, for every example configuration).
     """
 
     name: str
@@ -92,6 +98,7 @@ class Source:
     constants: Mapping[str, int] = field(default_factory=dict)
     examples: tuple[Mapping[str, int], ...] = ({},)
     directory: Path | None = None
+    dependent: tuple[str, ...] = ()
 
     def text(self) -> str:
         """The source file's text."""
@@ -207,35 +214,79 @@ def launch_after(
     before the previous kernel in the stream has finished: its CTAs take SMs as the
     previous kernel's CTAs leave them (or earlier, where that kernel calls
     ``twell_grid_release()``), and wait in ``twell_grid_wait()`` (common.cuh) until it
-    has finished and its writes are visible. So the kernel must call ``twell_grid_wait()``
-    before it reads or writes global memory, in every CTA. Captured into a CUDA graph, the
-    dependency becomes a programmatic edge. Arguments: CuPy arrays (their pointers) and
-    numpy scalars of the types in ``_SCALARS``."""
-    if not PROGRAMMATIC:
+    has finished and its writes are visible. Captured into a CUDA graph, the dependency
+    becomes a programmatic edge. The wait covers the previous kernel only (and, through
+    its own wait, what it waited for): the launchers use this where that kernel is
+    twell's or its cuBLAS GEMM.
+
+    Raises:
+        ValueError: ``kernel`` is not one of a source's ``dependent`` kernels (those that
+            wait first), or a grid or block size is out of range.
+        TypeError: an argument is neither a CuPy array nor a numpy scalar of ``_CODES``.
+    """
+    name = getattr(kernel, "name", None)
+    if name not in _dependent_kernels():
+        raise ValueError(f"launch_after: {name} is not a dependent kernel of any Source")
+    for what, dims in (("grid", grid), ("block", block)):
+        if not 1 <= len(dims) <= 3 or not all(0 < d < 2**31 for d in dims):
+            raise ValueError(f"launch_after: {what} {dims} must be 1 to 3 sizes in [1, 2**31)")
+    if not PROGRAMMATIC or not _has_launch_ex():
         kernel(grid, block, args, shared_mem=shared_mem)
         return
     cupy = _require_cupy()
-    values = []
-    for arg in args:
-        if isinstance(arg, cupy.ndarray):
-            values.append(ctypes.c_void_p(arg.data.ptr))
-        elif type(arg).__name__ in _SCALARS and hasattr(arg, "item"):
-            values.append(_SCALARS[type(arg).__name__](arg.item()))
-        else:
-            raise TypeError(f"launch_after: unsupported kernel argument {type(arg).__name__}")
-    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    key = tuple(map(type, args))
+    layout = _formats.get(key)
+    if layout is None:
+        codes = []
+        for arg in args:
+            code = "Q" if isinstance(arg, cupy.ndarray) else _CODES.get(type(arg).__name__)
+            if code is None or not (code == "Q" or hasattr(arg, "dtype")):
+                raise TypeError(f"launch_after: unsupported kernel argument {type(arg).__name__}")
+            codes.append(code)
+        layout = _formats[key] = "@" + "".join(codes)
+    packed = struct.pack(layout, *(a.data.ptr if isinstance(a, cupy.ndarray) else a for a in args))
+    buffer = ctypes.create_string_buffer(packed, len(packed))
+    size = ctypes.c_size_t(len(packed))
+    extra = (ctypes.c_void_p * 5)(
+        _BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE, ctypes.addressof(size), _PARAMS_END
+    )
     attribute = _driver.LaunchAttribute(id=_driver.ATTRIBUTE_PROGRAMMATIC)
     attribute.value[0] = 1
-    config = _driver.LaunchConfig()
-    config.grid[:] = (*grid, 1, 1)[:3]
-    config.block[:] = (*block, 1, 1)[:3]
-    config.shared_mem_bytes = shared_mem
-    config.stream = cupy.cuda.get_current_stream().ptr
-    config.attrs = ctypes.addressof(attribute)
-    config.num_attrs = 1
-    _driver.call(
-        "cuLaunchKernelEx", ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), params, None
+    config = _driver.LaunchConfig(
+        grid=(ctypes.c_uint * 3)(*grid, *(1,) * (3 - len(grid))),
+        block=(ctypes.c_uint * 3)(*block, *(1,) * (3 - len(block))),
+        shared_mem_bytes=shared_mem,
+        stream=cupy.cuda.get_current_stream().ptr,
+        attrs=ctypes.addressof(attribute),
+        num_attrs=1,
     )
+    _driver.call(
+        "cuLaunchKernelEx", ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), None, extra
+    )
+
+
+def _dependent_kernels() -> frozenset[str]:
+    """The ``dependent`` kernels of every declared source."""
+    names = _dependent_cache.get(len(SOURCES))
+    if names is None:
+        names = frozenset(n for s in SOURCES.values() for n in s.dependent)
+        _dependent_cache.clear()
+        _dependent_cache[len(SOURCES)] = names
+    return names
+
+
+_dependent_cache: dict[int, frozenset[str]] = {}
+
+
+@functools.cache
+def _has_launch_ex() -> bool:
+    """Whether the driver has ``cuLaunchKernelEx`` (else launches are plain: the kernels'
+    wait then returns at once, and stream order alone orders them)."""
+    try:
+        _driver.function("cuLaunchKernelEx")
+    except RuntimeError:
+        return False
+    return True
 
 
 def _device_id() -> int:

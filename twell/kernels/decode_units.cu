@@ -141,7 +141,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
                     uint16_t* __restrict__ masks,           // [M, N / 16] out
                     int M, int N) {
   using namespace units;
-  twell_grid_wait();  // launched after the kernel before it (compile.launch_after)
+  twell_grid_wait();  // with TWELL_PRE, launched after the gate GEMM (compile.launch_after)
   twell_grid_release();  // the down kernel's CTAs may take SMs as they free up
   // the warps' gate fragments (TWELL_PRE: room for the pair list of step 2 only)
   __shared__ float s_red[PRE ? (UT + 1) / 2 : WARPS][NT][32][4];

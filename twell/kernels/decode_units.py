@@ -82,6 +82,8 @@ SOURCE = declare(
     Source(
         "decode_units.cu",
         parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
+        dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
+                   "twell_units_down_scan128"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
             "DOWN_LANES": DOWN_LANES, "LIST": LIST,
@@ -232,8 +234,10 @@ def forward(
         u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
         _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n),
     )  # fmt: skip
-    # may start while the kernel before it (cuBLAS's GEMM, or the caller's) ends
-    launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args)
+    if pre is None:  # the first kernel of the call: launched as usual
+        gate((n // (UNITS * ut),), (GATE_THREADS,), gate_args)
+    else:  # after twell's cuBLAS GEMM: may start as its last CTAs end
+        launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args)
     down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
     if down == "scan":  # (in the gate's module: its parameters do not change the scan)
         threads = scan_threads or scan_threads_for(m, units_per_token)

@@ -22,6 +22,7 @@ SOURCE = declare(
     Source(
         "heavy_rows.cu",
         parameters=("HR_SPLIT", "HR_STAGES"),
+        dependent=("twell_heavy_rows_matmul", "twell_compact_rows"),
         constants={"HR_FLAG_ROWS": FLAG_ROWS},
         examples=tuple({"HR_SPLIT": s, "HR_STAGES": d} for s in (1, 2, 4, 8) for d in (3, 5)),
     )
@@ -55,14 +56,20 @@ def _kernel(name: str) -> Any:
 _NULL = np.uint64(0)
 
 
-def compact_rows(heavy: Any) -> tuple[Any, Any]:
+def compact_rows(heavy: Any, *, overlap: bool = False) -> tuple[Any, Any]:
     """Ascending ids of the rows with ``heavy != 0`` (``ids[:count]``) and the count,
-    both on the device (a block-wide prefix sum: deterministic)."""
+    both on the device (a block-wide prefix sum: deterministic). ``overlap``: launched
+    to start while the kernel before it (the one that wrote ``heavy``) ends
+    (compile.launch_after)."""
     m = heavy.shape[0]
     ids = alloc((max(m, 1),), np.int32)
     count = alloc((1,), np.int32)
     if m:
-        launch_after(_kernel("twell_compact_rows"), (1,), (1024,), (heavy, np.int32(m), ids, count))
+        args = (heavy, np.int32(m), ids, count)
+        if overlap:
+            launch_after(_kernel("twell_compact_rows"), (1,), (1024,), args)
+        else:
+            _kernel("twell_compact_rows")((1,), (1024,), args)
     else:
         count.fill(0)
     return ids, count
@@ -109,7 +116,7 @@ def matmul(
     (``split``, default :func:`split_for`; the ring holds ``stages`` k-slices, default
     :data:`STAGES`), no workspace. ``overlap``: launched to start while the kernel
     before it ends (:func:`twell.kernels.compile.launch_after`); on an H100 that saved
-    ~1.5 µs per forward pass where the stage found no row, and cost 1.5–2.5 where it had
+    ~1.5 µs per forward pass where the stage found no row, and cost 1.4–2.5 where it had
     rows (``bench/dev_pdl.py``). Returns None (no buffer to keep alive; the callers'
     CUDA-graph scratch lists take what it returns).
     """

@@ -53,6 +53,7 @@ SOURCE = declare(
     Source(
         "light_rows.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
+        dependent=("twell_light_rows_from_pre", WIDE, WIDE2),
         constants={
             "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "SCAN_SIMD": SCAN_SIMD,
             "WIDE_WARPS": WIDE_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
@@ -101,8 +102,10 @@ def _wide_warps_per_sm(function: str, k: int, tile: int, slots: int, gated: bool
 def _launch(
     function: str, grid: int, block: int, x: Any | None, source: Any, heavy: Any,
     w_up: Any | None, w_down_t: Any, y: Any, tile: int, slots: int, max_row_nnz: int,
-    extra: tuple = (),
+    extra: tuple = (), *, after_gemm: bool = False,
 ) -> None:  # fmt: skip
+    """``after_gemm``: the kernel reads the gate GEMM's output and is launched to start as
+    that GEMM ends (compile.launch_after)."""
     m, k = y.shape
     gated = w_up is not None
     kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
@@ -111,10 +114,10 @@ def _launch(
         u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
         np.int32(max_row_nnz), *extra,
     )  # fmt: skip
-    if function == "twell_light_rows_from_twell":
-        kernel((grid,), (block,), args)
-    else:  # the kernels that read the pre-activation wait for the gate GEMM in the kernel
+    if after_gemm:
         launch_after(kernel, (grid,), (block,), args)
+    else:
+        kernel((grid,), (block,), args)
 
 
 def from_pre(
@@ -151,7 +154,7 @@ def from_pre(
             if warps > 1:
                 function, grid, block = WIDE, m, warps
     _launch(function, grid, 32 * block, x, u16(pre), heavy, w_up, w_down_t, y, tile, slots,
-            max_row_nnz)  # fmt: skip
+            max_row_nnz, after_gemm=True)  # fmt: skip
 
 
 def from_twell(

@@ -44,6 +44,7 @@ SOURCE = declare(
     Source(
         "light_rows_decode.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
+        dependent=("twell_light_rows_decode",),
         constants={
             "THREADS": THREADS, "CLUSTER": CLUSTER, "SMEM_BYTES": SMEM_BYTES,
             "LIST_CAPACITY": LIST_CAPACITY, "PAIR_CAPACITY": PAIR_CAPACITY,

@@ -209,9 +209,9 @@ class PreparedBlock:
         if not save and m <= heavy_rows.FLAG_ROWS and not capacity:
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
-        else:
-            ids, count = heavy_rows.compact_rows(light.heavy)
-        # The heavy-row kernels start while the route's last kernel ends where no heavy row
+        else:  # launched to start as the route's last kernel ends
+            ids, count = heavy_rows.compact_rows(light.heavy, overlap=True)
+        # The heavy-row kernels start while the kernel before them ends where no heavy row
         # is expected (they then find none and end at once).
         overlap = not self.density.expects_heavy(m)
         scratch = (
