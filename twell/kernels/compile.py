@@ -20,9 +20,10 @@ built by :func:`full_source`, for both back ends:
 - :func:`compile_cubin` compiles with ``cuda.bindings.nvrtc`` on any machine, GPU or
   not (the CPU test proves that every source builds for sm_90a without spilling).
 
-Kernels launch through CuPy (``kernel(grid, block, args)``), except where one twell kernel
-follows another in a forward pass: :func:`launch_after` lets the second one's CTAs be
-scheduled while the first one's last CTAs still run (programmatic dependent launch).
+Kernels launch through CuPy (``kernel(grid, block, args)``), except where a twell kernel
+follows another (or cuBLAS's gate GEMM) in a forward pass: :func:`launch_after` lets its
+CTAs be scheduled while the first one's last CTAs still run (programmatic dependent
+launch; the kernels that allow it are their sources' ``dependent`` ones).
 """
 
 from __future__ import annotations
