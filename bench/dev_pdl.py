@@ -42,10 +42,9 @@ _LAUNCH = kc.launch_after
 _PLAIN: tuple[str, ...] = ()
 
 
-def _launch(kernel, grid, block, args, shared_mem=0):  # noqa: ANN001, ANN202
-    if _PLAIN and getattr(kernel, "name", "").startswith(_PLAIN):
-        return kernel(grid, block, args, shared_mem=shared_mem)
-    return _LAUNCH(kernel, grid, block, args, shared_mem)
+def _launch(kernel, grid, block, args, shared_mem=0, *, overlap=True):  # noqa: ANN001, ANN202
+    plain = bool(_PLAIN) and getattr(kernel, "name", "").startswith(_PLAIN)
+    return _LAUNCH(kernel, grid, block, args, shared_mem, overlap=overlap and not plain)
 
 
 for _module in (decode_units, heavy_rows, light_rows, light_rows_decode):

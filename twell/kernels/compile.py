@@ -73,8 +73,10 @@ _kernels: dict[tuple[int, str, tuple[tuple[str, int], ...], str], Any] = {}
 #: own kernels; the entry holds the source, so its id is not reused while cached.
 _launches: dict[tuple, tuple[Source, Any]] = {}
 
-#: Every declared source, by file name (filled by the launcher modules' imports).
+#: Every declared source, by file name (filled by the launcher modules' imports), and
+#: the ``dependent`` kernels of them all (the ones :func:`launch_after` overlaps).
 SOURCES: dict[str, Source] = {}
+DEPENDENT: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ def declare(source: Source) -> Source:
     if known is not None and known != source:
         raise ValueError(f"{source.name} is declared twice with different interfaces")
     SOURCES[source.name] = source
+    DEPENDENT.update(source.dependent)
     return source
 
 
@@ -208,7 +211,13 @@ def unavailable_reason() -> str | None:
 
 
 def launch_after(
-    kernel: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0
+    kernel: Any,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple,
+    shared_mem: int = 0,
+    *,
+    overlap: bool = True,
 ) -> None:
     """Launch ``kernel`` (a compiled ``cupy.RawKernel``) on CuPy's current stream as
     ``kernel(grid, block, args, shared_mem=shared_mem)`` would, but allowed to start
@@ -218,7 +227,8 @@ def launch_after(
     has finished and its writes are visible. Captured into a CUDA graph, the dependency
     becomes a programmatic edge. The wait covers the previous kernel only (and, through
     its own wait, what it waited for): the launchers use this where that kernel is
-    twell's or its cuBLAS GEMM.
+    twell's or its cuBLAS GEMM. ``overlap=False``: a plain launch (for launchers that
+    decide per call).
 
     Raises:
         ValueError: ``kernel`` is not one of a source's ``dependent`` kernels (those that
@@ -226,12 +236,12 @@ def launch_after(
         TypeError: an argument is neither a CuPy array nor a numpy scalar of ``_CODES``.
     """
     name = getattr(kernel, "name", None)
-    if name not in _dependent_kernels():
+    if overlap and name not in DEPENDENT:
         raise ValueError(f"launch_after: {name} is not a dependent kernel of any Source")
     for what, dims in (("grid", grid), ("block", block)):
         if not 1 <= len(dims) <= 3 or not all(0 < d < 2**31 for d in dims):
             raise ValueError(f"launch_after: {what} {dims} must be 1 to 3 sizes in [1, 2**31)")
-    if not PROGRAMMATIC or not _has_launch_ex():
+    if not overlap or not PROGRAMMATIC or not _has_launch_ex():
         kernel(grid, block, args, shared_mem=shared_mem)
         return
     cupy = _require_cupy()
@@ -264,19 +274,6 @@ def launch_after(
     _driver.call(
         "cuLaunchKernelEx", ctypes.byref(config), ctypes.c_void_p(kernel.kernel.ptr), None, extra
     )
-
-
-def _dependent_kernels() -> frozenset[str]:
-    """The ``dependent`` kernels of every declared source."""
-    names = _dependent_cache.get(len(SOURCES))
-    if names is None:
-        names = frozenset(n for s in SOURCES.values() for n in s.dependent)
-        _dependent_cache.clear()
-        _dependent_cache[len(SOURCES)] = names
-    return names
-
-
-_dependent_cache: dict[int, frozenset[str]] = {}
 
 
 @functools.cache

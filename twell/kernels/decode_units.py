@@ -234,10 +234,9 @@ def forward(
         u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
         _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n),
     )  # fmt: skip
-    if pre is None:  # the first kernel of the call: launched as usual
-        gate((n // (UNITS * ut),), (GATE_THREADS,), gate_args)
-    else:  # after twell's cuBLAS GEMM: may start as its last CTAs end
-        launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args)
+    # after twell's cuBLAS GEMM it may start as the GEMM's last CTAs end; the first kernel
+    # of the call (no pre-activation) is launched as usual
+    launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args, overlap=pre is not None)
     down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
     if down == "scan":  # (in the gate's module: its parameters do not change the scan)
         threads = scan_threads or scan_threads_for(m, units_per_token)

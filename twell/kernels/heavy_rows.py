@@ -66,10 +66,7 @@ def compact_rows(heavy: Any, *, overlap: bool = False) -> tuple[Any, Any]:
     count = alloc((1,), np.int32)
     if m:
         args = (heavy, np.int32(m), ids, count)
-        if overlap:
-            launch_after(_kernel("twell_compact_rows"), (1,), (1024,), args)
-        else:
-            _kernel("twell_compact_rows")((1,), (1024,), args)
+        launch_after(_kernel("twell_compact_rows"), (1,), (1024,), args, overlap=overlap)
     else:
         count.fill(0)
     return ids, count
@@ -145,10 +142,7 @@ def matmul(
     kernel = SOURCE.kernel("twell_heavy_rows_matmul", HR_SPLIT=split, HR_STAGES=stages)
     args = (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),
             *rows, *gate_args)  # fmt: skip
-    if overlap:
-        launch_after(kernel, (clusters * split,), (128,), args)
-    else:
-        kernel((clusters * split,), (128,), args)
+    launch_after(kernel, (clusters * split,), (128,), args, overlap=overlap)
     return None
 
 

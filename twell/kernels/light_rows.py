@@ -114,10 +114,7 @@ def _launch(
         u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
         np.int32(max_row_nnz), *extra,
     )  # fmt: skip
-    if after_gemm:
-        launch_after(kernel, (grid,), (block,), args)
-    else:
-        kernel((grid,), (block,), args)
+    launch_after(kernel, (grid,), (block,), args, overlap=after_gemm)
 
 
 def from_pre(
