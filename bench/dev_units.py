@@ -71,8 +71,8 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
 
     variants = [("units", units), ("per_token", old), ("dense", dense)]
     if 8 <= m <= 64 and k * n >= 2048 * 5632:
-        variants += [("units_mma_gate", geometry(mma_gate=True)),
-                     ("units_cublas_gate", geometry(mma_gate=False))]  # fmt: skip
+        variants += [("units_mma_gate", geometry(gate="mma")),
+                     ("units_cublas_gate", geometry(gate="cublas"))]  # fmt: skip
     has_down = "down" in inspect.signature(decode_units.forward).parameters  # an old tree's
     if m <= 192 and has_down:
         variants += [(f"units_scan{t}", geometry(down="scan", scan_threads=t))
@@ -118,7 +118,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     source = decode_units.SOURCE
     sms = device_info().multiprocessors
     cols, threads = decode_units.down_columns(m, k, n, sms), decode_units.DOWN_THREADS
-    kw = {"KDIM": k, "GATED": int(gated), "PRE": 0}
+    kw = {"KDIM": k, "GATED": int(gated), "PRE": 0, "STAGES": 0}
     gate = source.kernel("twell_units_gate_up", NT=nt, UT=ut, DC=16, **kw)
     down = source.kernel("twell_units_down", NT=nt_down, UT=1, DC=cols, **kw)
     y = empty_bf16((m, k))

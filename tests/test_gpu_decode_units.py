@@ -49,7 +49,7 @@ def poisoned_outputs() -> Iterator[None]:
 def run_units(x: np.ndarray, w_gate: np.ndarray | None, w_up: np.ndarray,
               w_down: np.ndarray, **geometry: int) -> np.ndarray:  # fmt: skip
     """decode_units.forward on bf16 inputs (``geometry``: its ``ut``, ``down_tokens``,
-    ``columns``, ``mma_gate``, ``down``, ``scan_threads``); float64 result."""
+    ``columns``, ``gate``, ``down``, ``scan_threads``, ``stages``); float64 result."""
     xg, wu, wd = (to_gpu(a.astype(BF16)) for a in (x, w_up, w_down))
     wg = None if w_gate is None else to_gpu(w_gate.astype(BF16))
     y = buffers.alloc((x.shape[0], x.shape[1]), np.uint16).view(wu.dtype)
@@ -93,24 +93,24 @@ def test_units_match_dense_float64(m: int, gated: bool, k: int) -> None:
     check_against_dense(got, x, w_gate, p.w_up, p.w_down)
 
 
-@pytest.mark.parametrize("mma", [True, False], ids=["mma_gate", "cublas_gate"])
+@pytest.mark.parametrize("gate", ["mma", "cublas", "wgmma"])
 @pytest.mark.parametrize("ut", [1, 2, 4])
 @pytest.mark.parametrize("m", [1, 13, 24, 64])
 def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
-    m: int, ut: int, mma: bool
+    m: int, ut: int, gate: str
 ) -> None:
     """Each gate CTA width (16, 32, 64 units) at each token count (8 to 64 tokens per gate
-    CTA), with either gate, and the down kernel's tokens and columns per CTA: every
+    CTA), with each gate, and the down kernel's tokens and columns per CTA: every
     (token, 8 columns) is summed in the same order whatever the CTA's share, so the bits
     do not depend on it."""
     n, k = 1024, 264
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=m + ut)
     x = p.x.astype(np.float32)
     x[m - 1, 3] = np.nan
-    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma, down="lists")
+    got = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, gate=gate, down="lists")
     check_against_dense(got, x, p.w_gate, p.w_up, p.w_down)
     for tokens, columns in ((16, 16), (64, 16), (8, 32), (8, 64), (8, 128), (24, 24)):
-        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, mma_gate=mma,
+        other = run_units(x, p.w_gate, p.w_up, p.w_down, ut=ut, gate=gate,
                           down_tokens=tokens, columns=columns, down="lists")  # fmt: skip
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
@@ -178,7 +178,7 @@ def test_geometry_the_kernels_cannot_take_is_refused() -> None:
     w = cp.zeros((1024, 64), cp.uint16)
     y = cp.zeros((200, 64), cp.uint16)
     with pytest.raises(ValueError, match="shared memory"):
-        decode_units.forward(x, w, w, w, y, mma_gate=False, ut=4)  # 64 units x 256 tokens
+        decode_units.forward(x, w, w, w, y, gate="cublas", ut=4)  # 64 units x 256 tokens
     with pytest.raises(ValueError, match="down_tokens"):
         decode_units.forward(x, w, w, w, y, down_tokens=128)
     with pytest.raises(ValueError, match="down_tokens"):
@@ -202,8 +202,36 @@ def test_gate_from_cublas_matches_dense(m: int, ut: int, gated: bool) -> None:
     x = p.x.astype(np.float32)
     x[m // 2, 5] = np.nan
     w_gate = p.w_gate if gated else None
-    got = run_units(x, w_gate, p.w_up, p.w_down, mma_gate=False, ut=ut)
+    got = run_units(x, w_gate, p.w_up, p.w_down, gate="cublas", ut=ut)
     check_against_dense(got, x, w_gate, p.w_up, p.w_down)
+
+
+@pytest.mark.parametrize("k", [8, 264, 2048, 4096])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m", [1, 9, 25, 33, 47, 64])
+def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
+    m: int, gated: bool, k: int
+) -> None:
+    """The gate on wgmma through a TMA ring (K past the last 64-wide box, tokens past M
+    filled with zeros by TMA), with heavy rows, a NaN and an Inf in x: against float64
+    dense math, and bit for bit the same with any ring depth and with its gate written
+    to a pre-activation that the gate/up kernel reads (the same sums in the same order)."""
+    n = 2048
+    p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m + k)
+    x = p.x.astype(np.float32)
+    x[m // 2, 0] = np.nan
+    if m > 2:
+        x[1, k - 1] = -np.inf
+    w_gate = p.w_gate if gated else None
+    got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma")
+    check_against_dense(got, x, w_gate, p.w_up, p.w_down)
+    for geometry in ({"stages": 2}, {"stages": 8}, {"gate": "wgmma_pre"},
+                     {"gate": "wgmma", "ut": 1}):  # fmt: skip
+        other = run_units(x, w_gate, p.w_up, p.w_down, **{"gate": "wgmma", **geometry})
+        if "ut" in geometry:  # another CTA width: the same sums (wgmma's order per unit)
+            check_against_dense(other, x, w_gate, p.w_up, p.w_down)
+        else:
+            np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(16, 65536, 136), (64, 8192, 136), (4, 2048, 4096)])
@@ -323,9 +351,14 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
         x = cp.zeros((most + 1, 64), cp.uint16)
         w = cp.zeros((64, 64), cp.uint16)
         decode_units.forward(x, w, None, w, x)
-    with pytest.raises(ValueError, match="tensor-core gate"):
-        x = cp.zeros((65, 64), cp.uint16)
-        decode_units.forward(x, w, None, w, x, mma_gate=True)
+    x = cp.zeros((65, 64), cp.uint16)
+    for gate in ("mma", "wgmma", "wgmma_pre"):
+        with pytest.raises(ValueError, match=f"the {gate} gate takes at most 64 tokens"):
+            decode_units.forward(x, w, None, w, x, gate=gate)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        decode_units.forward(x[:8], w, None, w, x[:8], gate="tensor")
+    with pytest.raises(ValueError, match="wgmma ring"):
+        decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=1)
 
 
 @settings(max_examples=30, deadline=None,

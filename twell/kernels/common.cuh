@@ -338,6 +338,32 @@ TWELL_DEVICE uint4 twell_lds128(uint32_t addr) {
   return v;
 }
 
+// ---------------------------------------------------------------- wgmma (sm_90a)
+// Shared-memory matrix descriptor: a K-major tile with rows of 128 bytes, 128-byte
+// swizzle, 8-row groups 1024 bytes apart (the layout TMA writes with SWIZZLE_128B); a
+// k16 step further along the rows is 32 bytes more on the address.
+TWELL_DEVICE uint64_t twell_wgmma_desc(uint32_t addr) {
+  uint64_t desc = (uint64_t)((addr & 0x3FFFFu) >> 4);
+  desc |= (uint64_t)1 << 16;            // leading byte offset 16 B (unused for this layout)
+  desc |= (uint64_t)(1024 >> 4) << 32;  // stride byte offset: 8 rows x 128 B
+  desc |= (uint64_t)1 << 62;            // 128-byte swizzle
+  return desc;
+}
+TWELL_DEVICE void twell_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+TWELL_DEVICE void twell_wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+TWELL_DEVICE void twell_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across a wgmma fence/wait.
+template <int N>
+TWELL_DEVICE void twell_wgmma_fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // ---------------------------------------------------------------- thread-block clusters
 // (inline PTX, sm_90) The CTA's rank in its cluster, the cluster's index in the grid, and
 // the number of clusters.

@@ -125,6 +125,151 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 
 }  // namespace units
 
+// Steps 2 and 3 of a gate/up CTA once the gate of its U units is known: in s_g as bf16
+// bits (STAGED: a pre-activation or the wgmma gate's accumulators were staged there) or as the warps' mma fragments in s_red (the mma gate); all TWELL_GATE_THREADS
+// threads of the CTA, whose units start at n0. s_red's room holds the pair list after.
+template <bool STAGED>
+__device__ __forceinline__ void units_keep_and_up(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up,
+    const uint16_t* __restrict__ w_down_t, float* __restrict__ h, uint16_t* __restrict__ masks,
+    int M, int N, int n0, float (*s_red)[units::NT][32][4], uint16_t (*s_g)[units::TOKENS],
+    uint32_t (*s_tok)[units::TW]) {
+  using namespace units;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  (void)w_up;
+  // one thread per (unit u, token t): the sums of u's tile's warps in warp order, rounded to
+  // bf16 (TWELL_PRE: the staged pre-activation); 32 consecutive (u, t) per warp and pass,
+  // so a ballot gives whole words of s_tok
+  for (int i = tid; i < U * TOKENS; i += TWELL_GATE_THREADS) {  // warp-uniform trip count
+    const int u = i / TOKENS, t = i % TOKENS;
+    const int nt = t >> 3, tt = t & 7, uu = u & 15;
+    const int src = (uu & 7) * 4 + (tt >> 1), j = (uu >> 3) * 2 + (tt & 1);
+    uint32_t bits;
+    if constexpr (STAGED) {
+      bits = s_g[u][t];
+    } else {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < WPT; ++w) s += s_red[w * UT + u / 16][nt][src][j];
+      bits = twell_pack_bf16x2(s, 0.f) & 0xffffu;
+    }
+    const float g = twell_bf16_to_float((uint16_t)bits);
+    const bool kept = t < M && (twell_relu_keeps(bits) || twell_non_finite(bits));
+    s_g[u][t] = (uint16_t)bits;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, kept);
+    if constexpr (TOKENS >= 32) {
+      if (lane == 0) s_tok[u][t >> 5] = ballot;
+    } else if (t == 0) {
+      s_tok[u][0] = (ballot >> (lane - lane % TOKENS)) & (0xffffffffu >> (32 - (TOKENS < 32 ? TOKENS : 32)));
+    }
+    if (!GATED && kept) h[(long long)t * N + n0 + u] = relu_nan(g);
+  }
+  __syncthreads();
+
+  // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
+  // w_up rows (for step 2's later rounds) and w_down_t rows (for the down kernel) start
+  // moving into L2
+  for (int t = tid; t < M; t += TWELL_GATE_THREADS) {
+#pragma unroll
+    for (int b = 0; b < UT; ++b) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) m |= ((s_tok[b * 16 + u][t >> 5] >> (t & 31)) & 1u) << u;
+      masks[(long long)t * (N / 16) + n0 / 16 + b] = (uint16_t)m;
+    }
+  }
+  if (tid >= TWELL_GATE_THREADS - U) {
+    const int u = tid - (TWELL_GATE_THREADS - U);
+    uint32_t any = 0;
+#pragma unroll
+    for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
+    if (any) {
+      if constexpr (GATED) {  // the up products' rows, ahead of their loads in step 2
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_up + (long long)(n0 + u) * K),
+                     "r"((uint32_t)K * 2u) : "memory");
+      }
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
+                   "r"((uint32_t)K * 2u) : "memory");
+    }
+  }
+
+  // ---- 2. gated: up dot products of the kept pairs. Warp 0 lists the pairs (unit-major,
+  // tokens ascending; in s_red, dead by now). They are taken UP_PAIRS at a time, cut into
+  // work items of (pair, 256-wide slice of K): one 16-byte load of x and of w_up per lane,
+  // UP_LOADS items per warp with every load in flight, so a round costs one trip to
+  // memory whatever the pairs' spread over units and tokens; a pair's slices are summed
+  // in K order by one thread.
+  if constexpr (GATED) {
+    uint16_t* s_pairs = reinterpret_cast<uint16_t*>(&s_red[0][0][0][0]);  // u << 8 | t
+    __shared__ int s_npairs;
+    __shared__ float s_dot[UP_PAIRS][SLICES];
+    if (warp == 0) {
+      int base = 0;
+      for (int u0 = 0; u0 < U; u0 += 32) {
+        const int u = u0 + lane;
+        int c = 0;
+        if (u < U) {
+#pragma unroll
+          for (int w = 0; w < TW; ++w) c += __popc(s_tok[u][w]);
+        }
+        int incl = c;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int o = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += o;
+        }
+        int pos = base + incl - c;
+        if (u < U) {
+          for (int w = 0; w < TW; ++w) {
+            for (uint32_t rest = s_tok[u][w]; rest; rest &= rest - 1)
+              s_pairs[pos++] = (uint16_t)((u << 8) | (w * 32 + __ffs(rest) - 1));
+          }
+        }
+        base += __shfl_sync(0xffffffffu, incl, 31);
+      }
+      if (lane == 0) s_npairs = base;
+    }
+    __syncthreads();
+    const int npairs = s_npairs;
+    const uint4 none = make_uint4(0u, 0u, 0u, 0u);
+    for (int p0 = 0; p0 < npairs; p0 += UP_PAIRS) {
+      const int here = min(UP_PAIRS, npairs - p0), items = here * SLICES;
+      for (int i0 = warp; i0 < items; i0 += WARPS * UP_LOADS) {
+        uint4 xa[UP_LOADS], wa[UP_LOADS];
+#pragma unroll
+        for (int j = 0; j < UP_LOADS; ++j) {
+          const int it = i0 + j * WARPS, k = (it % SLICES) * 256 + lane * 8;
+          xa[j] = none;
+          wa[j] = none;
+          if (it < items && k < K) {
+            const uint32_t pr = s_pairs[p0 + it / SLICES];
+            xa[j] = ldg16(x + (long long)(pr & 255u) * K + k);
+            wa[j] = ldg16(w_up + (long long)(n0 + (int)(pr >> 8)) * K + k);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < UP_LOADS; ++j) {
+          float v = twell_dot8(xa[j], wa[j], 0.f);
+#pragma unroll
+          for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+          const int it = i0 + j * WARPS;
+          if (lane == 0 && it < items) s_dot[it / SLICES][it % SLICES] = v;
+        }
+      }
+      __syncthreads();
+      for (int p = tid; p < here; p += TWELL_GATE_THREADS) {
+        float v = 0.f;
+#pragma unroll
+        for (int sl = 0; sl < SLICES; ++sl) v += s_dot[p][sl];
+        const uint32_t pr = s_pairs[p0 + p];
+        const int u = (int)(pr >> 8), t = (int)(pr & 255u);
+        h[(long long)t * N + n0 + u] = relu_nan(twell_bf16_to_float(s_g[u][t])) * v;
+      }
+      __syncthreads();
+    }
+  }
+}
+
 // ---------------------------------------------------------------------- gate and up
 // Launch bound: two CTAs per SM from four 8-token tiles (the tensor-core gate's registers),
 // three below and for the cuBLAS gate from eight tiles: its six up loads then take 80
@@ -228,139 +373,152 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
     __syncthreads();
   }
 
-  // one thread per (unit u, token t): the sums of u's tile's warps in warp order, rounded to
-  // bf16 (TWELL_PRE: the staged pre-activation); 32 consecutive (u, t) per warp and pass,
-  // so a ballot gives whole words of s_tok
-  for (int i = tid; i < U * TOKENS; i += TWELL_GATE_THREADS) {  // warp-uniform trip count
-    const int u = i / TOKENS, t = i % TOKENS;
-    const int nt = t >> 3, tt = t & 7, uu = u & 15;
-    const int src = (uu & 7) * 4 + (tt >> 1), j = (uu >> 3) * 2 + (tt & 1);
-    uint32_t bits;
-    if constexpr (PRE) {
-      bits = s_g[u][t];
-    } else {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < WPT; ++w) s += s_red[w * UT + u / 16][nt][src][j];
-      bits = twell_pack_bf16x2(s, 0.f) & 0xffffu;
+  static_assert(U * TOKENS * 2 <= sizeof(s_red), "the pair list fits in s_red");
+  units_keep_and_up<PRE>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
+}
+
+// ---------------------------------------------------------------------- wgmma gate
+#if TWELL_STAGES > 0
+namespace units {
+constexpr int WG_STAGES = TWELL_STAGES;
+constexpr int WG_A = 64 * 128;           // a stage's x box: 64 tokens x 64 k, bf16
+constexpr int WG_B = U * 128;            // its w_first box: U units x 64 k
+constexpr int WG_STAGE = WG_A + WG_B;    // 1024-byte multiples: every box swizzle-aligned
+constexpr int WG_KB = (K + 63) / 64;     // 64-wide k-blocks (TMA fills past K with zeros)
+static_assert(TOKENS <= 64 && (U == 16 || U == 32 || U == 64), "wgmma gate geometry");
+static_assert(TWELL_GATE_THREADS == 256, "one consumer warpgroup, a producer warp, three more");
+
+// d += A (64 x 16, K-major, smem) * B (N x 16, K-major, smem)^T, fp32 accumulators in the
+// wgmma layout (N / 2 a thread); for the unit counts of a wgmma gate CTA.
+template <int N>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b);
+template <>
+__device__ __forceinline__ void wgmma_m64k16<16>(float (&d)[8], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16<32>(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_m64k16<64>(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+}  // namespace units
+
+// twell_units_gate_wgmma — the gate/up kernel with its gate on wgmma: one CTA per U units
+// (grid N / U), every token (at most 64: the wgmma's 64 rows, zeros past M). Warp 4's
+// lane 0 streams x [64 x 64] and w_first [U x 64] boxes through a TWELL_STAGES-deep TMA
+// ring (128-byte swizzle, mbarriers); warpgroup 0 (warps 0-3) runs wgmma.m64nUk16 over
+// it, fp32 accumulators in registers, and rounds them to bf16 into s_g; then steps 2 and
+// 3 as twell_units_gate_up's, by all eight warps. With TWELL_PRE it writes the gate to
+// pre [M, N] instead and stops (a measurement build: twell_units_gate_up reads it).
+// x and w_first come as TMA maps (gate_gemm.tensor_map, boxes of 64 and U rows).
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, 1)
+twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 64
+                    const __grid_constant__ TwellTmaDesc map_w,  // w_first [N, K], box U x 64
+                    const uint16_t* __restrict__ x,         // [M, K] (the up products)
+                    const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
+                    const uint16_t* __restrict__ w_down_t,  // [N, K] (prefetched into L2)
+                    uint16_t* __restrict__ pre,             // [M, N] gate out (TWELL_PRE)
+                    float* __restrict__ h,                  // [M, N] out (kept pairs)
+                    uint16_t* __restrict__ masks,           // [M, N / 16] out
+                    int M, int N) {
+  using namespace units;
+  twell_grid_wait();  // launched as usual: returns at once
+  twell_grid_release();
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = twell_smem_addr(smem_raw);
+  const uint32_t ring = (raw + 1023u) & ~1023u;  // 1024-aligned (the swizzle's atoms)
+  const uint32_t full_bar = ring + WG_STAGES * WG_STAGE, empty_bar = full_bar + 8 * WG_STAGES;
+  __shared__ float s_red[(UT + 1) / 2][NT][32][4];  // room for the pair list
+  __shared__ uint16_t s_g[U][TOKENS];
+  __shared__ uint32_t s_tok[U][TW];
+  static_assert(U * TOKENS * 2 <= sizeof(s_red), "the pair list fits in s_red");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n0 = blockIdx.x * U;
+  (void)pre;
+
+  if (tid == 0) {
+    for (int st = 0; st < WG_STAGES; ++st) {
+      twell_mbar_init(full_bar + 8 * st, 1);
+      twell_mbar_init(empty_bar + 8 * st, 1);
     }
-    const float g = twell_bf16_to_float((uint16_t)bits);
-    const bool kept = t < M && (twell_relu_keeps(bits) || twell_non_finite(bits));
-    s_g[u][t] = (uint16_t)bits;
-    const uint32_t ballot = __ballot_sync(0xffffffffu, kept);
-    if constexpr (TOKENS >= 32) {
-      if (lane == 0) s_tok[u][t >> 5] = ballot;
-    } else if (t == 0) {
-      s_tok[u][0] = (ballot >> (lane - lane % TOKENS)) & (0xffffffffu >> (32 - (TOKENS < 32 ? TOKENS : 32)));
-    }
-    if (!GATED && kept) h[(long long)t * N + n0 + u] = relu_nan(g);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-
-  // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
-  // w_up rows (for step 2's later rounds) and w_down_t rows (for the down kernel) start
-  // moving into L2
-  for (int t = tid; t < M; t += TWELL_GATE_THREADS) {
+  if (warp == 4) {
+    if (lane == 0) {  // the producer
+      for (int kb = 0; kb < WG_KB; ++kb) {
+        const int st = kb % WG_STAGES;
+        if (kb >= WG_STAGES) twell_mbar_wait(empty_bar + 8 * st, ((kb / WG_STAGES) - 1) & 1);
+        const uint32_t a = ring + st * WG_STAGE;
+        twell_mbar_expect_tx(full_bar + 8 * st, WG_STAGE);
+        twell_tma_load_2d(a, &map_x, kb * 64, 0, full_bar + 8 * st);
+        twell_tma_load_2d(a + WG_A, &map_w, kb * 64, n0, full_bar + 8 * st);
+      }
+    }
+  } else if (warp < 4) {  // the consumer warpgroup
+    float d[U / 2];
 #pragma unroll
-    for (int b = 0; b < UT; ++b) {
-      uint32_t m = 0;
+    for (int i = 0; i < U / 2; ++i) d[i] = 0.f;
+    twell_wgmma_fence_regs(d);
+    for (int kb = 0; kb < WG_KB; ++kb) {
+      const int st = kb % WG_STAGES;
+      twell_mbar_wait(full_bar + 8 * st, (kb / WG_STAGES) & 1);
+      const uint32_t a = ring + st * WG_STAGE, b = a + WG_A;
+      twell_wgmma_fence();
 #pragma unroll
-      for (int u = 0; u < 16; ++u) m |= ((s_tok[b * 16 + u][t >> 5] >> (t & 31)) & 1u) << u;
-      masks[(long long)t * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
+      for (int k = 0; k < 4; ++k)
+        wgmma_m64k16<U>(d, twell_wgmma_desc(a + 32 * k), twell_wgmma_desc(b + 32 * k));
+      twell_wgmma_commit();
+      twell_wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
+      if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((kb - 1) % WG_STAGES));
+    }
+    twell_wgmma_wait<0>();
+    twell_wgmma_fence_regs(d);
+    // this thread holds tokens r and r + 8 (r = 16 warp + lane / 4), units
+    // 8j + 2 (lane % 4) + {0, 1}: the wgmma accumulator layout
+    const int r = 16 * warp + lane / 4;
+#pragma unroll
+    for (int j = 0; j < U / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int u = 8 * j + 2 * (lane % 4) + e;
+        if (r < TOKENS) s_g[u][r] = (uint16_t)(twell_pack_bf16x2(d[4 * j + e], 0.f) & 0xffffu);
+        if (r + 8 < TOKENS)
+          s_g[u][r + 8] = (uint16_t)(twell_pack_bf16x2(d[4 * j + 2 + e], 0.f) & 0xffffu);
+      }
     }
   }
-  if (tid >= TWELL_GATE_THREADS - U) {
-    const int u = tid - (TWELL_GATE_THREADS - U);
-    uint32_t any = 0;
-#pragma unroll
-    for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
-    if (any) {
-      if constexpr (GATED) {  // the up products' rows, ahead of their loads in step 2
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_up + (long long)(n0 + u) * K),
-                     "r"((uint32_t)K * 2u) : "memory");
-      }
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_down_t + (long long)(n0 + u) * K),
-                   "r"((uint32_t)K * 2u) : "memory");
-    }
+  __syncthreads();
+  if constexpr (PRE) {  // the measurement build: the gate out, row by row
+    for (int i = tid; i < M * U; i += TWELL_GATE_THREADS)
+      pre[(long long)(i / U) * N + n0 + i % U] = s_g[i % U][i / U];
+    return;
   }
-
-  // ---- 2. gated: up dot products of the kept pairs. Warp 0 lists the pairs (unit-major,
-  // tokens ascending; in s_red, dead by now). They are taken UP_PAIRS at a time, cut into
-  // work items of (pair, 256-wide slice of K): one 16-byte load of x and of w_up per lane,
-  // UP_LOADS items per warp with every load in flight, so a round costs one trip to
-  // memory whatever the pairs' spread over units and tokens; a pair's slices are summed
-  // in K order by one thread.
-  if constexpr (GATED) {
-    uint16_t* s_pairs = reinterpret_cast<uint16_t*>(&s_red[0][0][0][0]);  // u << 8 | t
-    static_assert(U * TOKENS * 2 <= sizeof(s_red), "the pair list fits in s_red");
-    __shared__ int s_npairs;
-    __shared__ float s_dot[UP_PAIRS][SLICES];
-    if (warp == 0) {
-      int base = 0;
-      for (int u0 = 0; u0 < U; u0 += 32) {
-        const int u = u0 + lane;
-        int c = 0;
-        if (u < U) {
-#pragma unroll
-          for (int w = 0; w < TW; ++w) c += __popc(s_tok[u][w]);
-        }
-        int incl = c;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int o = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += o;
-        }
-        int pos = base + incl - c;
-        if (u < U) {
-          for (int w = 0; w < TW; ++w) {
-            for (uint32_t rest = s_tok[u][w]; rest; rest &= rest - 1)
-              s_pairs[pos++] = (uint16_t)((u << 8) | (w * 32 + __ffs(rest) - 1));
-          }
-        }
-        base += __shfl_sync(0xffffffffu, incl, 31);
-      }
-      if (lane == 0) s_npairs = base;
-    }
-    __syncthreads();
-    const int npairs = s_npairs;
-    const uint4 none = make_uint4(0u, 0u, 0u, 0u);
-    for (int p0 = 0; p0 < npairs; p0 += UP_PAIRS) {
-      const int here = min(UP_PAIRS, npairs - p0), items = here * SLICES;
-      for (int i0 = warp; i0 < items; i0 += WARPS * UP_LOADS) {
-        uint4 xa[UP_LOADS], wa[UP_LOADS];
-#pragma unroll
-        for (int j = 0; j < UP_LOADS; ++j) {
-          const int it = i0 + j * WARPS, k = (it % SLICES) * 256 + lane * 8;
-          xa[j] = none;
-          wa[j] = none;
-          if (it < items && k < K) {
-            const uint32_t pr = s_pairs[p0 + it / SLICES];
-            xa[j] = ldg16(x + (long long)(pr & 255u) * K + k);
-            wa[j] = ldg16(w_up + (long long)(n0 + (int)(pr >> 8)) * K + k);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < UP_LOADS; ++j) {
-          float v = twell_dot8(xa[j], wa[j], 0.f);
-#pragma unroll
-          for (int d = 16; d >= 1; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-          const int it = i0 + j * WARPS;
-          if (lane == 0 && it < items) s_dot[it / SLICES][it % SLICES] = v;
-        }
-      }
-      __syncthreads();
-      for (int p = tid; p < here; p += TWELL_GATE_THREADS) {
-        float v = 0.f;
-#pragma unroll
-        for (int sl = 0; sl < SLICES; ++sl) v += s_dot[p][sl];
-        const uint32_t pr = s_pairs[p0 + p];
-        const int u = (int)(pr >> 8), t = (int)(pr & 255u);
-        h[(long long)t * N + n0 + u] = relu_nan(twell_bf16_to_float(s_g[u][t])) * v;
-      }
-      __syncthreads();
-    }
-  }
+  units_keep_and_up<true>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
 }
+#endif
 
 // ---------------------------------------------------------------------- down
 extern "C" __global__ void __launch_bounds__(TWELL_DOWN_THREADS, 2)

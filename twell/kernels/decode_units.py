@@ -28,6 +28,7 @@ import numpy as np
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare, device_info, launch_after
 from twell.kernels.cublas import gemm_nt
+from twell.kernels.gate_gemm import tensor_map
 from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. On an
@@ -78,10 +79,19 @@ STATIC_RESERVE = 4 * 1024
 #: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
 MMA_GATE_TOKENS = 24
 
+#: The gate's computation (``forward``'s ``gate``): ``"mma"`` in the gate/up kernel
+#: (mma.sync, every CTA reading all of x; at most 64 tokens), ``"cublas"`` (a GEMM into
+#: an [M, N] pre-activation the gate/up kernel reads), ``"wgmma"`` (twell_units_gate_wgmma:
+#: TMA and wgmma, then the up products in the same kernel; at most 64 tokens) and
+#: ``"wgmma_pre"`` (that kernel writing the pre-activation instead; measurements).
+GATES = ("mma", "cublas", "wgmma", "wgmma_pre")
+#: Depth of the wgmma gate's TMA ring.
+WGMMA_STAGES = 6
+
 SOURCE = declare(
     Source(
         "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE"),
+        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES"),
         dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
                    "twell_units_down_scan128"),
         constants={
@@ -89,18 +99,24 @@ SOURCE = declare(
             "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre}
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0}
             for k in (8, 264, 2048, 4096) for g in (0, 1)
             for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
                                     (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0}
+            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1} for g in (0, 1)
+            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0}
+            for g in (0, 1)
         ) + tuple(
-            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1}
+            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
             for nt, ut in ((32, 2), (16, 4))
+        ) + tuple(  # the tensor-core gate (STAGES > 0), fused and writing pre
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
+            for k, g, nt, ut, pre, st in ((2048, 1, 8, 4, 0, 6), (2048, 1, 8, 2, 0, 8),
+                                          (2048, 0, 4, 4, 0, 4), (264, 1, 1, 1, 0, 2),
+                                          (4096, 1, 8, 4, 1, 6), (8, 1, 4, 2, 0, 3))
         ),
     )
 )  # fmt: skip
@@ -133,6 +149,21 @@ def unit_tiles(m: int, n: int) -> int:
     while n % (UNITS * ut):
         ut //= 2
     return ut
+
+
+def gate_for(m: int, n: int) -> str:
+    """The gate ``forward`` uses by default for ``m`` tokens: :data:`GATES`' ``"mma"`` up
+    to :data:`MMA_GATE_TOKENS` tokens, else ``"cublas"``."""
+    return "mma" if m <= MMA_GATE_TOKENS else "cublas"
+
+
+def wgmma_unit_tiles(n: int) -> int:
+    """The wgmma gate's ``UT`` (16-unit tiles per CTA) for ``n`` units: the fewest whose
+    grid of ``n / (16 UT)`` CTAs fits in one wave on the device's SMs, else the most
+    that divide ``n``."""
+    sms = device_info().multiprocessors
+    fits_n = [ut for ut in (4, 2, 1) if n % (UNITS * ut) == 0]
+    return next((ut for ut in reversed(fits_n) if n // (UNITS * ut) <= sms), fits_n[0])
 
 
 def scan_threads_for(m: int, units_per_token: float | None = None) -> int:
@@ -176,35 +207,49 @@ def down_columns(
     return 64
 
 
+def wgmma_shared_bytes(units: int, stages: int = WGMMA_STAGES) -> int:
+    """Dynamic shared memory of ``twell_units_gate_wgmma``: its TMA ring (a 64 x 64 box of x
+    and a ``units`` x 64 box of ``w_first`` a stage), its mbarriers, and slack to align the
+    ring to 1024 bytes."""
+    return stages * (64 + units) * 128 + 16 * stages + 1024
+
+
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
-    mma_gate: bool | None = None, down: str | None = None, scan_threads: int | None = None,
-    units_per_token: float | None = None,
+    gate: str | None = None, down: str | None = None, scan_threads: int | None = None,
+    units_per_token: float | None = None, stages: int = WGMMA_STAGES,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
-    ``ut``, ``down_tokens``, ``columns``, ``mma_gate``, ``down`` (``"scan"`` or
-    ``"lists"``) and ``scan_threads`` (64 or 128, the scan only) override the geometry
+    ``gate`` is one of :data:`GATES` (default :func:`gate_for`). ``ut``, ``down_tokens``,
+    ``columns``, ``down`` (``"scan"`` or ``"lists"``), ``scan_threads`` (64 or 128, the
+    scan only) and ``stages`` (the wgmma gate's TMA ring) override the geometry
     (benchmarks; defaults :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
-    :data:`MMA_GATE_TOKENS`, :data:`SCAN_TOKENS`, :func:`scan_threads_for` of
-    ``units_per_token``, a hint that does not change the bits); the list kernel's tokens
-    per CTA are ``down_tokens`` rounded up to 8, 16, 32 or 64 (the scan kernel takes one
-    token and 32 columns per CTA and ignores ``down_tokens`` and ``columns``). Returns the
-    scratch buffers it used (keep them alive while a captured graph runs)."""
+    :data:`SCAN_TOKENS`, :func:`scan_threads_for` of ``units_per_token``, a hint that does
+    not change the bits, :data:`WGMMA_STAGES`); the list kernel's tokens per CTA are
+    ``down_tokens`` rounded up to 8, 16, 32 or 64 (the scan kernel takes one token and 32
+    columns per CTA and ignores ``down_tokens`` and ``columns``). Returns the scratch
+    buffers it used (keep them alive while a captured graph runs)."""
     m, k = x.shape
     n = w_first.shape[0]
     if not fits(m, n, most=MAX_TOKENS):
         raise ValueError(f"decode_units: M={m}, N={n} outside the route's limits")
     gated = w_up is not None
-    mma = m <= MMA_GATE_TOKENS if mma_gate is None else mma_gate
-    if mma and token_tiles(m) > 8:
-        raise ValueError(f"decode_units: the tensor-core gate takes at most 64 tokens, got {m}")
-    ut = (unit_tiles(m, n) if mma else 1) if ut is None else ut
-    if not mma and ut * token_tiles(m) > 64:
+    gate = gate_for(m, n) if gate is None else gate
+    if gate not in GATES:
+        raise ValueError(f"decode_units: gate must be one of {GATES}, got {gate!r}")
+    if gate != "cublas" and token_tiles(m) > 8:
+        raise ValueError(f"decode_units: the {gate} gate takes at most 64 tokens, got {m}")
+    wgmma = gate.startswith("wgmma")
+    if ut is None:
+        ut = unit_tiles(m, n) if gate == "mma" else wgmma_unit_tiles(n) if wgmma else 1
+    if gate == "cublas" and ut * token_tiles(m) > 64:
         raise ValueError(f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory")
     if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
         raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
+    if wgmma and (stages < 2 or wgmma_shared_bytes(UNITS * ut, stages) > SHARED_PER_SM - 24 * 1024):
+        raise ValueError(f"decode_units: a wgmma ring of {stages} stages does not fit")
     if down not in (None, "lists", "scan"):
         raise ValueError(f"decode_units: down must be 'scan' or 'lists', got {down!r}")
     down = down or ("scan" if m <= SCAN_TOKENS else "lists")
@@ -226,17 +271,33 @@ def forward(
             )
     h = alloc((m, n), np.float32)
     masks = alloc((m, n // UNITS), np.uint16)
-    pre = None if mma else gemm_nt(x, w_first)  # cuBLAS: x read once, not once per CTA
+    through_pre = gate in ("cublas", "wgmma_pre")  # the gate/up kernel reads a pre-activation
+    pre = gemm_nt(x, w_first) if gate == "cublas" else None  # cuBLAS: x read once
+    if gate == "wgmma_pre":
+        pre = alloc((m, n), np.uint16)
     module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
-              "PRE": int(not mma)}  # fmt: skip
-    gate = SOURCE.kernel("twell_units_gate_up", **module)
-    gate_args = (
-        u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
-        _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n),
-    )  # fmt: skip
-    # after twell's cuBLAS GEMM it may start as the GEMM's last CTAs end; the first kernel
-    # of the call (no pre-activation) is launched as usual
-    launch_after(gate, (n // (UNITS * ut),), (GATE_THREADS,), gate_args, overlap=pre is not None)
+              "PRE": int(through_pre), "STAGES": stages if wgmma else 0}  # fmt: skip
+    if wgmma:  # the first kernel of the call: launched as usual
+        fn = SOURCE.kernel("twell_units_gate_wgmma", **module)
+        smem = wgmma_shared_bytes(UNITS * ut, stages)
+        if fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        fn(
+            (n // (UNITS * ut),), (GATE_THREADS,),
+            (tensor_map(x, 64), tensor_map(w_first, UNITS * ut), u16(x),
+             u16(w_up) if gated else _NULL, u16(w_down_t), _NULL if pre is None else u16(pre),
+             h, masks, np.int32(m), np.int32(n)),
+            shared_mem=smem,
+        )  # fmt: skip
+    if gate != "wgmma":
+        gate_args = (
+            u16(x), u16(w_first), u16(w_up) if gated else _NULL, u16(w_down_t),
+            _NULL if pre is None else u16(pre), h, masks, np.int32(m), np.int32(n),
+        )  # fmt: skip
+        # after a gate GEMM it may start as the GEMM's last CTAs end; the first kernel of
+        # the call (no pre-activation) is launched as usual
+        kernel = SOURCE.kernel("twell_units_gate_up", **module)
+        launch_after(kernel, (n // (UNITS * ut),), (GATE_THREADS,), gate_args, overlap=through_pre)
     down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
     if down == "scan":  # (in the gate's module: its parameters do not change the scan)
         threads = scan_threads or scan_threads_for(m, units_per_token)
@@ -244,7 +305,7 @@ def forward(
         launch_after(scan, (-(-k // 32), m), (threads,), down_args)
         return [h, masks] if pre is None else [h, masks, pre]
     kernel = SOURCE.kernel(
-        "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0
+        "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0, STAGES=0
     )
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared

@@ -67,30 +67,6 @@ static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
               "gate_gemm.py's SMEM_BYTES");
 #define LANES_PER_TILE (TWELL_TILE / 8)
 
-// Shared-memory matrix descriptor: K-major tile with rows of 128 bytes, 128-byte swizzle,
-// 8-row groups 1024 bytes apart (the layout TMA writes with SWIZZLE_128B).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  uint64_t desc = (uint64_t)((addr & 0x3FFFFu) >> 4);
-  desc |= (uint64_t)1 << 16;            // leading byte offset 16 B (unused for this layout)
-  desc |= (uint64_t)(1024 >> 4) << 32;  // stride byte offset: 8 rows x 128 B
-  desc |= (uint64_t)1 << 62;            // 128-byte swizzle
-  return desc;
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 // d[0..127] += A (64 x 16, K-major, smem) * B (256 x 16, K-major, smem)^T, fp32 accumulate.
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a,
                                                  uint64_t desc_b) {
@@ -320,22 +296,22 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;
-    fence_accumulators(d);
+    twell_wgmma_fence_regs(d);
     for (int kb = 0; kb < kblocks; ++kb, ++it) {
       const int s = it % STAGES;
       twell_mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
       const uint32_t a = sbase + s * STAGE_BYTES + c * (64 * 128);
       const uint32_t b = sbase + s * STAGE_BYTES + A_BYTES;
-      wgmma_fence();
+      twell_wgmma_fence();
 #pragma unroll
       for (int k = 0; k < BK / 16; ++k)
-        wgmma_m64n256k16(d, smem_desc(a + 32 * k), smem_desc(b + 32 * k));
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
+        wgmma_m64n256k16(d, twell_wgmma_desc(a + 32 * k), twell_wgmma_desc(b + 32 * k));
+      twell_wgmma_commit();
+      twell_wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
       if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
     }
-    wgmma_wait<0>();
-    fence_accumulators(d);
+    twell_wgmma_wait<0>();
+    twell_wgmma_fence_regs(d);
     if (tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
     if (TWELL_OUTPUT == 2 || TWELL_OUTPUT == 4) {
       // The timing builds store nothing, but the accumulators must stay live: without a
