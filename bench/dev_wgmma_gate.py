@@ -36,7 +36,7 @@ def variants(m: int) -> list[tuple[str, dict]]:
     if m <= decode_units.MMA_GATE_TOKENS:
         out.append(("mma", {"gate": "mma"}))
     rings = (4, 6, 8) if m in (32, 64) else (6,)  # (each ring depth is a compile)
-    for ut in (4, 2, 1):
+    for ut in (4, 2):
         for stages in rings:
             out.append((f"wgmma_ut{ut}_s{stages}", {"gate": "wgmma", "ut": ut, "stages": stages}))
     out.append(("wgmma_pre_ut4_s6", {"gate": "wgmma_pre", "ut": 4, "stages": 6}))
@@ -102,7 +102,7 @@ def run(workload: str, m: int) -> list[dict]:
     want = cublas_gate(blocks[0]).view(cp.uint16)
     gates = [("gate_cublas", cublas_gate)]
     rings = (4, 6, 8) if m in (32, 64) else (6,)
-    gates += [(f"gate_wgmma_ut{ut}_s{s}", wgmma_gate(ut, s)) for ut in (4, 2, 1) for s in rings]
+    gates += [(f"gate_wgmma_ut{ut}_s{s}", wgmma_gate(ut, s)) for ut in (4, 2) for s in rings]
     for name, fn in gates:
         got = fn(blocks[0]).view(cp.uint16)
         differ = int((got != want).sum())

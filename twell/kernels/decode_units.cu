@@ -126,29 +126,17 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 }  // namespace units
 
 // Steps 2 and 3 of a gate/up CTA once the gate of its U units is known: in s_g as bf16
-// bits (STAGED: a pre-activation or the wgmma gate's accumulators were staged there) or
-// as the warps' mma fragments in s_red (the mma gate); all TWELL_GATE_THREADS threads of
-// the CTA, whose units start at n0. s_red's room holds the pair list after. RING > 0
-// (the wgmma kernel): RING bytes of shared memory at `ring` are free, and the w_up rows of
-// the units any token keeps (as many as fit) are copied there in one go (bulk copies
-// completing on the mbarrier `bar`, fresh), so the up products wait on one trip to
-// memory for all of them rather than one per round of loads.
-template <bool STAGED, int RING>
+// bits (STAGED: a pre-activation or the wgmma gate's accumulators were staged there) or as the warps' mma fragments in s_red (the mma gate); all TWELL_GATE_THREADS
+// threads of the CTA, whose units start at n0. s_red's room holds the pair list after.
+template <bool STAGED>
 __device__ __forceinline__ void units_keep_and_up(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up,
     const uint16_t* __restrict__ w_down_t, float* __restrict__ h, uint16_t* __restrict__ masks,
     int M, int N, int n0, float (*s_red)[units::NT][32][4], uint16_t (*s_g)[units::TOKENS],
-    uint32_t (*s_tok)[units::TW], uint32_t ring, uint32_t bar) {
+    uint32_t (*s_tok)[units::TW]) {
   using namespace units;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr int ROWS = GATED ? RING / (K * 2) : 0;  // w_up rows the ring holds
-  __shared__ int s_slot[ROWS > 0 ? U : 1];           // unit -> its row in the ring, or -1
-  __shared__ int s_rows;
   (void)w_up;
-  (void)ring;
-  (void)bar;
-  (void)s_slot;
-  (void)s_rows;
   // one thread per (unit u, token t): the sums of u's tile's warps in warp order, rounded to
   // bf16 (TWELL_PRE: the staged pre-activation); 32 consecutive (u, t) per warp and pass,
   // so a ballot gives whole words of s_tok
@@ -178,38 +166,6 @@ __device__ __forceinline__ void units_keep_and_up(
   }
   __syncthreads();
 
-  if constexpr (ROWS > 0) {  // warp 0: the kept units' w_up rows into the ring, in unit order
-    if (warp == 0) {
-      int base = 0;
-      for (int u0 = 0; u0 < U; u0 += 32) {
-        const int u = u0 + lane;
-        uint32_t any = 0;
-        if (u < U) {
-#pragma unroll
-          for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
-        }
-        const uint32_t b = __ballot_sync(0xffffffffu, any != 0u);
-        const int slot = base + __popc(b & ((1u << lane) - 1u));
-        if (u < U) s_slot[u] = any && slot < ROWS ? slot : -1;
-        base += __popc(b);
-      }
-      const int rows = min(base, ROWS);
-      if (lane == 0) {
-        s_rows = rows;
-        if (rows > 0) twell_mbar_expect_tx(bar, (uint32_t)(rows * K * 2));
-      }
-      __syncwarp();
-      for (int u = lane; u < U; u += 32) {
-        const int slot = s_slot[u];
-        if (slot >= 0)
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-              ::"r"(ring + (uint32_t)(slot * K * 2)), "l"(w_up + (long long)(n0 + u) * K),
-              "r"((uint32_t)K * 2u), "r"(bar) : "memory");
-      }
-    }
-  }
-
   // ---- 3. masks: bit i of masks[t, b] for unit 16 b + i, every token; the kept units'
   // w_up rows (for step 2's later rounds) and w_down_t rows (for the down kernel) start
   // moving into L2
@@ -228,9 +184,7 @@ __device__ __forceinline__ void units_keep_and_up(
 #pragma unroll
     for (int w = 0; w < TW; ++w) any |= s_tok[u][w];
     if (any) {
-      bool in_ring = false;
-      if constexpr (ROWS > 0) in_ring = s_slot[u] >= 0;  // (written before the barrier below)
-      if (GATED && !in_ring) {  // the up products' rows, ahead of their loads in step 2
+      if constexpr (GATED) {  // the up products' rows, ahead of their loads in step 2
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w_up + (long long)(n0 + u) * K),
                      "r"((uint32_t)K * 2u) : "memory");
       }
@@ -278,9 +232,6 @@ __device__ __forceinline__ void units_keep_and_up(
     __syncthreads();
     const int npairs = s_npairs;
     const uint4 none = make_uint4(0u, 0u, 0u, 0u);
-    if constexpr (ROWS > 0) {
-      if (s_rows > 0) twell_mbar_wait(bar, 0);
-    }
     for (int p0 = 0; p0 < npairs; p0 += UP_PAIRS) {
       const int here = min(UP_PAIRS, npairs - p0), items = here * SLICES;
       for (int i0 = warp; i0 < items; i0 += WARPS * UP_LOADS) {
@@ -293,11 +244,7 @@ __device__ __forceinline__ void units_keep_and_up(
           if (it < items && k < K) {
             const uint32_t pr = s_pairs[p0 + it / SLICES];
             xa[j] = ldg16(x + (long long)(pr & 255u) * K + k);
-            const int u = (int)(pr >> 8);
-            int slot = -1;
-            if constexpr (ROWS > 0) slot = s_slot[u];
-            wa[j] = slot >= 0 ? twell_lds128(ring + (uint32_t)((slot * K + k) * 2))
-                              : ldg16(w_up + (long long)(n0 + u) * K + k);
+            wa[j] = ldg16(w_up + (long long)(n0 + (int)(pr >> 8)) * K + k);
           }
         }
 #pragma unroll
@@ -427,7 +374,7 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   }
 
   static_assert(U * TOKENS * 2 <= sizeof(s_red), "the pair list fits in s_red");
-  units_keep_and_up<PRE, 0>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok, 0u, 0u);
+  units_keep_and_up<PRE>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
 }
 
 // ---------------------------------------------------------------------- wgmma gate
@@ -486,8 +433,7 @@ __device__ __forceinline__ void wgmma_m64k16<64>(float (&d)[32], uint64_t desc_a
 // 3 as twell_units_gate_up's, by all eight warps. With TWELL_PRE it writes the gate to
 // pre [M, N] instead and stops (a measurement build: twell_units_gate_up reads it).
 // x and w_first come as TMA maps (gate_gemm.tensor_map, boxes of 64 and U rows).
-// (launch bound: as many CTAs per SM as the grid of N / U may want on 132 SMs)
-extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, TWELL_UT == 1 ? 3 : TWELL_UT == 2 ? 2 : 1)
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, 1)
 twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 64
                     const __grid_constant__ TwellTmaDesc map_w,  // w_first [N, K], box U x 64
                     const uint16_t* __restrict__ x,         // [M, K] (the up products)
@@ -504,7 +450,6 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
   const uint32_t raw = twell_smem_addr(smem_raw);
   const uint32_t ring = (raw + 1023u) & ~1023u;  // 1024-aligned (the swizzle's atoms)
   const uint32_t full_bar = ring + WG_STAGES * WG_STAGE, empty_bar = full_bar + 8 * WG_STAGES;
-  const uint32_t up_bar = empty_bar + 8 * WG_STAGES;  // the w_up rows copied into the ring
   __shared__ float s_red[(UT + 1) / 2][NT][32][4];  // room for the pair list
   __shared__ uint16_t s_g[U][TOKENS];
   __shared__ uint32_t s_tok[U][TW];
@@ -518,7 +463,6 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
       twell_mbar_init(full_bar + 8 * st, 1);
       twell_mbar_init(empty_bar + 8 * st, 1);
     }
-    twell_mbar_init(up_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -572,8 +516,7 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
       pre[(long long)(i / U) * N + n0 + i % U] = s_g[i % U][i / U];
     return;
   }
-  units_keep_and_up<true, WG_STAGES * WG_STAGE>(x, w_up, w_down_t, h, masks, M, N, n0, s_red,
-                                                s_g, s_tok, ring, up_bar);
+  units_keep_and_up<true>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
 }
 #endif
 

@@ -209,9 +209,9 @@ def down_columns(
 
 def wgmma_shared_bytes(units: int, stages: int = WGMMA_STAGES) -> int:
     """Dynamic shared memory of ``twell_units_gate_wgmma``: its TMA ring (a 64 x 64 box of x
-    and a ``units`` x 64 box of ``w_first`` a stage; the kept units' ``w_up`` rows after
-    the gate), its mbarriers, and slack to align the ring to 1024 bytes."""
-    return stages * (64 + units) * 128 + 16 * stages + 8 + 1024
+    and a ``units`` x 64 box of ``w_first`` a stage), its mbarriers, and slack to align the
+    ring to 1024 bytes."""
+    return stages * (64 + units) * 128 + 16 * stages + 1024
 
 
 def forward(
