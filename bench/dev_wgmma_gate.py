@@ -35,12 +35,15 @@ def variants(m: int) -> list[tuple[str, dict]]:
     out = [("cublas", {"gate": "cublas"})]
     if m <= decode_units.MMA_GATE_TOKENS:
         out.append(("mma", {"gate": "mma"}))
-    rings = (4, 6, 8) if m in (32, 64) else (6,)  # (each ring depth is a compile)
-    for ut in (4, 2):
-        for stages in rings:
-            out.append((f"wgmma_ut{ut}_s{stages}", {"gate": "wgmma", "ut": ut, "stages": stages}))
-    out.append(("wgmma_pre_ut4_s6", {"gate": "wgmma_pre", "ut": 4, "stages": 6}))
+    for ut, stages, mc in GEOMETRIES:
+        out.append((f"wgmma_ut{ut}_s{stages}_mc{mc}",
+                    {"gate": "wgmma", "ut": ut, "stages": stages, "multicast": mc}))  # fmt: skip
     return out
+
+
+#: (UT, stages, CTAs per multicast cluster) of the wgmma gate measured
+GEOMETRIES = ((4, 6, 1), (4, 8, 1), (2, 6, 1), (2, 8, 1), (1, 6, 1), (2, 6, 2), (1, 6, 2),
+              (1, 6, 4), (1, 4, 4), (2, 6, 4))  # fmt: skip
 
 
 def run(workload: str, m: int) -> list[dict]:
@@ -82,9 +85,10 @@ def run(workload: str, m: int) -> list[dict]:
     def cublas_gate(b):  # noqa: ANN001, ANN202
         return gemm_nt(x, b.w_first)
 
-    def wgmma_gate(ut: int, stages: int):  # noqa: ANN202
+    def wgmma_gate(ut: int, stages: int, mc: int):  # noqa: ANN202
         module = {"KDIM": K, "GATED": 1, "NT": decode_units.token_tiles(m), "UT": ut, "DC": 16,
-                  "PRE": 1, "STAGES": stages}  # fmt: skip
+                  "PRE": 1, "STAGES": stages, "MC": mc}  # fmt: skip
+        rows = decode_units.wgmma_x_rows(m, mc)
         fn = decode_units.SOURCE.kernel("twell_units_gate_wgmma", **module)
         smem = decode_units.wgmma_shared_bytes(16 * ut, stages)
         fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
@@ -93,7 +97,7 @@ def run(workload: str, m: int) -> list[dict]:
             pre = alloc((m, N), np.uint16)
             null = np.uint64(0)
             fn((N // (16 * ut),), (256,),
-               (tensor_map(x, 64), tensor_map(b.w_first, 16 * ut), x.view(cp.uint16), null,
+               (tensor_map(x, rows), tensor_map(b.w_first, 16 * ut), x.view(cp.uint16), null,
                 null, pre, null, null, np.int32(m), np.int32(N)), shared_mem=smem)  # fmt: skip
             return pre
 
@@ -101,8 +105,8 @@ def run(workload: str, m: int) -> list[dict]:
 
     want = cublas_gate(blocks[0]).view(cp.uint16)
     gates = [("gate_cublas", cublas_gate)]
-    rings = (4, 6, 8) if m in (32, 64) else (6,)
-    gates += [(f"gate_wgmma_ut{ut}_s{s}", wgmma_gate(ut, s)) for ut in (4, 2) for s in rings]
+    gates += [(f"gate_wgmma_ut{ut}_s{s}_mc{mc}", wgmma_gate(ut, s, mc))
+              for ut, s, mc in GEOMETRIES]  # fmt: skip
     for name, fn in gates:
         got = fn(blocks[0]).view(cp.uint16)
         differ = int((got != want).sum())

@@ -212,10 +212,11 @@ def test_gate_from_cublas_matches_dense(m: int, ut: int, gated: bool) -> None:
 def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
     m: int, gated: bool, k: int
 ) -> None:
-    """The gate on wgmma through a TMA ring (K past the last 64-wide box, tokens past M
-    filled with zeros by TMA), with heavy rows, a NaN and an Inf in x: against float64
-    dense math, and bit for bit the same with any ring depth and with its gate written
-    to a pre-activation that the gate/up kernel reads (the same sums in the same order)."""
+    """The gate on wgmma through a TMA ring (K past the last 64-wide box filled with zeros
+    by TMA, the wgmma rows past M never read), with heavy rows, a NaN and an Inf in x:
+    against float64 dense math, and bit for bit the same with any ring depth, with x's
+    boxes multicast over a cluster of 2 or 4 CTAs, and with its gate written to a
+    pre-activation that the gate/up kernel reads (the same sums in the same order)."""
     n = 2048
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m + k)
     x = p.x.astype(np.float32)
@@ -223,14 +224,13 @@ def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
     if m > 2:
         x[1, k - 1] = -np.inf
     w_gate = p.w_gate if gated else None
-    got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma")
-    check_against_dense(got, x, w_gate, p.w_up, p.w_down)
-    for geometry in ({"stages": 2}, {"stages": 8}, {"gate": "wgmma_pre"},
-                     {"gate": "wgmma", "ut": 1}):  # fmt: skip
-        other = run_units(x, w_gate, p.w_up, p.w_down, **{"gate": "wgmma", **geometry})
-        if "ut" in geometry:  # another CTA width: the same sums (wgmma's order per unit)
-            check_against_dense(other, x, w_gate, p.w_up, p.w_down)
-        else:
+    for ut in (4, 1):
+        got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma", ut=ut)
+        check_against_dense(got, x, w_gate, p.w_up, p.w_down)
+        for geometry in ({"stages": 2}, {"stages": 8}, {"gate": "wgmma_pre"},
+                         {"multicast": 2}, {"multicast": 4}):  # fmt: skip
+            kw = {"gate": "wgmma", "ut": ut, **geometry}
+            other = run_units(x, w_gate, p.w_up, p.w_down, **kw)
             np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
@@ -359,6 +359,8 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
         decode_units.forward(x[:8], w, None, w, x[:8], gate="tensor")
     with pytest.raises(ValueError, match="wgmma ring"):
         decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=1)
+    with pytest.raises(ValueError, match="multicast=3"):
+        decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", ut=1, multicast=3)
 
 
 @settings(max_examples=30, deadline=None,

@@ -91,7 +91,7 @@ WGMMA_STAGES = 6
 SOURCE = declare(
     Source(
         "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES"),
+        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES", "MC"),
         dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
                    "twell_units_down_scan128"),
         constants={
@@ -99,24 +99,26 @@ SOURCE = declare(
             "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0}
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0, "MC": 1}
             for k in (8, 264, 2048, 4096) for g in (0, 1)
             for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
                                     (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0}
+            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0, "MC": 1}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0}
+            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0, "MC": 1}
             for g in (0, 1)
         ) + tuple(
-            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
+            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0, "MC": 1}
             for nt, ut in ((32, 2), (16, 4))
         ) + tuple(  # the tensor-core gate (STAGES > 0), fused and writing pre
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
-            for k, g, nt, ut, pre, st in ((2048, 1, 8, 4, 0, 6), (2048, 1, 8, 2, 0, 8),
-                                          (2048, 0, 4, 4, 0, 4), (264, 1, 1, 1, 0, 2),
-                                          (4096, 1, 8, 4, 1, 6), (8, 1, 4, 2, 0, 3))
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st,
+             "MC": mc}
+            for k, g, nt, ut, pre, st, mc in (
+                (2048, 1, 8, 4, 0, 6, 1), (2048, 1, 8, 2, 0, 8, 2), (2048, 1, 8, 1, 0, 6, 4),
+                (2048, 0, 4, 4, 0, 4, 1), (264, 1, 1, 1, 0, 2, 2), (4096, 1, 8, 4, 1, 6, 4),
+                (8, 1, 4, 2, 0, 3, 1))
         ),
     )
 )  # fmt: skip
@@ -214,17 +216,24 @@ def wgmma_shared_bytes(units: int, stages: int = WGMMA_STAGES) -> int:
     return stages * (64 + units) * 128 + 16 * stages + 1024
 
 
+def wgmma_x_rows(m: int, multicast: int) -> int:
+    """Rows of ``x`` a CTA of the wgmma gate loads per k-block (its box): all ``m``, or
+    with ``multicast`` CTAs a cluster sharing them, its share rounded up to 8."""
+    return m if multicast == 1 else 8 * -(-m // (8 * multicast))
+
+
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
     gate: str | None = None, down: str | None = None, scan_threads: int | None = None,
-    units_per_token: float | None = None, stages: int = WGMMA_STAGES,
+    units_per_token: float | None = None, stages: int = WGMMA_STAGES, multicast: int = 1,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``gate`` is one of :data:`GATES` (default :func:`gate_for`). ``ut``, ``down_tokens``,
     ``columns``, ``down`` (``"scan"`` or ``"lists"``), ``scan_threads`` (64 or 128, the
-    scan only) and ``stages`` (the wgmma gate's TMA ring) override the geometry
+    scan only), ``stages`` (the wgmma gate's TMA ring) and ``multicast`` (its CTAs per
+    cluster sharing x's loads) override the geometry
     (benchmarks; defaults :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
     :data:`SCAN_TOKENS`, :func:`scan_threads_for` of ``units_per_token``, a hint that does
     not change the bits, :data:`WGMMA_STAGES`); the list kernel's tokens per CTA are
@@ -250,6 +259,8 @@ def forward(
         raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
     if wgmma and (stages < 2 or wgmma_shared_bytes(UNITS * ut, stages) > SHARED_PER_SM - 24 * 1024):
         raise ValueError(f"decode_units: a wgmma ring of {stages} stages does not fit")
+    if wgmma and (multicast not in (1, 2, 4) or (n // (UNITS * ut)) % multicast):
+        raise ValueError(f"decode_units: multicast={multicast}: 1, 2 or 4, dividing the grid")
     if down not in (None, "lists", "scan"):
         raise ValueError(f"decode_units: down must be 'scan' or 'lists', got {down!r}")
     down = down or ("scan" if m <= SCAN_TOKENS else "lists")
@@ -276,7 +287,8 @@ def forward(
     if gate == "wgmma_pre":
         pre = alloc((m, n), np.uint16)
     module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
-              "PRE": int(through_pre), "STAGES": stages if wgmma else 0}  # fmt: skip
+              "PRE": int(through_pre), "STAGES": stages if wgmma else 0,
+              "MC": multicast if wgmma else 1}  # fmt: skip
     if wgmma:  # the first kernel of the call: launched as usual
         fn = SOURCE.kernel("twell_units_gate_wgmma", **module)
         smem = wgmma_shared_bytes(UNITS * ut, stages)
@@ -284,7 +296,7 @@ def forward(
             fn.max_dynamic_shared_size_bytes = smem
         fn(
             (n // (UNITS * ut),), (GATE_THREADS,),
-            (tensor_map(x, 64), tensor_map(w_first, UNITS * ut), u16(x),
+            (tensor_map(x, wgmma_x_rows(m, multicast)), tensor_map(w_first, UNITS * ut), u16(x),
              u16(w_up) if gated else _NULL, u16(w_down_t), _NULL if pre is None else u16(pre),
              h, masks, np.int32(m), np.int32(n)),
             shared_mem=smem,
@@ -304,9 +316,9 @@ def forward(
         scan = SOURCE.kernel(f"twell_units_down_scan{threads}", **module)
         launch_after(scan, (-(-k // 32), m), (threads,), down_args)
         return [h, masks] if pre is None else [h, masks, pre]
-    kernel = SOURCE.kernel(
-        "twell_units_down", KDIM=k, GATED=int(gated), NT=nt, UT=1, DC=columns, PRE=0, STAGES=0
-    )
+    down_module = {"KDIM": k, "GATED": int(gated), "NT": nt, "UT": 1, "DC": columns, "PRE": 0,
+                   "STAGES": 0, "MC": 1}  # fmt: skip
+    kernel = SOURCE.kernel("twell_units_down", **down_module)
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     launch_after(kernel, (-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,), down_args, shared)
