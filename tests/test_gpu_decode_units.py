@@ -214,9 +214,9 @@ def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
 ) -> None:
     """The gate on wgmma through a TMA ring (K past the last 64-wide box filled with zeros
     by TMA, the wgmma rows past M never read), with heavy rows, a NaN and an Inf in x:
-    against float64 dense math, and bit for bit the same with any ring depth, with x's
-    boxes multicast over a cluster of 2 or 4 CTAs, and with its gate written to a
-    pre-activation that the gate/up kernel reads (the same sums in the same order)."""
+    against float64 dense math, and bit for bit the same with any ring depth and with its
+    gate written to a pre-activation that the gate/up kernel reads (the same sums in the
+    same order)."""
     n = 2048
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m + k)
     x = p.x.astype(np.float32)
@@ -227,8 +227,7 @@ def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
     for ut in (4, 1):
         got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma", ut=ut)
         check_against_dense(got, x, w_gate, p.w_up, p.w_down)
-        for geometry in ({"stages": 2}, {"stages": 8}, {"gate": "wgmma_pre"},
-                         {"multicast": 2}, {"multicast": 4}):  # fmt: skip
+        for geometry in ({"stages": 2}, {"stages": 5}, {"gate": "wgmma_pre"}):
             kw = {"gate": "wgmma", "ut": ut, **geometry}
             other = run_units(x, w_gate, p.w_up, p.w_down, **kw)
             np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
@@ -264,9 +263,13 @@ def test_overflowing_gate_gives_dense_maths_infinities() -> None:
     check_against_dense(got[rows], x[rows], w_gate, w_up, w_down)
 
 
+@pytest.mark.parametrize("m", [8, 40], ids=["mma_gate", "wgmma_gate"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
-    m, n, k = 8, 2048, 1024
+def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool, m: int) -> None:
+    """Up to WGMMA_TOKENS tokens the route runs twell's kernels only (no cuBLAS): a CuPy
+    capture replays the eager bits."""
+    n, k = 2048, 1024
+    assert decode_units.gate_for(m, n) == ("mma" if m == 8 else "wgmma")
     p = workloads.uniform(m, k, n, p=0.01, seed=2)
     block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate if gated else None, p.w_up, p.w_down)),
                           Options(path="fused", density_switch=False))  # fmt: skip
@@ -278,11 +281,12 @@ def test_capture_in_a_cuda_graph_gives_the_eager_bits(gated: bool) -> None:
 
 
 def test_capture_with_the_cublas_gate_replays_its_bits() -> None:
-    """Above MMA_GATE_TOKENS a call captured from CuPy runs the gate GEMM through torch
+    """Above WGMMA_TOKENS a call captured from CuPy runs the gate GEMM through torch
     (CuPy refuses cuBLAS during capture; eager calls use CuPy's, whose bits may differ):
     every replay gives the first replay's bits, and they match dense math."""
     pytest.importorskip("torch")
-    m, n, k = decode_units.MMA_GATE_TOKENS + 16, 2048, 1024
+    m, n, k = decode_units.WGMMA_TOKENS + 16, 2048, 1024
+    assert decode_units.gate_for(m, n) == "cublas"
     p = workloads.uniform(m, k, n, p=0.01, seed=3)
     block = PreparedBlock(*(to_gpu(a) for a in (p.w_gate, p.w_up, p.w_down)),
                           Options(path="fused", density_switch=False))  # fmt: skip
@@ -359,8 +363,6 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
         decode_units.forward(x[:8], w, None, w, x[:8], gate="tensor")
     with pytest.raises(ValueError, match="wgmma ring"):
         decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=1)
-    with pytest.raises(ValueError, match="multicast=3"):
-        decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", ut=1, multicast=3)
 
 
 @settings(max_examples=30, deadline=None,

@@ -330,23 +330,6 @@ TWELL_DEVICE void twell_tma_load_2d(uint32_t dst, const TwellTmaDesc* map, int c
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
-// As twell_tma_load_2d, the box written at the same offset `dst` of every CTA of the
-// cluster in `cta_mask` (and counted on the barrier at `bar` in each): TMA multicast.
-TWELL_DEVICE void twell_tma_load_2d_multicast(uint32_t dst, const TwellTmaDesc* map, int c0,
-                                              int c1, uint32_t bar, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
-// One arrival on the mbarrier at shared address `bar` of CTA `rank` of the cluster.
-TWELL_DEVICE void twell_mbar_arrive_remote(uint32_t bar, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-               : "memory");
-}
 TWELL_DEVICE uint4 twell_lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -175,7 +175,7 @@ __device__ __forceinline__ void units_keep_and_up(
       uint32_t m = 0;
 #pragma unroll
       for (int u = 0; u < 16; ++u) m |= ((s_tok[b * 16 + u][t >> 5] >> (t & 31)) & 1u) << u;
-      masks[(long long)t * (N / 16) + n0 / 16 + b] = (uint16_t)m;
+      masks[(long long)t * (N / 16) + blockIdx.x * UT + b] = (uint16_t)m;
     }
   }
   if (tid >= TWELL_GATE_THREADS - U) {
@@ -381,13 +381,11 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
 #if TWELL_STAGES > 0
 namespace units {
 constexpr int WG_STAGES = TWELL_STAGES;
-constexpr int WG_MC = TWELL_MC;          // CTAs of a cluster sharing x's boxes (multicast)
 constexpr int WG_A = 64 * 128;           // a stage's x tile: 64 tokens x 64 k, bf16
 constexpr int WG_B = U * 128;            // its w_first box: U units x 64 k
 constexpr int WG_STAGE = WG_A + WG_B;    // 1024-byte multiples: every box swizzle-aligned
 constexpr int WG_KB = (K + 63) / 64;     // 64-wide k-blocks (TMA fills past K with zeros)
 static_assert(TOKENS <= 64 && (U == 16 || U == 32 || U == 64), "wgmma gate geometry");
-static_assert(WG_MC == 1 || WG_MC == 2 || WG_MC == 4, "TWELL_MC: 1, 2 or 4 CTAs per cluster");
 static_assert(TWELL_GATE_THREADS == 256, "one consumer warpgroup, a producer warp, three more");
 
 // d += A (64 x 16, K-major, smem) * B (N x 16, K-major, smem)^T, fp32 accumulators in the
@@ -425,10 +423,6 @@ __device__ __forceinline__ void wgmma_m64k16<64>(float (&d)[32], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-// Rows of x a CTA loads per k-block (see twell_units_gate_wgmma; decode_units.wgmma_x_rows).
-__device__ __forceinline__ int wgmma_x_rows(int M) {
-  return WG_MC == 1 ? M : 8 * ((M + 8 * WG_MC - 1) / (8 * WG_MC));
-}
 }  // namespace units
 
 // twell_units_gate_wgmma — the gate/up kernel with its gate on wgmma: one CTA per U units
@@ -438,15 +432,12 @@ __device__ __forceinline__ int wgmma_x_rows(int M) {
 // accumulators in registers, and rounds them to bf16 into s_g; then steps 2 and 3 as
 // twell_units_gate_up's, by all eight warps. With TWELL_PRE it writes the gate to
 // pre [M, N] instead and stops (a measurement build: twell_units_gate_up reads it).
-// x's rows: TMA fills rows past a tensor's end with zeros, slowly (an H100 streamed the
-// gate at M = 1 slower than at M = 64 with 64-row boxes), so only x's own rows are
-// loaded, R = wgmma_x_rows(M): with TWELL_MC = 1 a box of all M rows; with TWELL_MC > 1 the
-// CTAs of a cluster (consecutive unit ranges) each load R rows (a multiple of 8) from
-// rank * R and multicast them to all, so x crosses from L2 once per cluster. The wgmma
+// x's box is its M rows: TMA fills rows past a tensor's end with zeros, and slowly (an
+// H100 streamed the gate at M = 1 slower than at M = 64 with 64-row boxes); the wgmma
 // tile's rows past M hold whatever the ring held (their outputs are never read).
-// x and w_first come as TMA maps (gate_gemm.tensor_map, boxes of R and U rows).
-extern "C" __global__ void __cluster_dims__(TWELL_MC, 1, 1) __launch_bounds__(TWELL_GATE_THREADS, 1)
-twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box R x 64
+// x and w_first come as TMA maps (gate_gemm.tensor_map, boxes of M and U rows).
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, 1)
+twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box M x 64
                     const __grid_constant__ TwellTmaDesc map_w,  // w_first [N, K], box U x 64
                     const uint16_t* __restrict__ x,         // [M, K] (the up products)
                     const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
@@ -470,35 +461,23 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
   const int n0 = blockIdx.x * U;
   (void)pre;
 
-  const int rows = wgmma_x_rows(M);                       // R
-  const int loaders = WG_MC == 1 ? 1 : min(WG_MC, (M + rows - 1) / rows);  // CTAs loading x
-  const uint32_t rank = WG_MC == 1 ? 0u : twell_cluster_rank();
   if (tid == 0) {
     for (int st = 0; st < WG_STAGES; ++st) {
       twell_mbar_init(full_bar + 8 * st, 1);
-      twell_mbar_init(empty_bar + 8 * st, WG_MC);  // every CTA of the cluster frees a stage
+      twell_mbar_init(empty_bar + 8 * st, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if constexpr (WG_MC > 1) {
-    twell_cluster_sync();  // the peers' barriers exist before any multicast or arrival
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
   if (warp == 4) {
     if (lane == 0) {  // the producer
-      const uint32_t bytes = (uint32_t)(loaders * rows * 128 + WG_B);
+      const uint32_t bytes = (uint32_t)(M * 128 + WG_B);
       for (int kb = 0; kb < WG_KB; ++kb) {
         const int st = kb % WG_STAGES;
         if (kb >= WG_STAGES) twell_mbar_wait(empty_bar + 8 * st, ((kb / WG_STAGES) - 1) & 1);
         const uint32_t a = ring + st * WG_STAGE;
         twell_mbar_expect_tx(full_bar + 8 * st, bytes);
-        if constexpr (WG_MC == 1) {
-          twell_tma_load_2d(a, &map_x, kb * 64, 0, full_bar + 8 * st);
-        } else if ((int)rank < loaders) {
-          twell_tma_load_2d_multicast(a + rank * rows * 128, &map_x, kb * 64, (int)rank * rows,
-                                      full_bar + 8 * st, (uint16_t)((1u << WG_MC) - 1u));
-        }
+        twell_tma_load_2d(a, &map_x, kb * 64, 0, full_bar + 8 * st);
         twell_tma_load_2d(a + WG_A, &map_w, kb * 64, n0, full_bar + 8 * st);
       }
     }
@@ -517,17 +496,7 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
         wgmma_m64k16<U>(d, twell_wgmma_desc(a + 32 * k), twell_wgmma_desc(b + 32 * k));
       twell_wgmma_commit();
       twell_wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
-      // (to every CTA of the cluster: their producers write into it; the last WG_STAGES
-      // stages are never waited for, so no arrival reaches a CTA that may have ended)
-      if (kb > 0 && kb - 1 < WG_KB - WG_STAGES && tid == 0) {
-        const uint32_t bar = empty_bar + 8 * ((kb - 1) % WG_STAGES);
-        if constexpr (WG_MC == 1) {
-          twell_mbar_arrive(bar);
-        } else {
-#pragma unroll
-          for (int c = 0; c < WG_MC; ++c) twell_mbar_arrive_remote(bar, (uint32_t)c);
-        }
-      }
+      if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((kb - 1) % WG_STAGES));
     }
     twell_wgmma_wait<0>();
     twell_wgmma_fence_regs(d);

@@ -3,18 +3,19 @@ tokens, with the work divided among the SMs by hidden unit (each active unit's w
 rows read once for all the tokens that use it) instead of by token.
 
 :func:`forward` writes every row of ``y`` in two launches on CuPy's current stream: the
-gate of 16 or 32 units per CTA on tensor cores (or, above :data:`MMA_GATE_TOKENS`
-tokens, read from a cuBLAS GEMM before them) with the up dot products of the kept pairs,
-then the down projection: up to :data:`SCAN_TOKENS` tokens by one CTA per (token, 32
-columns) listing the token's kept units by a prefix sum, above by slices of columns and
-groups of at most :data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no
-capacity: rows with many active units, or a non-finite pre-activation, are summed over
-all their kept units), no allocation but the scratch outputs, no host synchronisation:
-it can be captured in a CUDA graph (above :data:`MMA_GATE_TOKENS` tokens torch must be
-imported: the gate GEMM then runs through it, and its bits may differ from CuPy's eager
-GEMM; see ``cublas.gemm_nt``). ``PreparedBlock.forward`` takes it for inference calls of
-the ``"fused"`` path when :func:`fits` says so, with the density switch's estimate of
-units per token as a hint for the scan's CTA size.
+gate of 16 to 64 units per CTA on tensor cores with the up dot products of the kept
+pairs (mma.sync up to :data:`MMA_GATE_TOKENS` tokens; a TMA ring and wgmma up to
+:data:`WGMMA_TOKENS`; above, read from a cuBLAS GEMM before them), then the down
+projection: up to :data:`SCAN_TOKENS` tokens by one CTA per (token, 32 columns) listing
+the token's kept units by a prefix sum, above by slices of columns and groups of at most
+:data:`DOWN_TOKENS` tokens. No heavy rows (a unit list has no capacity: rows with many
+active units, or a non-finite pre-activation, are summed over all their kept units), no
+allocation but the scratch outputs, no host synchronisation: it can be captured in a
+CUDA graph (above :data:`WGMMA_TOKENS` tokens torch must be imported: the gate GEMM then
+runs through it, and its bits may differ from CuPy's eager GEMM; see
+``cublas.gemm_nt``). ``PreparedBlock.forward`` takes it for inference calls of the
+``"fused"`` path when :func:`fits` says so, with the density switch's estimate of units
+per token as a hint for the scan's CTA size.
 """
 
 from __future__ import annotations
@@ -82,16 +83,23 @@ MMA_GATE_TOKENS = 24
 #: The gate's computation (``forward``'s ``gate``): ``"mma"`` in the gate/up kernel
 #: (mma.sync, every CTA reading all of x; at most 64 tokens), ``"cublas"`` (a GEMM into
 #: an [M, N] pre-activation the gate/up kernel reads), ``"wgmma"`` (twell_units_gate_wgmma:
-#: TMA and wgmma, then the up products in the same kernel; at most 64 tokens) and
+#: a TMA ring and wgmma, then the up products in the same kernel; at most 64 tokens) and
 #: ``"wgmma_pre"`` (that kernel writing the pre-activation instead; measurements).
 GATES = ("mma", "cublas", "wgmma", "wgmma_pre")
-#: Depth of the wgmma gate's TMA ring.
-WGMMA_STAGES = 6
+#: Most tokens whose gate the wgmma kernel computes by default (:func:`gate_for`; its
+#: tile has 64 rows), its 16-unit tiles per CTA and the depth of its TMA ring. H100,
+#: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM,
+#: against the cuBLAS gate: M=32 20.4 against 22.3 us, M=64 28.0-28.2 against 28.5; with
+#: 64 units per CTA (88 CTAs) or 16 (352), or 4 or 6 stages, it was slower
+#: (docs/perf-log.md, 2026-11-27, twentieth session).
+WGMMA_TOKENS = 64
+WGMMA_UNIT_TILES = 2
+WGMMA_STAGES = 8
 
 SOURCE = declare(
     Source(
         "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES", "MC"),
+        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES"),
         dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
                    "twell_units_down_scan128"),
         constants={
@@ -99,26 +107,25 @@ SOURCE = declare(
             "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0, "MC": 1}
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0}
             for k in (8, 264, 2048, 4096) for g in (0, 1)
             for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
                                     (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0, "MC": 1}
+            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0, "MC": 1}
+            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0}
             for g in (0, 1)
         ) + tuple(
-            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0, "MC": 1}
+            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
             for nt, ut in ((32, 2), (16, 4))
         ) + tuple(  # the tensor-core gate (STAGES > 0), fused and writing pre
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st,
-             "MC": mc}
-            for k, g, nt, ut, pre, st, mc in (
-                (2048, 1, 8, 4, 0, 6, 1), (2048, 1, 8, 2, 0, 8, 2), (2048, 1, 8, 1, 0, 6, 4),
-                (2048, 0, 4, 4, 0, 4, 1), (264, 1, 1, 1, 0, 2, 2), (4096, 1, 8, 4, 1, 6, 4),
-                (8, 1, 4, 2, 0, 3, 1))
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
+            for k, g, nt, ut, pre, st in ((2048, 1, 8, 2, 0, 8), (2048, 1, 4, 2, 0, 8),
+                                          (2048, 1, 8, 4, 0, 6), (2048, 0, 4, 1, 0, 4),
+                                          (264, 1, 1, 1, 0, 2), (4096, 1, 8, 2, 1, 8),
+                                          (8, 1, 4, 2, 0, 3))
         ),
     )
 )  # fmt: skip
@@ -154,18 +161,10 @@ def unit_tiles(m: int, n: int) -> int:
 
 
 def gate_for(m: int, n: int) -> str:
-    """The gate ``forward`` uses by default for ``m`` tokens: :data:`GATES`' ``"mma"`` up
-    to :data:`MMA_GATE_TOKENS` tokens, else ``"cublas"``."""
-    return "mma" if m <= MMA_GATE_TOKENS else "cublas"
-
-
-def wgmma_unit_tiles(n: int) -> int:
-    """The wgmma gate's ``UT`` (16-unit tiles per CTA) for ``n`` units: the fewest whose
-    grid of ``n / (16 UT)`` CTAs fits in one wave on the device's SMs, else the most
-    that divide ``n``."""
-    sms = device_info().multiprocessors
-    fits_n = [ut for ut in (4, 2, 1) if n % (UNITS * ut) == 0]
-    return next((ut for ut in reversed(fits_n) if n // (UNITS * ut) <= sms), fits_n[0])
+    """The gate ``forward`` uses by default for ``m`` tokens (``n`` units): ``"mma"`` up
+    to :data:`MMA_GATE_TOKENS` tokens, ``"wgmma"`` up to :data:`WGMMA_TOKENS`, else
+    ``"cublas"``."""
+    return "mma" if m <= MMA_GATE_TOKENS else "wgmma" if m <= WGMMA_TOKENS else "cublas"
 
 
 def scan_threads_for(m: int, units_per_token: float | None = None) -> int:
@@ -216,24 +215,17 @@ def wgmma_shared_bytes(units: int, stages: int = WGMMA_STAGES) -> int:
     return stages * (64 + units) * 128 + 16 * stages + 1024
 
 
-def wgmma_x_rows(m: int, multicast: int) -> int:
-    """Rows of ``x`` a CTA of the wgmma gate loads per k-block (its box): all ``m``, or
-    with ``multicast`` CTAs a cluster sharing them, its share rounded up to 8."""
-    return m if multicast == 1 else 8 * -(-m // (8 * multicast))
-
-
 def forward(
     x: Any, w_first: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
     gate: str | None = None, down: str | None = None, scan_threads: int | None = None,
-    units_per_token: float | None = None, stages: int = WGMMA_STAGES, multicast: int = 1,
+    units_per_token: float | None = None, stages: int = WGMMA_STAGES,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``gate`` is one of :data:`GATES` (default :func:`gate_for`). ``ut``, ``down_tokens``,
     ``columns``, ``down`` (``"scan"`` or ``"lists"``), ``scan_threads`` (64 or 128, the
-    scan only), ``stages`` (the wgmma gate's TMA ring) and ``multicast`` (its CTAs per
-    cluster sharing x's loads) override the geometry
+    scan only) and ``stages`` (the wgmma gate's TMA ring) override the geometry
     (benchmarks; defaults :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
     :data:`SCAN_TOKENS`, :func:`scan_threads_for` of ``units_per_token``, a hint that does
     not change the bits, :data:`WGMMA_STAGES`); the list kernel's tokens per CTA are
@@ -252,15 +244,13 @@ def forward(
         raise ValueError(f"decode_units: the {gate} gate takes at most 64 tokens, got {m}")
     wgmma = gate.startswith("wgmma")
     if ut is None:
-        ut = unit_tiles(m, n) if gate == "mma" else wgmma_unit_tiles(n) if wgmma else 1
+        ut = unit_tiles(m, n) if gate == "mma" else WGMMA_UNIT_TILES if wgmma else 1
     if gate == "cublas" and ut * token_tiles(m) > 64:
         raise ValueError(f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory")
     if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
         raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
     if wgmma and (stages < 2 or wgmma_shared_bytes(UNITS * ut, stages) > SHARED_PER_SM - 24 * 1024):
         raise ValueError(f"decode_units: a wgmma ring of {stages} stages does not fit")
-    if wgmma and (multicast not in (1, 2, 4) or (n // (UNITS * ut)) % multicast):
-        raise ValueError(f"decode_units: multicast={multicast}: 1, 2 or 4, dividing the grid")
     if down not in (None, "lists", "scan"):
         raise ValueError(f"decode_units: down must be 'scan' or 'lists', got {down!r}")
     down = down or ("scan" if m <= SCAN_TOKENS else "lists")
@@ -287,8 +277,7 @@ def forward(
     if gate == "wgmma_pre":
         pre = alloc((m, n), np.uint16)
     module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
-              "PRE": int(through_pre), "STAGES": stages if wgmma else 0,
-              "MC": multicast if wgmma else 1}  # fmt: skip
+              "PRE": int(through_pre), "STAGES": stages if wgmma else 0}  # fmt: skip
     if wgmma:  # the first kernel of the call: launched as usual
         fn = SOURCE.kernel("twell_units_gate_wgmma", **module)
         smem = wgmma_shared_bytes(UNITS * ut, stages)
@@ -296,7 +285,7 @@ def forward(
             fn.max_dynamic_shared_size_bytes = smem
         fn(
             (n // (UNITS * ut),), (GATE_THREADS,),
-            (tensor_map(x, wgmma_x_rows(m, multicast)), tensor_map(w_first, UNITS * ut), u16(x),
+            (tensor_map(x, m), tensor_map(w_first, UNITS * ut), u16(x),
              u16(w_up) if gated else _NULL, u16(w_down_t), _NULL if pre is None else u16(pre),
              h, masks, np.int32(m), np.int32(n)),
             shared_mem=smem,
@@ -317,7 +306,7 @@ def forward(
         launch_after(scan, (-(-k // 32), m), (threads,), down_args)
         return [h, masks] if pre is None else [h, masks, pre]
     down_module = {"KDIM": k, "GATED": int(gated), "NT": nt, "UT": 1, "DC": columns, "PRE": 0,
-                   "STAGES": 0, "MC": 1}  # fmt: skip
+                   "STAGES": 0}  # fmt: skip
     kernel = SOURCE.kernel("twell_units_down", **down_module)
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
