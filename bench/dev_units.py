@@ -118,7 +118,7 @@ def run(workload: str, m: int, k: int, n: int, gated: bool) -> list[dict]:
     source = decode_units.SOURCE
     sms = device_info().multiprocessors
     cols, threads = decode_units.down_columns(m, k, n, sms), decode_units.DOWN_THREADS
-    kw = {"KDIM": k, "GATED": int(gated), "PRE": 0, "STAGES": 0, "MC": 1}
+    kw = {"KDIM": k, "GATED": int(gated), "PRE": 0, "STAGES": 0}
     gate = source.kernel("twell_units_gate_up", NT=nt, UT=ut, DC=16, **kw)
     down = source.kernel("twell_units_down", NT=nt_down, UT=1, DC=cols, **kw)
     y = empty_bf16((m, k))

@@ -224,13 +224,27 @@ def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
     if m > 2:
         x[1, k - 1] = -np.inf
     w_gate = p.w_gate if gated else None
-    for ut in (4, 1):
+    for ut in (decode_units.WGMMA_UNIT_TILES, 1):
         got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma", ut=ut)
         check_against_dense(got, x, w_gate, p.w_up, p.w_down)
         for geometry in ({"stages": 2}, {"stages": 5}, {"gate": "wgmma_pre"}):
             kw = {"gate": "wgmma", "ut": ut, **geometry}
             other = run_units(x, w_gate, p.w_up, p.w_down, **kw)
             np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
+
+
+def test_wgmma_gate_ignores_what_the_ring_held_past_m() -> None:
+    """The wgmma tile's rows past M are whatever the ring held (x's box has M rows): a
+    call of 64 NaN tokens leaves NaN there, and later calls of fewer tokens on the same
+    weights still match dense math in every row."""
+    n, k = 2048, 2048
+    p = workloads.uniform(64, k, n, p=0.01, seed=5)
+    nan = np.full((64, k), np.nan, np.float32)
+    poisoned = run_units(nan, p.w_gate, p.w_up, p.w_down, gate="wgmma")
+    assert np.isnan(poisoned).all()
+    for m in (25, 33, 63):
+        got = run_units(p.x[:m], p.w_gate, p.w_up, p.w_down, gate="wgmma")
+        check_against_dense(got, p.x[:m], p.w_gate, p.w_up, p.w_down)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(16, 65536, 136), (64, 8192, 136), (4, 2048, 4096)])
@@ -363,6 +377,15 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
         decode_units.forward(x[:8], w, None, w, x[:8], gate="tensor")
     with pytest.raises(ValueError, match="wgmma ring"):
         decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=1)
+    with pytest.raises(ValueError, match="wgmma ring"):
+        decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=64)
+    # TMA reads x through a map: a strided or misaligned x is refused before a launch
+    wide = cp.zeros((8, 128), cp.uint16)
+    with pytest.raises(ValueError, match="C-contiguous, 16-byte aligned"):
+        decode_units.forward(wide[:, :64], w, None, w, x[:8], gate="wgmma")
+    shifted = cp.zeros(8 * 64 + 1, cp.uint16)[1:].reshape(8, 64)
+    with pytest.raises(ValueError, match="C-contiguous, 16-byte aligned"):
+        decode_units.forward(shifted, w, None, w, x[:8], gate="wgmma")
 
 
 @settings(max_examples=30, deadline=None,

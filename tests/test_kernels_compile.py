@@ -185,6 +185,28 @@ def test_decode_units_route_limits() -> None:
     assert not decode_units.fits(1, 48)  # 32-unit mask words
     assert decode_units.fits(1, 65536) and not decode_units.fits(1, 65536 + 32)  # 16-bit ids
     assert [decode_units.token_tiles(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]
+    # the gate by token count: mma.sync up to 24, wgmma up to 64 (its tile's rows), cuBLAS
+    gates = [decode_units.gate_for(m, 5632) for m in (1, 24, 25, 64, 65, 192)]
+    assert gates == ["mma", "mma", "wgmma", "wgmma", "cublas", "cublas"]
+    assert decode_units.WGMMA_TOKENS == 64
+
+
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+def test_wgmma_gate_default_geometry_takes_two_ctas_per_sm() -> None:
+    """The wgmma gate's default CTA (32 units, an 8-stage ring) at 64 tokens: its dynamic
+    and static shared memory and its registers leave room for two CTAs per SM (the grid of
+    176 CTAs for N = 5632 then runs in one wave on 132 SMs)."""
+    from twell.kernels import decode_units
+
+    ut, stages = decode_units.WGMMA_UNIT_TILES, decode_units.WGMMA_STAGES
+    params = {"KDIM": 2048, "GATED": 1, "NT": 8, "UT": ut, "DC": 16, "PRE": 0, "STAGES": stages}
+    log = kc.compile_cubin(decode_units.SOURCE, params).log
+    entry = log[log.index("Function properties for twell_units_gate_wgmma") :]
+    found = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", entry)
+    registers, static = int(found.group(1)), int(found.group(2))
+    dynamic = decode_units.wgmma_shared_bytes(16 * ut, stages)
+    assert 2 * (dynamic + static + 1024) <= 233472  # 228 KB an SM, 1 KB reserved a CTA
+    assert 2 * registers * decode_units.GATE_THREADS <= 65536
 
 
 def test_launch_cache_tells_a_variant_from_its_source(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,10 @@
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
+// or twell_units_gate_wgmma (built where TWELL_STAGES > 0; the launcher's default from 25
+// to 64 tokens): the same CTAs and steps 2 and 3, step 1 on wgmma through a TMA ring of
+// TWELL_STAGES stages (see the kernel);
+//
 // then the down projection, by one of two kernels: twell_units_down_scan (at the end of
 // this file; one CTA per token and 32 columns, for a few tokens) or
 //
@@ -64,7 +68,7 @@
 // the masks' base too (the down kernel copies them in 16-byte pieces).
 // Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536 (the
 // down kernel's lists hold 16-bit unit ids);
-// gate: 1 <= M <= 8 * TWELL_NT (NT <= 8 for the tensor-core gate); the down kernel's dynamic shared memory holds its
+// gate: 1 <= M <= 8 * TWELL_NT (NT <= 8 where a kernel computes it); the down kernel's dynamic shared memory holds its
 // partials, accumulators and lists, then min(M, 8 NT) * (N / 32) * 4 bytes of masks
 // (decode_units.down_shared_bytes).
 //
@@ -72,7 +76,8 @@
 // gate's tokens, the down kernel's tokens per CTA; 1, 2, 4 or 8, and 16 or 32 for the
 // gate with TWELL_PRE), TWELL_UT (unit tiles per gate CTA: 1, 2 or 4; with TWELL_PRE,
 // UT * NT <= 64), TWELL_DC (columns of y per down CTA, a multiple of 8), TWELL_PRE (the
-// gate read from a pre-activation instead of computed);
+// gate read from a pre-activation instead of computed; for the wgmma kernel, written to
+// one), TWELL_STAGES (the wgmma kernel's ring; 0: no wgmma kernel in the module);
 // constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
 // TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_LANES (4), TWELL_LIST (512).
 

@@ -75,9 +75,11 @@ DOWN_COLUMNS = (32, 64, 128)
 #: its dynamic shared memory (static arrays, the driver's reserve), with room to spare.
 SHARED_PER_SM = 227 * 1024
 STATIC_RESERVE = 4 * 1024
-#: Most tokens whose gate the gate kernel computes itself (tensor cores, every CTA reading
-#: all of x); above, cuBLAS computes it into an [M, N] buffer the kernel reads (H100,
-#: M = 48: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7).
+#: Most tokens whose gate the gate/up kernel computes itself by default (mma.sync, every
+#: CTA reading all of x; :func:`gate_for`). Chosen against the cuBLAS gate (H100, M = 48:
+#: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7); at 8 tokens the
+#: wgmma gate measured level with it (16.1 against 16.4 µs), at 24 and below not re-measured
+#: since.
 MMA_GATE_TOKENS = 24
 
 #: The gate's computation (``forward``'s ``gate``): ``"mma"`` in the gate/up kernel
@@ -89,8 +91,8 @@ GATES = ("mma", "cublas", "wgmma", "wgmma_pre")
 #: Most tokens whose gate the wgmma kernel computes by default (:func:`gate_for`; its
 #: tile has 64 rows), its 16-unit tiles per CTA and the depth of its TMA ring. H100,
 #: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM,
-#: against the cuBLAS gate: M=32 20.4 against 22.3 us, M=64 28.0-28.2 against 28.5; with
-#: 64 units per CTA (88 CTAs) or 16 (352), or 4 or 6 stages, it was slower
+#: against the cuBLAS gate: M=32 20.4 against 22.3 us, M=64 28.2 against 28.5 (28.0 with
+#: six stages; 20.9 at M=32); with 64 units per CTA (88 CTAs) or 16 (352) it was slower
 #: (docs/perf-log.md, 2026-11-27, twentieth session).
 WGMMA_TOKENS = 64
 WGMMA_UNIT_TILES = 2
@@ -209,9 +211,9 @@ def down_columns(
 
 
 def wgmma_shared_bytes(units: int, stages: int = WGMMA_STAGES) -> int:
-    """Dynamic shared memory of ``twell_units_gate_wgmma``: its TMA ring (a 64 x 64 box of x
-    and a ``units`` x 64 box of ``w_first`` a stage), its mbarriers, and slack to align the
-    ring to 1024 bytes."""
+    """Dynamic shared memory of ``twell_units_gate_wgmma``: its TMA ring (a stage: room for
+    64 rows of x, its box holding M of them, and a ``units`` x 64 box of ``w_first``, 64
+    columns each), its mbarriers, and slack to align the ring to 1024 bytes."""
     return stages * (64 + units) * 128 + 16 * stages + 1024
 
 
