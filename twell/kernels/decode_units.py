@@ -122,7 +122,7 @@ SOURCE = declare(
         ) + tuple(
             {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
             for nt, ut in ((32, 2), (16, 4))
-        ) + tuple(  # the tensor-core gate (STAGES > 0), fused and writing pre
+        ) + tuple(  # the wgmma gate (STAGES > 0), fused and writing pre
             {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
             for k, g, nt, ut, pre, st in ((2048, 1, 8, 2, 0, 8), (2048, 1, 4, 2, 0, 8),
                                           (2048, 1, 8, 4, 0, 6), (2048, 0, 4, 1, 0, 4),
