@@ -301,7 +301,6 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
   static_assert(sizeof(s_red) + sizeof(s_g) + sizeof(s_tok) + 4 * UP_PAIRS * SLICES + 16 <=
                     48 * 1024,
                 "static shared memory (TWELL_PRE: UT * NT <= 64)");
-  (void)w_up;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
