@@ -35,15 +35,13 @@ def variants(m: int) -> list[tuple[str, dict]]:
     out = [("cublas", {"gate": "cublas"})]
     if m <= decode_units.MMA_GATE_TOKENS:
         out.append(("mma", {"gate": "mma"}))
-    for ut, stages, split in GEOMETRIES:
-        kw = {"gate": "wgmma", "ut": ut, "stages": stages, "split": split}
-        out.append((f"wgmma_ut{ut}_s{stages}_c{split}", kw))
+    for ut, stages in GEOMETRIES:
+        out.append((f"wgmma_ut{ut}_s{stages}", {"gate": "wgmma", "ut": ut, "stages": stages}))
     return out
 
 
-#: (UT, stages, split) of the wgmma gate measured: 16 UT units a CTA, split: the CTAs of
-#: a cluster sharing K (the wgmma's N is 16 UT split)
-GEOMETRIES = ((2, 8, 1), (2, 6, 1), (2, 4, 4), (2, 3, 4), (1, 6, 4), (2, 6, 2), (1, 8, 2))
+#: (UT, stages) of the wgmma gate measured
+GEOMETRIES = ((4, 6), (4, 8), (2, 6), (2, 8), (1, 6))
 
 
 def run(workload: str, m: int) -> list[dict]:
@@ -85,18 +83,18 @@ def run(workload: str, m: int) -> list[dict]:
     def cublas_gate(b):  # noqa: ANN001, ANN202
         return gemm_nt(x, b.w_first)
 
-    def wgmma_gate(ut: int, stages: int, split: int):  # noqa: ANN202
+    def wgmma_gate(ut: int, stages: int):  # noqa: ANN202
         module = {"KDIM": K, "GATED": 1, "NT": decode_units.token_tiles(m), "UT": ut, "DC": 16,
-                  "PRE": 1, "STAGES": stages, "SPLIT": split}  # fmt: skip
+                  "PRE": 1, "STAGES": stages}  # fmt: skip
         fn = decode_units.SOURCE.kernel("twell_units_gate_wgmma", **module)
-        smem = decode_units.wgmma_shared_bytes(16 * ut * split, stages)
+        smem = decode_units.wgmma_shared_bytes(16 * ut, stages)
         fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem)
 
         def call(b):  # noqa: ANN001, ANN202
             pre = alloc((m, N), np.uint16)
             null = np.uint64(0)
             fn((N // (16 * ut),), (256,),
-               (tensor_map(x, m), tensor_map(b.w_first, 16 * ut * split), x.view(cp.uint16), null,
+               (tensor_map(x, m), tensor_map(b.w_first, 16 * ut), x.view(cp.uint16), null,
                 null, pre, null, null, np.int32(m), np.int32(N)), shared_mem=smem)  # fmt: skip
             return pre
 
@@ -104,7 +102,7 @@ def run(workload: str, m: int) -> list[dict]:
 
     want = cublas_gate(blocks[0]).view(cp.uint16)
     gates = [("gate_cublas", cublas_gate)]
-    gates += [(f"gate_wgmma_ut{u}_s{s}_c{c}", wgmma_gate(u, s, c)) for u, s, c in GEOMETRIES]
+    gates += [(f"gate_wgmma_ut{ut}_s{s}", wgmma_gate(ut, s)) for ut, s in GEOMETRIES]
     for name, fn in gates:
         got = fn(blocks[0]).view(cp.uint16)
         differ = int((got != want).sum())

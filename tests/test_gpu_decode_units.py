@@ -216,8 +216,7 @@ def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
     by TMA, the wgmma rows past M never read), with heavy rows, a NaN and an Inf in x:
     against float64 dense math, and bit for bit the same with any ring depth and with its
     gate written to a pre-activation that the gate/up kernel reads (the same sums in the
-    same order); with K split over a cluster of 2 or 4 CTAs too (at K = 8 some CTAs of a
-    cluster have no k-block)."""
+    same order)."""
     n = 2048
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m + k)
     x = p.x.astype(np.float32)
@@ -225,12 +224,11 @@ def test_wgmma_gate_matches_dense_and_its_ring_and_pre_keep_the_bits(
     if m > 2:
         x[1, k - 1] = -np.inf
     w_gate = p.w_gate if gated else None
-    default = (decode_units.WGMMA_UNIT_TILES, decode_units.WGMMA_SPLIT)
-    for ut, split in dict.fromkeys((default, (1, 1), (2, 1), (2, 4), (1, 2))):
-        got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma", ut=ut, split=split)
+    for ut in (decode_units.WGMMA_UNIT_TILES, 1):
+        got = run_units(x, w_gate, p.w_up, p.w_down, gate="wgmma", ut=ut)
         check_against_dense(got, x, w_gate, p.w_up, p.w_down)
         for geometry in ({"stages": 2}, {"stages": 5}, {"gate": "wgmma_pre"}):
-            kw = {"gate": "wgmma", "ut": ut, "split": split, **geometry}
+            kw = {"gate": "wgmma", "ut": ut, **geometry}
             other = run_units(x, w_gate, p.w_up, p.w_down, **kw)
             np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
@@ -381,11 +379,6 @@ def test_forward_refuses_what_the_kernels_cannot_take() -> None:
         decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=1)
     with pytest.raises(ValueError, match="wgmma ring"):
         decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", stages=64)
-    for split in (3, 8):  # a cluster of 3; 2 x 8 x 16 units (and N = 64 below 128 anyway)
-        with pytest.raises(ValueError, match=f"split={split}"):
-            decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", ut=2, split=split)
-    with pytest.raises(ValueError, match="split=4"):  # N = 64 is not whole 128-unit clusters
-        decode_units.forward(x[:8], w, None, w, x[:8], gate="wgmma", ut=2, split=4)
     # TMA reads x through a map: a strided or misaligned x is refused before a launch
     wide = cp.zeros((8, 128), cp.uint16)
     with pytest.raises(ValueError, match="C-contiguous, 16-byte aligned"):

@@ -199,14 +199,12 @@ def test_wgmma_gate_default_geometry_takes_two_ctas_per_sm() -> None:
     from twell.kernels import decode_units
 
     ut, stages = decode_units.WGMMA_UNIT_TILES, decode_units.WGMMA_STAGES
-    split = decode_units.WGMMA_SPLIT
-    params = {"KDIM": 2048, "GATED": 1, "NT": 8, "UT": ut, "DC": 16, "PRE": 0, "STAGES": stages,
-              "SPLIT": split}  # fmt: skip
+    params = {"KDIM": 2048, "GATED": 1, "NT": 8, "UT": ut, "DC": 16, "PRE": 0, "STAGES": stages}
     log = kc.compile_cubin(decode_units.SOURCE, params).log
     entry = log[log.index("Function properties for twell_units_gate_wgmma") :]
     found = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", entry)
     registers, static = int(found.group(1)), int(found.group(2))
-    dynamic = decode_units.wgmma_shared_bytes(16 * ut * split, stages)
+    dynamic = decode_units.wgmma_shared_bytes(16 * ut, stages)
     assert 2 * (dynamic + static + 1024) <= 233472  # 228 KB an SM, 1 KB reserved a CTA
     assert 2 * registers * decode_units.GATE_THREADS <= 65536
 

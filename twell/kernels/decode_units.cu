@@ -385,16 +385,11 @@ twell_units_gate_up(const uint16_t* __restrict__ x,         // [M, K]
 #if TWELL_STAGES > 0
 namespace units {
 constexpr int WG_STAGES = TWELL_STAGES;
-constexpr int SPLIT = TWELL_SPLIT;       // CTAs of a cluster, each with 1/SPLIT of K
-constexpr int UC = U * SPLIT;            // the cluster's units: the wgmma's N
 constexpr int WG_A = 64 * 128;           // a stage's x tile: 64 tokens x 64 k, bf16
-constexpr int WG_B = UC * 128;           // its w_first box: UC units x 64 k
+constexpr int WG_B = U * 128;            // its w_first box: U units x 64 k
 constexpr int WG_STAGE = WG_A + WG_B;    // 1024-byte multiples: every box swizzle-aligned
 constexpr int WG_KB = (K + 63) / 64;     // 64-wide k-blocks (TMA fills past K with zeros)
-constexpr int PS = 68;                   // fp32 row stride of the partials (no bank conflict)
-static_assert(TOKENS <= 64 && (UC == 16 || UC == 32 || UC == 64 || UC == 128), "wgmma gate geometry");
-static_assert(SPLIT == 1 || SPLIT == 2 || SPLIT == 4, "TWELL_SPLIT: 1, 2 or 4 CTAs a cluster");
-static_assert(SPLIT == 1 || WG_STAGES * WG_STAGE >= UC * PS * 4, "the partials fit the ring");
+static_assert(TOKENS <= 64 && (U == 16 || U == 32 || U == 64), "wgmma gate geometry");
 static_assert(TWELL_GATE_THREADS == 256, "one consumer warpgroup, a producer warp, three more");
 
 // d += A (64 x 16, K-major, smem) * B (N x 16, K-major, smem)^T, fp32 accumulators in the
@@ -432,22 +427,6 @@ __device__ __forceinline__ void wgmma_m64k16<64>(float (&d)[32], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
-
-template <>
-__device__ __forceinline__ void wgmma_m64k16<128>(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
-}
 }  // namespace units
 
 // twell_units_gate_wgmma — the gate/up kernel with its gate on wgmma: one CTA per U units
@@ -461,14 +440,7 @@ __device__ __forceinline__ void wgmma_m64k16<128>(float (&d)[64], uint64_t desc_
 // H100 streamed the gate at M = 1 slower than at M = 64 with 64-row boxes); the wgmma
 // tile's rows past M hold whatever the ring held (their outputs are never read).
 // x and w_first come as TMA maps (gate_gemm.tensor_map, boxes of M and U rows).
-#if TWELL_SPLIT > 1
-#define TWELL_WG_CLUSTER __cluster_dims__(TWELL_SPLIT, 1, 1)
-#define TWELL_WG_MIN_CTAS 2
-#else
-#define TWELL_WG_CLUSTER
-#define TWELL_WG_MIN_CTAS 1
-#endif
-extern "C" __global__ void TWELL_WG_CLUSTER __launch_bounds__(TWELL_GATE_THREADS, TWELL_WG_MIN_CTAS)
+extern "C" __global__ void __launch_bounds__(TWELL_GATE_THREADS, 1)
 twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box M x 64
                     const __grid_constant__ TwellTmaDesc map_w,  // w_first [N, K], box U x 64
                     const uint16_t* __restrict__ x,         // [M, K] (the up products)
@@ -490,14 +462,8 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
   __shared__ uint32_t s_tok[U][TW];
   static_assert(U * TOKENS * 2 <= sizeof(s_red), "the pair list fits in s_red");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n0 = blockIdx.x * U;  // this CTA's units
-  // SPLIT > 1: the cluster's CTAs share its UC units' gate, CTA `rank` the k-blocks
-  // [kb0, kb1) of all of them (1D clusters: the rank is blockIdx.x % SPLIT)
-  const int rank = SPLIT == 1 ? 0 : (int)twell_cluster_rank();
-  const int nc = n0 - rank * U;  // the cluster's units
-  const int kb0 = rank * WG_KB / SPLIT, kb1 = (rank + 1) * WG_KB / SPLIT;
+  const int n0 = blockIdx.x * U;
   (void)pre;
-  (void)nc;
 
   if (tid == 0) {
     for (int st = 0; st < WG_STAGES; ++st) {
@@ -507,123 +473,58 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  float d[UC / 2];
   if (warp == 4) {
     if (lane == 0) {  // the producer
       const uint32_t bytes = (uint32_t)(M * 128 + WG_B);
-      for (int kb = kb0; kb < kb1; ++kb) {
-        const int i = kb - kb0, st = i % WG_STAGES;
-        if (i >= WG_STAGES) twell_mbar_wait(empty_bar + 8 * st, ((i / WG_STAGES) - 1) & 1);
+      for (int kb = 0; kb < WG_KB; ++kb) {
+        const int st = kb % WG_STAGES;
+        if (kb >= WG_STAGES) twell_mbar_wait(empty_bar + 8 * st, ((kb / WG_STAGES) - 1) & 1);
         const uint32_t a = ring + st * WG_STAGE;
         twell_mbar_expect_tx(full_bar + 8 * st, bytes);
         twell_tma_load_2d(a, &map_x, kb * 64, 0, full_bar + 8 * st);
-        twell_tma_load_2d(a + WG_A, &map_w, kb * 64, nc, full_bar + 8 * st);
+        twell_tma_load_2d(a + WG_A, &map_w, kb * 64, n0, full_bar + 8 * st);
       }
     }
   } else if (warp < 4) {  // the consumer warpgroup
+    float d[U / 2];
 #pragma unroll
-    for (int i = 0; i < UC / 2; ++i) d[i] = 0.f;
+    for (int i = 0; i < U / 2; ++i) d[i] = 0.f;
     twell_wgmma_fence_regs(d);
-    for (int kb = kb0; kb < kb1; ++kb) {
-      const int i = kb - kb0, st = i % WG_STAGES;
-      twell_mbar_wait(full_bar + 8 * st, (i / WG_STAGES) & 1);
+    for (int kb = 0; kb < WG_KB; ++kb) {
+      const int st = kb % WG_STAGES;
+      twell_mbar_wait(full_bar + 8 * st, (kb / WG_STAGES) & 1);
       const uint32_t a = ring + st * WG_STAGE, b = a + WG_A;
       twell_wgmma_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k)
-        wgmma_m64k16<UC>(d, twell_wgmma_desc(a + 32 * k), twell_wgmma_desc(b + 32 * k));
+        wgmma_m64k16<U>(d, twell_wgmma_desc(a + 32 * k), twell_wgmma_desc(b + 32 * k));
       twell_wgmma_commit();
       twell_wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
-      if (i > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((i - 1) % WG_STAGES));
+      if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((kb - 1) % WG_STAGES));
     }
     twell_wgmma_wait<0>();
     twell_wgmma_fence_regs(d);
-  }
-  // this thread holds tokens r and r + 8 (r = 16 warp + lane / 4), units
-  // 8j + 2 (lane % 4) + {0, 1}: the wgmma accumulator layout
-  const int r = 16 * warp + lane / 4;
-  if constexpr (SPLIT == 1) {
-    if (warp < 4) {
+    // this thread holds tokens r and r + 8 (r = 16 warp + lane / 4), units
+    // 8j + 2 (lane % 4) + {0, 1}: the wgmma accumulator layout
+    const int r = 16 * warp + lane / 4;
 #pragma unroll
-      for (int j = 0; j < U / 8; ++j) {
+    for (int j = 0; j < U / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int u = 8 * j + 2 * (lane % 4) + e;
-          if (r < TOKENS) s_g[u][r] = (uint16_t)(twell_pack_bf16x2(d[4 * j + e], 0.f) & 0xffffu);
-          if (r + 8 < TOKENS)
-            s_g[u][r + 8] = (uint16_t)(twell_pack_bf16x2(d[4 * j + 2 + e], 0.f) & 0xffffu);
-        }
+      for (int e = 0; e < 2; ++e) {
+        const int u = 8 * j + 2 * (lane % 4) + e;
+        if (r < TOKENS) s_g[u][r] = (uint16_t)(twell_pack_bf16x2(d[4 * j + e], 0.f) & 0xffffu);
+        if (r + 8 < TOKENS)
+          s_g[u][r + 8] = (uint16_t)(twell_pack_bf16x2(d[4 * j + 2 + e], 0.f) & 0xffffu);
       }
     }
-  } else {
-    // the partial sums to shared memory (part[u][t], over the ring, which every wgmma has
-    // read once the CTA passes this barrier); after the cluster barrier each CTA sums its
-    // own U units' partials over the cluster's CTAs in rank order (DSMEM) and rounds to
-    // bf16: the same order in every run
-    __syncthreads();
-    float* part = reinterpret_cast<float*>(smem_raw + (ring - raw));
-    if (warp < 4) {
-#pragma unroll
-      for (int j = 0; j < UC / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int u = 8 * j + 2 * (lane % 4) + e;
-          if (r < TOKENS) part[u * PS + r] = d[4 * j + e];
-          if (r + 8 < TOKENS) part[u * PS + r + 8] = d[4 * j + 2 + e];
-        }
-      }
-    }
-    twell_cluster_sync();
-    constexpr int QUADS = U * TOKENS / 4;  // (unit, 4 tokens) items, every load in flight
-    constexpr int PER = (QUADS + TWELL_GATE_THREADS - 1) / TWELL_GATE_THREADS;
-    float4 sum[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) sum[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int q = 0; q < SPLIT; ++q) {
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int i = tid + j * TWELL_GATE_THREADS;
-        if (QUADS % TWELL_GATE_THREADS == 0 || i < QUADS) {
-          const int u = i / (TOKENS / 4), t = 4 * (i % (TOKENS / 4));
-          const uint32_t local = ring + 4u * (uint32_t)((rank * U + u) * PS + t);
-          uint32_t remote;
-          float4 v;
-          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(q));
-          asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
-          sum[j].x += v.x;
-          sum[j].y += v.y;
-          sum[j].z += v.z;
-          sum[j].w += v.w;
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = tid + j * TWELL_GATE_THREADS;
-      if (QUADS % TWELL_GATE_THREADS == 0 || i < QUADS) {
-        const int u = i / (TOKENS / 4), t = 4 * (i % (TOKENS / 4));
-        const uint32_t lo = twell_pack_bf16x2(sum[j].x, sum[j].y);
-        const uint32_t hi = twell_pack_bf16x2(sum[j].z, sum[j].w);
-        s_g[u][t] = (uint16_t)(lo & 0xffffu);
-        s_g[u][t + 1] = (uint16_t)(lo >> 16);
-        s_g[u][t + 2] = (uint16_t)(hi & 0xffffu);
-        s_g[u][t + 3] = (uint16_t)(hi >> 16);
-      }
-    }
-    // this CTA has read the others' partials; they may leave once all have (the wait
-    // below, before this CTA leaves)
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   }
   __syncthreads();
   if constexpr (PRE) {  // the measurement build: the gate out, row by row
     for (int i = tid; i < M * U; i += TWELL_GATE_THREADS)
       pre[(long long)(i / U) * N + n0 + i % U] = s_g[i % U][i / U];
-  } else {
-    units_keep_and_up<true>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
+    return;
   }
-  if constexpr (SPLIT > 1) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  units_keep_and_up<true>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
 }
 #endif
 

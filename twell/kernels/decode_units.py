@@ -97,14 +97,11 @@ GATES = ("mma", "cublas", "wgmma", "wgmma_pre")
 WGMMA_TOKENS = 64
 WGMMA_UNIT_TILES = 2
 WGMMA_STAGES = 8
-#: CTAs of a cluster that share the wgmma gate's units, each with 1/SPLIT of K (1, 2 or 4;
-#: the cluster's units, SPLIT x 16 x :data:`WGMMA_UNIT_TILES`, are the wgmma's N).
-WGMMA_SPLIT = 1
 
 SOURCE = declare(
     Source(
         "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES", "SPLIT"),
+        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES"),
         dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
                    "twell_units_down_scan128"),
         constants={
@@ -112,32 +109,25 @@ SOURCE = declare(
             "DOWN_LANES": DOWN_LANES, "LIST": LIST,
         },
         examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0,
-             "SPLIT": 1}
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0}
             for k in (8, 264, 2048, 4096) for g in (0, 1)
             for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
                                     (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0,
-             "SPLIT": 1}
+            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0}
             for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
         ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0,
-             "SPLIT": 1}
+            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0}
             for g in (0, 1)
         ) + tuple(
-            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0,
-             "SPLIT": 1}
+            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
             for nt, ut in ((32, 2), (16, 4))
         ) + tuple(  # the wgmma gate (STAGES > 0), fused and writing pre
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st,
-             "SPLIT": sp}
-            for k, g, nt, ut, pre, st, sp in (
-                (2048, 1, 8, 2, 0, 8, 1), (2048, 1, 4, 2, 0, 8, 1), (2048, 1, 8, 4, 0, 6, 1),
-                (2048, 0, 4, 1, 0, 4, 1), (264, 1, 1, 1, 0, 2, 1), (4096, 1, 8, 2, 1, 8, 1),
-                (8, 1, 4, 2, 0, 3, 1), (2048, 1, 8, 2, 0, 4, 4), (2048, 1, 8, 2, 1, 4, 4),
-                (2048, 1, 8, 2, 0, 6, 2), (2048, 1, 4, 1, 0, 6, 4), (2048, 0, 1, 1, 0, 6, 2),
-                (8, 1, 8, 2, 0, 2, 4), (4096, 1, 8, 2, 0, 4, 4))
+            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
+            for k, g, nt, ut, pre, st in ((2048, 1, 8, 2, 0, 8), (2048, 1, 4, 2, 0, 8),
+                                          (2048, 1, 8, 4, 0, 6), (2048, 0, 4, 1, 0, 4),
+                                          (264, 1, 1, 1, 0, 2), (4096, 1, 8, 2, 1, 8),
+                                          (8, 1, 4, 2, 0, 3))
         ),
     )
 )  # fmt: skip
@@ -232,7 +222,6 @@ def forward(
     ut: int | None = None, down_tokens: int = DOWN_TOKENS, columns: int | None = None,
     gate: str | None = None, down: str | None = None, scan_threads: int | None = None,
     units_per_token: float | None = None, stages: int = WGMMA_STAGES,
-    split: int = WGMMA_SPLIT,
 ) -> list[Any]:  # fmt: skip
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
@@ -262,12 +251,7 @@ def forward(
         raise ValueError(f"decode_units: ut={ut} with {m} tokens exceeds the gate's shared memory")
     if ut not in (1, 2, 4) or n % (UNITS * ut) or down_tokens < 1:
         raise ValueError(f"decode_units: ut={ut}, down_tokens={down_tokens} do not fit N={n}")
-    split = split if wgmma else 1
-    if split not in (1, 2, 4) or n % (UNITS * ut * split) or (wgmma and ut * split > 8):
-        raise ValueError(f"decode_units: split={split} with ut={ut} does not fit N={n}")
-    if wgmma and (
-        stages < 2 or wgmma_shared_bytes(UNITS * ut * split, stages) > SHARED_PER_SM - 24 * 1024
-    ):
+    if wgmma and (stages < 2 or wgmma_shared_bytes(UNITS * ut, stages) > SHARED_PER_SM - 24 * 1024):
         raise ValueError(f"decode_units: a wgmma ring of {stages} stages does not fit")
     if down not in (None, "lists", "scan"):
         raise ValueError(f"decode_units: down must be 'scan' or 'lists', got {down!r}")
@@ -295,16 +279,15 @@ def forward(
     if gate == "wgmma_pre":
         pre = alloc((m, n), np.uint16)
     module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
-              "PRE": int(through_pre), "STAGES": stages if wgmma else 0,
-              "SPLIT": split}  # fmt: skip
+              "PRE": int(through_pre), "STAGES": stages if wgmma else 0}  # fmt: skip
     if wgmma:  # the first kernel of the call: launched as usual
         fn = SOURCE.kernel("twell_units_gate_wgmma", **module)
-        smem = wgmma_shared_bytes(UNITS * ut * split, stages)
+        smem = wgmma_shared_bytes(UNITS * ut, stages)
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
         fn(
             (n // (UNITS * ut),), (GATE_THREADS,),
-            (tensor_map(x, m), tensor_map(w_first, UNITS * ut * split), u16(x),
+            (tensor_map(x, m), tensor_map(w_first, UNITS * ut), u16(x),
              u16(w_up) if gated else _NULL, u16(w_down_t), _NULL if pre is None else u16(pre),
              h, masks, np.int32(m), np.int32(n)),
             shared_mem=smem,
@@ -325,7 +308,7 @@ def forward(
         launch_after(scan, (-(-k // 32), m), (threads,), down_args)
         return [h, masks] if pre is None else [h, masks, pre]
     down_module = {"KDIM": k, "GATED": int(gated), "NT": nt, "UT": 1, "DC": columns, "PRE": 0,
-                   "STAGES": 0, "SPLIT": 1}  # fmt: skip
+                   "STAGES": 0}  # fmt: skip
     kernel = SOURCE.kernel("twell_units_down", **down_module)
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
