@@ -115,7 +115,7 @@ def test_every_geometry_matches_dense_and_token_groups_keep_the_bits(
         np.testing.assert_array_equal(other.view(np.uint64), got.view(np.uint64))
 
 
-DOWNS = {f"scan{t}": {"down": "scan", "scan_threads": t} for t in (32, 64, 128)}
+DOWNS = {f"scan{t}": {"down": "scan", "scan_threads": t} for t in (64, 128)}
 DOWNS["lists"] = {"down": "lists"}
 
 
@@ -138,17 +138,16 @@ def test_down_by_scan_and_by_lists_match_dense(m: int, k: int, down: str) -> Non
 @pytest.mark.parametrize(("m", "n"), [(3, 2048), (3, 5632), (40, 5632), (8, 8256)])
 def test_scan_bits_do_not_depend_on_its_threads(m: int, n: int) -> None:
     """The scan kernel lists a token's units in ascending order and sums them in 32 virtual
-    slots and a fixed tree whatever its CTA size: 32, 64 and 128 threads give the same bits,
+    slots and a fixed tree whatever its CTA size: 64 and 128 threads give the same bits,
     also where a thread reads several mask words (N = 5632: 176 words; with heavy rows and
     a NaN row)."""
     k = 264
     p = workloads.heavy(m, k, n, p=0.02, frac=0.25, seed=11 * m + n)
     x = p.x.astype(np.float32)
     x[m // 2, 7] = np.nan
-    got = [run_units(x, p.w_gate, p.w_up, p.w_down, **DOWNS[f"scan{t}"]) for t in (32, 64, 128)]
+    got = [run_units(x, p.w_gate, p.w_up, p.w_down, **DOWNS[f"scan{t}"]) for t in (64, 128)]
     check_against_dense(got[0], x, p.w_gate, p.w_up, p.w_down)
-    for other in got[1:]:
-        np.testing.assert_array_equal(other.view(np.uint64), got[0].view(np.uint64))
+    np.testing.assert_array_equal(got[1].view(np.uint64), got[0].view(np.uint64))
 
 
 @pytest.mark.parametrize(
@@ -185,7 +184,7 @@ def test_geometry_the_kernels_cannot_take_is_refused() -> None:
     with pytest.raises(ValueError, match="down_tokens"):
         decode_units.forward(x, w, w, w, y, columns=4096)
     with pytest.raises(ValueError, match="scan_threads"):
-        decode_units.forward(x[:8], w, w, w, y[:8], down="scan", scan_threads=16)
+        decode_units.forward(x[:8], w, w, w, y[:8], down="scan", scan_threads=32)
     with pytest.raises(ValueError, match="down must be"):
         decode_units.forward(x[:8], w, w, w, y[:8], down="rows")
     with pytest.raises(ValueError, match="scan_threads"):

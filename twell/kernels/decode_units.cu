@@ -715,7 +715,7 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
   constexpr int V = 32 / SLOTS;     // virtual slots per thread
   // entries whose loads a thread has in flight (eight at 128 threads spilled at 64 registers)
   constexpr int SE = T == 128 ? 7 : 4;
-  static_assert(T == 32 || T == 64 || T == 128, "32, 64 or 128 threads");
+  static_assert(T == 64 || T == 128, "64 or 128 threads");
   constexpr int WARPS_ = T / 32;
   static_assert(SE % V == 0 && SE * SLOTS % 32 == 0, "a round's entries map to fixed slots");
   __shared__ uint16_t s_list[SLIST];
@@ -843,7 +843,6 @@ __device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
     twell_grid_release();                                                                  \
     units::down_scan<T>(masks, h, w_down_t, y, N);                                         \
   }
-TWELL_DOWN_SCAN(32)
 TWELL_DOWN_SCAN(64)
 TWELL_DOWN_SCAN(128)
 #undef TWELL_DOWN_SCAN

@@ -102,8 +102,8 @@ SOURCE = declare(
     Source(
         "decode_units.cu",
         parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES"),
-        dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan32",
-                   "twell_units_down_scan64", "twell_units_down_scan128"),
+        dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
+                   "twell_units_down_scan128"),
         constants={
             "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
             "DOWN_LANES": DOWN_LANES, "LIST": LIST,
@@ -226,7 +226,7 @@ def forward(
     """``y [M, K]`` (bf16, every row) of the block for ``x [M, K]``; gated if ``w_up`` is
     given (``w_first`` is then ``w_gate``, else ``w_up``). ``w_down_t`` is ``[N, K]``.
     ``gate`` is one of :data:`GATES` (default :func:`gate_for`). ``ut``, ``down_tokens``,
-    ``columns``, ``down`` (``"scan"`` or ``"lists"``), ``scan_threads`` (32, 64 or 128, the
+    ``columns``, ``down`` (``"scan"`` or ``"lists"``), ``scan_threads`` (64 or 128, the
     scan only) and ``stages`` (the wgmma gate's TMA ring) override the geometry
     (benchmarks; defaults :func:`unit_tiles`, :data:`DOWN_TOKENS`, :func:`down_columns`,
     :data:`SCAN_TOKENS`, :func:`scan_threads_for` of ``units_per_token``, a hint that does
@@ -256,9 +256,9 @@ def forward(
     if down not in (None, "lists", "scan"):
         raise ValueError(f"decode_units: down must be 'scan' or 'lists', got {down!r}")
     down = down or ("scan" if m <= SCAN_TOKENS else "lists")
-    if scan_threads not in (None, 32, 64, 128) or (scan_threads and down != "scan"):
+    if scan_threads not in (None, 64, 128) or (scan_threads and down != "scan"):
         raise ValueError(
-            f"decode_units: scan_threads={scan_threads} with down={down!r}: 32, 64 or 128, for "
+            f"decode_units: scan_threads={scan_threads} with down={down!r}: 64 or 128, for "
             "the scan kernel only"
         )
     if down == "lists":
