@@ -7,7 +7,7 @@ from DRAM) and L2-warm (one set).
 - ``gate_up``: the route's first kernel alone (the gate, then the up products of the
   kept pairs: ``h`` and the masks), ``gate_only``: the same kernel writing the gate's
   pre-activation and stopping (``wgmma_pre``; the mma.sync gate has no such build, so
-  at 24 tokens and below this is the wgmma kernel), ``gate_cublas``: cuBLAS's GEMM;
+  at 16 tokens and below this is the wgmma kernel), ``gate_cublas``: cuBLAS's GEMM;
 - ``down``: the route's down kernel alone, on the masks and ``h`` of the first kernel;
 - ``read_gate``: a plain kernel reading ``w_first``'s 23 MB once (16-byte loads, every SM
   busy); ``read_rows``: one reading the ``w_up`` and ``w_down_t`` rows of the units that

@@ -185,8 +185,8 @@ def test_decode_units_route_limits() -> None:
     assert not decode_units.fits(1, 48)  # 32-unit mask words
     assert decode_units.fits(1, 65536) and not decode_units.fits(1, 65536 + 32)  # 16-bit ids
     assert [decode_units.token_tiles(m) for m in (1, 8, 9, 16, 17, 33, 64)] == [1, 1, 2, 2, 4, 8, 8]
-    # the gate by token count: mma.sync up to 24, wgmma up to 64 (its tile's rows), cuBLAS
-    gates = [decode_units.gate_for(m, 5632) for m in (1, 24, 25, 64, 65, 192)]
+    # the gate by token count: mma.sync up to 16, wgmma up to 64 (its tile's rows), cuBLAS
+    gates = [decode_units.gate_for(m, 5632) for m in (1, 16, 17, 64, 65, 192)]
     assert gates == ["mma", "mma", "wgmma", "wgmma", "cublas", "cublas"]
     assert decode_units.WGMMA_TOKENS == 64
 

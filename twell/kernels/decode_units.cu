@@ -35,7 +35,7 @@
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
 //     written only where the bit is set.
 //
-// or twell_units_gate_wgmma (built where TWELL_STAGES > 0; the launcher's default from 25
+// or twell_units_gate_wgmma (built where TWELL_STAGES > 0; the launcher's default from 17
 // to 64 tokens): the same CTAs and steps 2 and 3, step 1 on wgmma through a TMA ring of
 // TWELL_STAGES stages (see the kernel);
 //

@@ -76,11 +76,12 @@ DOWN_COLUMNS = (32, 64, 128)
 SHARED_PER_SM = 227 * 1024
 STATIC_RESERVE = 4 * 1024
 #: Most tokens whose gate the gate/up kernel computes itself by default (mma.sync, every
-#: CTA reading all of x; :func:`gate_for`). Chosen against the cuBLAS gate (H100, M = 48:
-#: 29.6 against 34.8 µs; level at 24 and 32; M = 16: 23.8 against 21.7); at 8 tokens the
-#: wgmma gate measured level with it (16.1 against 16.4 µs), at 24 and below not re-measured
-#: since.
-MMA_GATE_TOKENS = 24
+#: CTA reading all of x; :func:`gate_for`); the wgmma kernel above. H100, K = 2048,
+#: N = 5632, uniform, the block in a CUDA graph with the weights from DRAM (L2-warm in
+#: brackets), mma.sync against wgmma: M=1 14.4 / 14.6 us (11.5 / 13.2), 4 15.8 / 15.0
+#: (13.4 / 13.8), 8 16.4 / 15.8 (14.0 / 14.5), 16 17.5 / 17.5 (15.6 / 15.6), 24 20.9 / 19.4
+#: (20.1 / 17.9) (docs/perf-log.md, 2026-11-27, twenty-first session).
+MMA_GATE_TOKENS = 16
 
 #: The gate's computation (``forward``'s ``gate``): ``"mma"`` in the gate/up kernel
 #: (mma.sync, every CTA reading all of x; at most 64 tokens), ``"cublas"`` (a GEMM into
