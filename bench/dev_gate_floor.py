@@ -4,15 +4,16 @@ from DRAM) and L2-warm (one set).
 
 - ``route``: ``decode_units.forward`` with its default gate (what twell runs) and dense
   math (cuBLAS), for reference;
-- ``gate_up``: the route's first kernel alone (the gate, then the up products of the
-  kept pairs: ``h`` and the masks), ``gate_only``: the same kernel writing the gate's
-  pre-activation and stopping (``wgmma_pre``; the mma.sync gate has no such build, so
-  at 16 tokens and below this is the wgmma kernel), ``gate_cublas``: cuBLAS's GEMM;
-- ``down``: the route's down kernel alone, on the masks and ``h`` of the first kernel;
+- ``gate_up``: the wgmma gate kernel alone (the gate, then the up products of the kept
+  pairs: ``h`` and the masks; the route's first kernel from 17 tokens, where the
+  mma.sync kernel gives way), ``gate_only``: the same kernel writing the gate's
+  pre-activation and stopping (``wgmma_pre``), ``gate_cublas``: cuBLAS's GEMM;
+- ``down``: the route's down kernel alone, on the masks and ``h`` of the first kernel
+  (its rows rotate over four sets, ~25 MB at M=64: mostly from L2);
 - ``read_gate``: a plain kernel reading ``w_first``'s 23 MB once (16-byte loads, every SM
   busy); ``read_rows``: one reading the ``w_up`` and ``w_down_t`` rows of the units that
   any token keeps (4 KB each, a warp a row), the bytes the up products and the down
-  projection cannot avoid.
+  projection cannot avoid (four sets rotate 7-50 MB: partly from L2, a lower bound).
 
 Checks the route against float64 dense math and for run-to-run bits first.
 
@@ -107,7 +108,7 @@ def run(workload: str, m: int) -> list[dict]:
         same = bool(cp.array_equal(y.view(cp.uint16), again.view(cp.uint16)))
         record(name, fn, rel_err=relative_error(y, ref), deterministic=same)
 
-    # the route's kernels one at a time, in its geometry (wgmma's above MMA_GATE_TOKENS)
+    # the wgmma kernels one at a time, in the route's geometry (its own above MMA_GATE_TOKENS)
     ut, stages = decode_units.WGMMA_UNIT_TILES, decode_units.WGMMA_STAGES
     units = 16 * ut
     smem = decode_units.wgmma_shared_bytes(units, stages)

@@ -6,7 +6,7 @@ row, and ``torch.mm`` with cuBLASLt preferred (``torch.backends.cuda.preferred_b
 (L2-warm); the kernels each way launches (torch profiler); whether each way's bits equal
 ``torch.mm``'s.
 
-    PYTHONPATH=. python bench/dev_gemm_lt.py [--M 2048 4096] [--out gemm_lt.json]
+    PYTHONPATH=. python bench/dev_gemm_lt.py [--M 128 2048 4096] [--out gemm_lt.json]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ K, N = 2048, 5632
 
 def graph_us(fn, reps: int = 30) -> float:  # noqa: ANN001
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
             fn()

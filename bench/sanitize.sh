@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck) over a representative subset of the GPU tests, plus the
 # Hypothesis GPU tests run plainly. Usage (device machine, repo root):
-#   bash bench/sanitize.sh            # logs under $OUT (or /tmp/twell_out)
-#   bash bench/sanitize.sh decode     # the decode kernels' subset only
+#   bash bench/sanitize.sh            # every subset below; logs under $OUT (or /tmp/twell_out)
+#   bash bench/sanitize.sh decode     # the decode kernels' subset only (exits with its status)
 set -u
+case "${1:-all}" in all | decode) ;; *) echo "usage: $0 [decode]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/twell_out}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/twell_cupy_cache
-# The by-unit decode kernels: both gates below 25 tokens and the wgmma gate (TMA ring)
-# above, both down kernels, heavy rows, NaN/Inf, K past the last 64-wide box, a ring
+# The by-unit decode kernels: both gates (mma.sync, the default up to 16 tokens, and the
+# wgmma gate's TMA ring, at K = 264 and 2048), both down kernels, heavy rows, NaN/Inf, K past the last 64-wide box, a ring
 # holding a previous call's rows past M.
 DECODE='(units_match_dense and (1-gated-264 or 9-nongated-264 or 64-gated-264 or 33-gated-2048))
   or (every_geometry and 64-) or (wgmma_gate_matches and (25-gated-264 or 64-nongated-2048))
@@ -16,8 +17,9 @@ DECODE='(units_match_dense and (1-gated-264 or 9-nongated-264 or 64-gated-264 or
 timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu_decode_units.py -k "${DECODE//$'\n'/ }" \
   2>&1 | tee "$OUT/memcheck_decode.log" | grep -v "Warning" | tail -5
-echo "memcheck (decode) exit: ${PIPESTATUS[0]}"
-[ "${1:-}" = decode ] && exit 0
+status=${PIPESTATUS[0]}
+echo "memcheck (decode) exit: $status"
+[ "${1:-}" = decode ] && exit "$status"
 timeout "${HYP_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   -k hypothesis 2>&1 | tee "$OUT/hypothesis.log" | tail -25
 SUBSET='(ffn_matches_dense_float64 and (129 or 300 or 257 or 70 or 2000)) or dense_rows_kernels or graph or version_1 or gate_gemm_epilogue or (other_paths and epilogue and 300) or fixed_size'

@@ -79,8 +79,10 @@ STATIC_RESERVE = 4 * 1024
 #: CTA reading all of x; :func:`gate_for`); the wgmma kernel above. H100, K = 2048,
 #: N = 5632, uniform, the block in a CUDA graph with the weights from DRAM (L2-warm in
 #: brackets), mma.sync against wgmma: M=1 14.4 / 14.6 us (11.5 / 13.2), 4 15.8 / 15.0
-#: (13.4 / 13.8), 8 16.4 / 15.8 (14.0 / 14.5), 16 17.5 / 17.5 (15.6 / 15.6), 24 20.9 / 19.4
-#: (20.1 / 17.9) (docs/perf-log.md, 2026-11-27, twenty-first session).
+#: (13.4 / 13.8), 8 16.4 / 15.8 (14.0 / 14.5), 12 17.0 / 17.0, 16 17.5 / 17.5 (15.6 / 15.6),
+#: 17 20.2 / 17.8, 20 20.5 / 18.4, 24 20.9 / 19.4 (20.1 / 17.9): from 17 tokens mma.sync
+#: covers 32 tokens a CTA; at 4-8 the two trade places between DRAM and L2, so mma.sync
+#: stays (docs/perf-log.md, 2026-11-27, twenty-first session).
 MMA_GATE_TOKENS = 16
 
 #: The gate's computation (``forward``'s ``gate``): ``"mma"`` in the gate/up kernel
