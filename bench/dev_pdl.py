@@ -18,11 +18,10 @@ import cupy as cp
 import numpy as np
 import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
 
-from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
+from twell.benchmark import fused_blocks, gpu_name, graph_ms_cupy, make_problem, to_device
 from twell.kernels import compile as kc
 from twell.kernels import decode_units, heavy_rows, light_rows, light_rows_decode, pipeline
 from twell.kernels.buffers import empty_bf16
-from twell.options import Options
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
 
@@ -65,11 +64,7 @@ def run(workload: str, m: int, rounds: int, settings: list[str]) -> list[dict]:
     if nan:
         x_host[0, 0] = np.nan
     x = to_device(x_host)
-    blocks = [
-        pipeline.PreparedBlock(to_device(p.w_gate), to_device(p.w_up), to_device(p.w_down),
-                               Options(path="fused", density_switch=False))
-        for p in problems
-    ]  # fmt: skip
+    blocks = fused_blocks(problems)
     p0 = problems[0]
     ref = ffn_dense(x_host, p0.w_gate, p0.w_up, p0.w_down)
 

@@ -18,12 +18,11 @@ import cupy as cp
 import numpy as np
 import torch  # noqa: F401 - the cuBLAS gate GEMM is captured through torch
 
-from twell.benchmark import gpu_name, graph_ms_cupy, make_problem, to_device
+from twell.benchmark import fused_blocks, gpu_name, graph_ms_cupy, make_problem, to_device
 from twell.kernels import decode_units, pipeline
 from twell.kernels.buffers import alloc, empty_bf16
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.gate_gemm import tensor_map
-from twell.options import Options
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
 
@@ -47,11 +46,7 @@ GEOMETRIES = ((4, 6), (4, 8), (2, 6), (2, 8), (1, 6))
 def run(workload: str, m: int) -> list[dict]:
     problems = [make_problem(workload, m, K, N, seed=s) for s in range(SETS)]
     x = to_device(problems[0].x)
-    blocks = [
-        pipeline.PreparedBlock(to_device(p.w_gate), to_device(p.w_up), to_device(p.w_down),
-                               Options(path="fused", density_switch=False))
-        for p in problems
-    ]  # fmt: skip
+    blocks = fused_blocks(problems)
     p0 = problems[0]
     ref = ffn_dense(p0.x, p0.w_gate, p0.w_up, p0.w_down)
 

@@ -53,6 +53,19 @@ def to_device(array: np.ndarray | None) -> Any:
     return cp.asarray(array)
 
 
+def fused_blocks(problems: list[Any]) -> list[Any]:
+    """One ``PreparedBlock`` per problem's gated weights on the current GPU, on the fused
+    path with the density switch off: the weight sets the decode probes rotate over."""
+    from twell.kernels.pipeline import PreparedBlock
+    from twell.options import Options
+
+    options = Options(path="fused", density_switch=False)
+    return [
+        PreparedBlock(to_device(p.w_gate), to_device(p.w_up), to_device(p.w_down), options)
+        for p in problems
+    ]
+
+
 def time_ms(fn: Any, sets: int, warmup: int = 5, reps: int = 20) -> float:
     """Median CUDA-event time of ``fn(i)`` over ``reps`` calls, rotating ``i % sets``."""
     import cupy as cp
