@@ -31,11 +31,11 @@ bench)
   timeout 60 python3 bench/dev_gate_gemm.py full --out "$OUT" > "$OUT/gate_gemm.log" 2>&1
   tail -2 "$OUT/gate_gemm.log"
   timeout 300 python3 -m twell bench --workloads uniform heavy paperlike --M 16384 65536 \
-    --paths fused epilogue --out "$OUT" > "$OUT/bench.log" 2>&1
+    --paths fused epilogue --out "$OUT/ffn.json" > "$OUT/bench.log" 2>&1
   timeout 120 python3 -m twell bench --workloads uniform --M 1 64 4096 16384 --nongated \
-    --out "$OUT" >> "$OUT/bench.log" 2>&1
+    --out "$OUT/ffn.json" >> "$OUT/bench.log" 2>&1
   timeout 90 python3 -m twell bench --workloads density=0.001 density=0.02 --M 16384 \
-    --out "$OUT" >> "$OUT/bench.log" 2>&1
+    --out "$OUT/ffn.json" >> "$OUT/bench.log" 2>&1
   grep -v '^{' "$OUT/bench.log" | tail -40
   timeout 200 python3 bench/bench_decoder.py --out "$OUT/decoder.json" > "$OUT/decoder.log" 2>&1
   echo "decoder exit: $?" | tee -a "$OUT/decoder.log"

@@ -30,6 +30,17 @@ def test_bench_hands_its_options_to_the_benchmark(monkeypatch: pytest.MonkeyPatc
     assert seen == [["--workloads", "uniform", "--M", "64"]]
 
 
+def test_bench_sweep_hands_the_rest_to_the_sweeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")  # twell.sweeps times torch's dense block
+    import twell.sweeps
+
+    seen = []
+    monkeypatch.setattr(cli, "gpu_available", lambda: True)
+    monkeypatch.setattr(twell.sweeps, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["bench", "--sweep", "--M", "1", "64"]) == 0
+    assert seen == [["--M", "1", "64"]]
+
+
 def test_bench_without_a_gpu_says_so(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setattr(cli, "gpu_available", lambda: False)
     assert cli.main(["bench"]) == 2

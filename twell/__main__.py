@@ -6,7 +6,8 @@
   the NumPy reference otherwise.
 - ``check``: cross-checks every op against the float64 oracle on every workload and
   prints a verdict table; exits 1 if anything fails.
-- ``bench``: the benchmark of docs/benchmark.md (needs a GPU).
+- ``bench``: the benchmark of docs/benchmark.md (needs a GPU); ``bench --sweep``: its
+  batch-size and density sweeps of the public torch API.
 """
 
 from __future__ import annotations
@@ -219,13 +220,23 @@ def check(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _bench_main(rest: list[str]) -> Callable[[list[str]], int]:
+    """The runner ``rest`` asks for: the batch-size and density sweeps (``--sweep``,
+    twell/sweeps.py) or the FFN benchmark (twell/benchmark.py)."""
+    if "--sweep" in rest:
+        from twell.sweeps import main as sweeps_main
+
+        return lambda argv: sweeps_main([a for a in argv if a != "--sweep"])
+    from twell.benchmark import main as bench_main
+
+    return bench_main
+
+
 def bench(args: argparse.Namespace) -> int:
     if {"-h", "--help"} & set(args.rest):  # the options can be shown without a GPU
-        from twell.benchmark import main as bench_main
-
         program, sys.argv[0] = sys.argv[0], "python -m twell bench"  # argparse's prog
         try:
-            return bench_main(args.rest)
+            return _bench_main(args.rest)(args.rest)
         finally:
             sys.argv[0] = program
     if not gpu_available():
@@ -235,9 +246,7 @@ def bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from twell.benchmark import main as bench_main
-
-    return bench_main(args.rest)
+    return _bench_main(args.rest)(args.rest)
 
 
 def _positive(text: str) -> int:

@@ -4,20 +4,18 @@ Protocol (docs/benchmark.md): CUDA events around each call on one stream, >= 5 w
 excluded), median of >= 20 timed calls, inputs rotated so the working set exceeds L2,
 torch dense baseline (``F.linear`` + ``relu`` + ``*`` + ``F.linear``) on the same inputs
 in the same process, rel. error of every timed configuration against float64 dense math
-(rows subsampled), JSON records under ``bench/results/<gpu>_<date>.json``.
+(rows subsampled), JSON records in ``bench/results/<gpu>/ffn.json`` (the latest record of
+each configuration). The timers are :mod:`twell.timing`'s.
 
-    PYTHONPATH=. python bench/bench_ffn.py                    # uniform M=16384 K=2048 N=5632
-    PYTHONPATH=. python bench/bench_ffn.py --workloads uniform heavy paperlike --M 4096 16384
+    python -m twell bench                                  # uniform M=16384 K=2048 N=5632
+    python -m twell bench --workloads uniform heavy paperlike --M 4096 16384
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import statistics
 import sys
 from typing import Any
 
@@ -25,6 +23,21 @@ import ml_dtypes
 import numpy as np
 
 from twell.testing.asserts import relative_error
+from twell.timing import (
+    gpu_name,
+    graph_ms,
+    graph_ms_cupy,
+    merge_records,
+    record_path,
+    time_ms,
+    versions,
+)
+
+# time_ms, graph_ms_cupy, gpu_name and versions are also imported from here by the
+# threshold probes (bench/tune) and by bench/compare_trees.py, which must run older trees
+# too; they live in twell.timing.
+__all__ = ["bench_config", "demo", "fused_blocks", "gpu_name", "graph_ms_cupy",
+           "make_problem", "main", "time_ms", "to_device", "versions"]  # fmt: skip
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -64,93 +77,6 @@ def fused_blocks(problems: list[Any]) -> list[Any]:
         PreparedBlock(to_device(p.w_gate), to_device(p.w_up), to_device(p.w_down), options)
         for p in problems
     ]
-
-
-def time_ms(fn: Any, sets: int, warmup: int = 5, reps: int = 20) -> float:
-    """Median CUDA-event time of ``fn(i)`` over ``reps`` calls, rotating ``i % sets``."""
-    import cupy as cp
-
-    for i in range(warmup):
-        fn(i % sets)
-    times = []
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    for i in range(reps):
-        start.record()
-        fn(i % sets)
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
-
-
-def graph_ms_cupy(fn: Any, reps: int = 20) -> float:
-    """Median time of one replay of a CUDA graph captured from ``fn`` on a CuPy stream."""
-    import cupy as cp
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for _ in range(3):
-            fn()
-        stream.synchronize()
-        stream.begin_capture()
-        keep = fn()  # outputs stay alive with the graph
-        graph = stream.end_capture()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for i in range(5 + reps):
-        start.record(stream)
-        graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-        if i >= 5:
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-    del keep
-    return statistics.median(times)
-
-
-def graph_ms_torch(fn: Any, reps: int = 20) -> float:
-    """Median time of one replay of a torch CUDA graph of ``fn``."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        keep = fn()
-    times = []
-    for i in range(5 + reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(stop))
-    del keep
-    return statistics.median(times)
-
-
-def versions() -> dict[str, str]:
-    import cupy as cp
-
-    out = {"cupy": cp.__version__, "cuda": str(cp.cuda.runtime.runtimeGetVersion())}
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-    except ImportError:
-        out["torch"] = "absent"
-    return out
-
-
-def gpu_name() -> str:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
 
 
 def bench_config(
@@ -233,9 +159,7 @@ def bench_config(
     if graphs:  # CUDA-graph replay of all weight sets: launch overhead out of the figure
         try:
             record["t_graph_ms"] = graph_ms_cupy(lambda: [ours(i) for i in range(sets)]) / sets
-            record["t_dense_graph_ms"] = (
-                graph_ms_torch(lambda: [dense(i) for i in range(sets)]) / sets
-            )
+            record["t_dense_graph_ms"] = graph_ms(dense, sets)
             record["speedup_graph"] = record["t_dense_graph_ms"] / record["t_graph_ms"]
         except Exception as error:  # report, do not hide
             record["graph_error"] = f"{type(error).__name__}: {error}"[:300]
@@ -337,7 +261,7 @@ def demo(problem: Any, *, large: int = 16384) -> dict[str, Any]:
 
     import twell
     from twell.reference.forward import ffn_dense
-    from twell.sweeps import back_to_back_ms
+    from twell.timing import back_to_back_ms
 
     def tensors(p: Any) -> list[Any]:
         return [None if a is None else torch.from_numpy(np.asarray(a, np.float32)).cuda()
@@ -380,20 +304,6 @@ def _capacity(text: str) -> float | str:
     return text if text == "auto" else float(text)
 
 
-def write_records(records: list[dict[str, Any]], directory: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    gpu = records[0]["gpu"].replace(" ", "_") if records else "unknown"
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    path = os.path.join(directory, f"{gpu}_{date}.json")
-    existing = []
-    if os.path.exists(path):
-        with open(path) as f:
-            existing = json.load(f)
-    with open(path, "w") as f:
-        json.dump(existing + records, f, indent=1)
-    return path
-
-
 def print_table(records: list[dict[str, Any]]) -> None:
     head = (
         f"{'op':<22}{'workload':<12}{'path':<9}{'M':>7}{'S':>4}{'ours':>8}{'dense':>8}{'gemm':>8}"
@@ -412,14 +322,10 @@ def print_table(records: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from twell.options import PATHS
 
-    if argv is not None and "--sweep" in argv:  # batch-size and density sweeps
-        from twell.sweeps import main as sweeps_main
-
-        return sweeps_main([a for a in argv if a != "--sweep"])
-
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="--sweep: batch-size and density sweeps of the public torch API (twell.sweeps)",
+        epilog="python -m twell bench --sweep: batch-size and density sweeps of the public "
+        "torch API (twell.sweeps; --sweep --help)",
     )
     parser.add_argument("--workloads", nargs="+", default=["uniform"])
     parser.add_argument("--M", nargs="+", type=int, default=[16384])
@@ -428,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", nargs="+", type=int, default=[32])
     parser.add_argument("--nongated", action="store_true", help="also the non-gated block")
     parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
-    parser.add_argument("--out", default=os.path.join("bench", "results"))
+    parser.add_argument(
+        "--out", default=None,
+        help="JSON record file (default: bench/results/<gpu>/ffn.json; a rerun replaces the "
+        "records of the configurations it measures)",
+    )  # fmt: skip
     parser.add_argument("--max-row-nnz", type=int, default=None)
     parser.add_argument(
         "--dense-capacity", type=_capacity, default="auto",
@@ -451,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                     records += rs
                     for r in rs:
                         print(json.dumps(r), flush=True)
-    path = write_records(records, args.out)
+    path = merge_records(args.out or record_path("ffn", records[0]["gpu"] if records else None),
+                         records)  # fmt: skip
     print(f"wrote {path}")
     print_table(records)
     return 0

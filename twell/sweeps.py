@@ -4,10 +4,12 @@ block, in the three timing modes of docs/benchmark.md, plus the host cost of one
 For each configuration, in one process, on the same torch bf16 tensors:
 ``per_call`` (events around one call, synchronised), ``back_to_back`` (20 calls, one
 pair of events), ``graph`` (a ``torch.cuda.graph`` capture replayed; M <= 4096), and at
-M=64 ``host_us`` (CPU time per call in a loop that does not wait). Weight sets rotate so
-the working set exceeds L2. Records go to JSON (``--out``) and a table is printed.
+M=64 ``host_us`` (CPU time per call in a loop that does not wait); the timers are
+:mod:`twell.timing`'s. Weight sets rotate so the working set exceeds L2. Records go to
+``bench/results/<gpu>/serving.json`` (``--out``; a rerun replaces the records of the
+configurations it measures) and a table is printed.
 
-    python -m twell bench --sweep --out results.json --plot sweep.png
+    python -m twell bench --sweep --plot bench/results/h200/serving.png
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from typing import Any
 
 import numpy as np
@@ -24,82 +24,24 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import twell
-from twell.benchmark import gpu_name, make_problem, versions
+from twell.benchmark import make_problem
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
+from twell.timing import (
+    back_to_back_ms,
+    gpu_name,
+    graph_ms,
+    graph_of,
+    host_us,
+    merge_records,
+    per_call_ms,
+    record_path,
+    versions,
+)
 
-
-def per_call_ms(fn: Any, sets: int, reps: int = 20) -> float:
-    for i in range(5):
-        fn(i % sets)
-    times = []
-    for i in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn(i % sets)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def back_to_back_ms(fn: Any, sets: int, calls: int = 20, reps: int = 5) -> float:
-    for i in range(5):
-        fn(i % sets)
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for i in range(calls):
-            fn(i % sets)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return statistics.median(times)
-
-
-def graph_of(fn: Any, sets: int) -> tuple[Any, list]:
-    """A user's CUDA graph of ``fn(0) ... fn(sets - 1)`` (warmed up on a side stream first)
-    and the outputs it writes (keep them while replaying)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(3 * sets):
-            fn(i % sets)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        keep = [fn(i) for i in range(sets)]
-    return graph, keep
-
-
-def graph_ms(fn: Any, sets: int, reps: int = 20) -> float:
-    graph, keep = graph_of(fn, sets)
-    times = []
-    for i in range(5 + reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(stop) / sets)
-    del keep
-    return statistics.median(times)
-
-
-def host_us(fn: Any, sets: int, calls: int = 200) -> float:
-    for i in range(10):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for i in range(calls):
-        fn(i % sets)
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+# The timers are also imported from here by the threshold probes (bench/tune).
+__all__ = ["back_to_back_ms", "config", "graph_ms", "graph_of", "host_us", "main",
+           "per_call_ms", "plot", "torch_problem"]  # fmt: skip
 
 
 def torch_problem(workload: str, m: int, k: int, n: int) -> tuple[Any, Any, list, int]:
@@ -200,7 +142,9 @@ def plot(records: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m twell bench --sweep")
-    parser.add_argument("--out", default=None, help="JSON records")
+    parser.add_argument(
+        "--out", default=None, help="JSON record file (default: bench/results/<gpu>/serving.json)"
+    )
     parser.add_argument("--plot", default=None, help="PNG of the sweeps (needs matplotlib)")
     parser.add_argument("--M", nargs="+", type=int,
                         default=[1, 8, 64, 512, 2048, 4096, 16384, 65536])  # fmt: skip
@@ -220,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         records += config(workload, 16384, 2048, 5632)
     if args.plot:
         plot(records, args.plot)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
+    path = merge_records(args.out or record_path("serving", gpu_name()), records)
     print(f"{'workload':<14}{'api':<10}{'M':>7} {'timing':<13}{'twell':>8}{'dense':>8}{'x':>6}"
           f"{'err':>9}{'host us':>9}{'dense us':>9}")  # fmt: skip
     for r in records:
@@ -230,4 +172,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['workload']:<14}{r['api']:<10}{r['M']:>7} {r['timing']:<13}{r['t_ms']:>8.3f}"
               f"{r['t_dense_ms']:>8.3f}{r['speedup']:>6.2f}{r['rel_err']:>9.1e}"
               f"{host:>9.1f}{host_dense:>9.1f}")  # fmt: skip
+    print(f"wrote {path}")
     return 0

@@ -1,0 +1,61 @@
+"""twell.timing's record helpers (the timers themselves need a GPU: the benchmarks and
+the GPU suites run them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from twell import timing
+
+
+@pytest.mark.parametrize(
+    ("name", "folder"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", "h200"),
+        ("NVIDIA GH200 480GB", "nvidia_gh200_480gb"),
+        ("NVIDIA H1000", "nvidia_h1000"),
+        ("NVIDIA A100-SXM4-80GB", "nvidia_a100_sxm4_80gb"),
+        ("cpu", "cpu"),
+        ("", "unknown"),
+    ],
+)
+def test_gpu_folder_names_the_two_hoppers_and_sanitises_the_rest(name, folder) -> None:
+    assert timing.gpu_folder(name) == folder
+
+
+def test_record_path_is_results_gpu_benchmark(tmp_path: Path) -> None:
+    assert timing.record_path("ffn", "NVIDIA H200", root=tmp_path) == tmp_path / "h200" / "ffn.json"
+    assert timing.record_path("serving", "NVIDIA H100 80GB HBM3") == Path(
+        "bench/results/h100/serving.json"
+    )
+
+
+def test_merge_records_keeps_the_latest_record_of_each_configuration(tmp_path: Path) -> None:
+    path = tmp_path / "h100" / "ffn.json"  # the folder does not exist yet
+    base = {"op": "ffn_forward", "workload": "uniform", "K": 2048, "N": 5632}
+    timing.merge_records(path, [{**base, "M": m, "timing": "per_call", "t_ms": 1.0}
+                                for m in (64, 4096)])  # fmt: skip
+    timing.merge_records(path, [{**base, "M": 64, "timing": "per_call", "t_ms": 2.0},
+                                {**base, "M": 64, "timing": "graph", "t_ms": 3.0}])  # fmt: skip
+    records = json.loads(path.read_text())
+    assert sorted((r["M"], r["timing"], r["t_ms"]) for r in records) == [
+        (64, "graph", 3.0), (64, "per_call", 2.0), (4096, "per_call", 1.0)
+    ]  # fmt: skip
+
+
+def test_versions_and_gpu_name_answer_without_a_gpu() -> None:
+    assert set(timing.versions()) == {"cupy", "cuda", "torch"}
+    assert isinstance(timing.gpu_name(), str)
+
+
+def test_timing_imports_neither_runner() -> None:
+    """twell.timing is the bottom of the benchmark modules: benchmark and sweeps import it,
+    it imports neither (the two runners once imported each other)."""
+    source = Path(timing.__file__).read_text()
+    assert "twell.benchmark" not in source and "twell.sweeps" not in source
