@@ -10,7 +10,7 @@ For each workload (``uniform``, ``heavy``, ``paperlike`` at the benchmark shape)
 - correctness against ``twell.reference.ffn_backward`` (float64) on a sample of rows: the
   full run's ``dx`` rows, and all four gradients of a run on the sampled rows alone;
   bit-identical reruns;
-- timing (CUDA events, median): ``per_call`` (events around each call) and
+- timing (:mod:`twell.timing`): ``per_call`` (events around each call) and
   ``back_to_back`` (20 calls between two events), for twell's forward(save=True) +
   backward, forward alone, backward alone, and torch's forward + backward; the
   backward's time per kernel (events around each launch; ``capacity_rows`` around the
@@ -22,15 +22,13 @@ For each workload (``uniform``, ``heavy``, ``paperlike`` at the benchmark shape)
 
 Weight gradients: twell returns fp32, torch bf16 (the parameters' dtype). The L1 term is
 off in the timed steps (``--l1`` sets it for the correctness check). Writes
-``$OUT/backward.json`` (``--out``); each case's exception is caught and recorded.
+``bench/results/<gpu>/backward.json`` (``--out``) after every case; each case's exception
+is caught and recorded.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
 import traceback
@@ -38,6 +36,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from twell.timing import back_to_back_ms, gpu_name, per_call_ms, record_path, versions, write_json
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -58,29 +58,10 @@ def to_f64(a: Any) -> np.ndarray:
     return cp.asnumpy(a).astype(np.float64)
 
 
-def events_ms(fn: Any, sets: int, warmup: int, reps: int, calls: int = 1) -> float:
-    """Median over ``reps`` of the time of ``calls`` calls of ``fn(i)`` between two CUDA
-    events on the default stream, per call."""
-    import torch
-
-    for i in range(warmup):
-        fn(i % sets)
-    times = []
-    for r in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for c in range(calls):
-            fn((r * calls + c) % sets)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return statistics.median(times)
-
-
 def timings(fn: Any, sets: int, reps: int) -> dict[str, float]:
     return {
-        "per_call_ms": events_ms(fn, sets, 5, reps),
-        "back_to_back_ms": events_ms(fn, sets, 2, 5, calls=20),
+        "per_call_ms": per_call_ms(fn, sets, reps=reps),
+        "back_to_back_ms": back_to_back_ms(fn, sets),
     }
 
 
@@ -352,16 +333,15 @@ def main(argv: list[str] | None = None) -> int:
                         "as SparseMLP): the capacity a first forward's heavy rows ask for "
                         "(twell.options.auto_capacity)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=220.0, help="seconds; later cases skip")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--out", default=None, help="JSON record (default: bench/results/<gpu>/backward.json)"
+    )
     args = parser.parse_args(argv)
-
-    from twell.benchmark import gpu_name, versions
 
     started = time.time()
     result: dict[str, Any] = {"device": gpu_name(), "versions": versions(), "args": vars(args),
                               "records": []}  # fmt: skip
-    path = os.path.join(args.out, "backward.json")
-    os.makedirs(args.out, exist_ok=True)
+    path = args.out or record_path("backward", result["device"])
     for gated in [True, False] if args.nongated else [True]:
         for workload in args.workloads:
             if time.time() - started > args.budget:
@@ -375,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec = {"workload": workload, "gated": gated, "error": traceback.format_exc()}
             rec["case_s"] = round(time.time() - case_start, 1)
             result["records"].append(rec)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(path, result)
             print(_summary(rec), flush=True)
             _free()
     print(f"wrote {path} in {time.time() - started:.0f} s")

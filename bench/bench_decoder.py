@@ -121,38 +121,33 @@ def measure_l0(model: Any, ids: Any) -> tuple[list[float], list[float]]:
 
 
 def time_forward(model: Any, ids: Any, warmup: int, reps: int) -> tuple[float, Any]:
-    """Median milliseconds of the base model's forward (CUDA events on a GPU)."""
+    """Median milliseconds of the base model's forward (:func:`twell.timing.per_call_ms`
+    on a GPU, the wall clock on the CPU) and its last hidden state."""
     import time
 
     import torch
 
-    on_gpu = ids.is_cuda
+    from twell.timing import per_call_ms
+
+    def forward(_: int = 0) -> Any:
+        return model.model(ids).last_hidden_state
+
     with torch.inference_mode():
-        for _ in range(warmup):
-            out = model.model(ids).last_hidden_state
+        if ids.is_cuda:
+            return per_call_ms(forward, reps=reps, warmup=warmup), forward()
         times = []
-        for _ in range(reps):
-            if on_gpu:
-                start = torch.cuda.Event(enable_timing=True)
-                stop = torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                begin = time.perf_counter()
-            out = model.model(ids).last_hidden_state
-            if on_gpu:
-                stop.record()
-                stop.synchronize()
-                times.append(start.elapsed_time(stop))
-            else:
-                times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times), out
+        for _ in range(warmup + reps):
+            begin = time.perf_counter()
+            out = forward()
+            times.append(1e3 * (time.perf_counter() - begin))
+        return statistics.median(times[warmup:]), out
 
 
 def diagnose(model: Any, ids: Any, layer_index: int) -> dict[str, Any]:
     """One layer's real MLP input: active-unit distribution, routing, and both timings."""
     import torch
 
-    from twell.benchmark import time_ms
+    from twell.timing import per_call_ms
     from twell.torch import SparseMLP
 
     mlp = model.model.layers[layer_index].mlp
@@ -179,8 +174,8 @@ def diagnose(model: Any, ids: Any, layer_index: int) -> dict[str, Any]:
             "l0_max": float(per_token.max()),
             "rows_over_max_row_nnz": float((per_token > 0.03 * n).float().mean()),
             "rows_with_tile_overflow": float((per_tile > 31).any(dim=1).float().mean()),
-            "t_dense_mlp_ms": time_ms(lambda i: mlp(x), 1),
-            "t_twell_mlp_ms": time_ms(lambda i: sparse(x), 1),
+            "t_dense_mlp_ms": per_call_ms(lambda i: mlp(x)),
+            "t_twell_mlp_ms": per_call_ms(lambda i: sparse(x)),
         }
 
 
@@ -216,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         help="SparseMLP dense_capacity: auto (the default: sized per call from the measured "
         "share of heavy rows) or a fraction of tokens whose heavy rows use cuBLAS",
     )
-    parser.add_argument("--out", type=Path, default=None, help="JSON file to append to")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="JSON record file (default: bench/results/<gpu>/decoder.json; a rerun replaces "
+        "the record of the same configuration)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -252,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in record.items() if not k.endswith("_per_layer")}))
     print(f"L0 per layer: {' '.join(f'{v:.0f}' for v in l0)}")
     print(f"dense-routed tokens per layer (%): {' '.join(f'{100 * v:.1f}' for v in dense_share)}")
-    if args.out is not None:
-        records = json.loads(args.out.read_text()) if args.out.exists() else []
-        args.out.write_text(json.dumps([*records, record], indent=1))
+    if args.device == "cuda" or args.out is not None:
+        from twell.timing import merge_records, record_path
+
+        path = merge_records(args.out or record_path("decoder", record["gpu"]), [record])
+        print(f"wrote {path}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""The batch-size and density sweeps from a checkout (``twell/sweeps.py``):
-``PYTHONPATH=. python bench/bench_serving.py --out results.json --plot sweep.png``."""
+"""The batch-size and density sweeps from a checkout (``twell/sweeps.py``, also
+``python -m twell bench --sweep``): ``python bench/bench_serving.py --help``."""
 
 import sys
 

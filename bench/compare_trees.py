@@ -17,6 +17,8 @@ import cupy as cp
 import numpy as np
 
 import twell
+
+# From twell.benchmark, not twell.timing: the older tree being compared has only that.
 from twell.benchmark import make_problem, time_ms, to_device
 
 

@@ -2,7 +2,7 @@
 
 Launch with torchrun, one process per GPU::
 
-    torchrun --nproc_per_node 2 bench/train_distributed.py --out bench/results/dist.json
+    torchrun --standalone --nproc_per_node 2 bench/train_distributed.py  # the record
     torchrun --nproc_per_node 2 bench/train_distributed.py --smoke --out /tmp/dist.json  # CPU, gloo
 
 For each variant (``dense``: the model as is; ``twell``: ``sparsify``'d MLPs trained with
@@ -28,12 +28,12 @@ the L1 penalty and its warm-up, as in train_small.py) the script runs:
    distributed runs did.
 
 Both use bf16 autocast with fp32 parameters (as train_small.py). The report (rank 0
-writes ``--out``, JSON) has, per run and rank: the training loss every ``--log-every``
-steps, the step times (median after ``--warmup-steps``), tokens/s, peak memory and the
-steps done; per strategy the all-reduced mean loss and the scaling efficiency:
-``tokens/s of the whole job / (world size * mean one-GPU tokens/s)``. ``reference_runs``
-holds the reference run of each variant (same fields, one device), and every DDP/FSDP
-run has ``loss_vs_reference``:
+writes ``--out``, JSON; by default ``bench/results/<gpu>/train_distributed.json``) has,
+per run and rank: the training loss every ``--log-every`` steps, the step times (median
+after ``--warmup-steps``), tokens/s, peak memory and the steps done; per strategy the
+all-reduced mean loss and the scaling efficiency: ``tokens/s of the whole job / (world
+size * mean one-GPU tokens/s)``. ``reference_runs`` holds the reference run of each
+variant (same fields, one device), and every DDP/FSDP run has ``loss_vs_reference``:
 
 - ``per_step``: at each step both runs logged, the reference's loss, the distributed
   run's all-reduced mean loss, their absolute and relative difference;
@@ -91,6 +91,8 @@ if str(HERE) not in sys.path:
 
 import train_small  # noqa: E402  (also puts the repository on sys.path)
 
+from twell.timing import record_path  # noqa: E402
+
 STRATEGIES = ("ddp", "fsdp")
 TAIL_LOGGED = 5  # logged losses averaged for loss_vs_reference's tail_rel_diff
 STEP_RTOL_FACTOR = 3.0  # every logged step: rel_diff <= STEP_RTOL_FACTOR * rtol
@@ -102,7 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", type=Path, default=Path("train_distributed.json"), help="JSON report")
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help="JSON report (default: bench/results/<gpu>/train_distributed.json)",
+    )  # fmt: skip
     p.add_argument(
         "--strategies",
         nargs="+",
@@ -446,6 +451,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         **({"device_id": device} if use_cuda else {}),
     )
     rtol = LOSS_RTOL[device.type]
+    if args.out is None:
+        args.out = record_path(
+            "train_distributed", torch.cuda.get_device_name(device) if use_cuda else "cpu"
+        )
     try:
         train_data, val_data, corpus = train_small.stdlib_corpus()
         data = (train_data, val_data)

@@ -17,17 +17,21 @@ Two runs from the same seed (the same initial weights and batches):
   ``--l1-coeff`` over the first ``--l1-warmup`` fraction of the steps (as in the paper).
 
 CUDA runs use bf16 autocast with fp32 master weights (AdamW). The report (``--out``,
-JSON) has the recipe (config, seed, steps), and per run the training loss every
-``--log-every`` steps, the held-out loss every ``--eval-every`` steps and at the end, the
-L0 of every layer over the steps (twell: from the training forward; both: measured on a
-held-out batch at each evaluation), the step time (median after ``--warmup-steps``),
-tokens/s and peak GPU memory. With matplotlib installed it also writes PNG plots beside
-the JSON. ``--save PATH`` stores the trained sparse model (recipe + state dict; the MLPs
-keep the names ``gate_proj``/``up_proj``/``down_proj``).
+JSON, by default ``bench/results/<gpu>/train_small.json``) has the recipe (config, seed,
+steps), and per run the training loss every ``--log-every`` steps, the held-out loss
+every ``--eval-every`` steps and at the end, the L0 of every layer over the steps (twell:
+from the training forward; both: measured on a held-out batch at each evaluation), the
+step time (median after ``--warmup-steps``), tokens/s and peak GPU memory. With
+matplotlib installed it also writes PNG plots beside the JSON. ``--save PATH`` stores the
+trained sparse model (recipe + state dict; the MLPs keep the names
+``gate_proj``/``up_proj``/``down_proj``).
 
-    python bench/train_small.py --out bench/results/train_small.json          # H100: ~3-4 min/run
-    python bench/train_small.py --variants twell --steps 500 --out /tmp/t.json # one run, shorter
-    python bench/train_small.py --smoke --out /tmp/smoke.json                # CPU, seconds
+    python bench/train_small.py --steps 1200 --l1-coeff 1e-4 --graphs  # the record, ~2 min/run
+    python bench/train_small.py --variants twell --steps 500 --out /tmp/t.json  # one run
+    python bench/train_small.py --smoke --out /tmp/smoke.json  # CPU, seconds
+
+Step times are the synchronised wall clock of each training step (a run's steps, not one
+call repeated: twell.timing's timers do not apply).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402, N812
 from torch import nn  # noqa: E402
 
 import twell.torch as twell_torch  # noqa: E402
+from twell.timing import record_path  # noqa: E402
 
 
 # ---------------------------------------------------------------------- configuration
@@ -543,7 +548,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", type=Path, default=Path("train_small.json"), help="JSON report")
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help="JSON report, PNG plots beside it (default: bench/results/<gpu>/train_small.json)",
+    )  # fmt: skip
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -632,6 +640,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.out is None:
+        args.out = record_path("train_small", report["device"] if device.type == "cuda" else "cpu")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot(report, args.out)
     args.out.write_text(json.dumps(report, indent=1))
