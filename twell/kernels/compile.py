@@ -1,14 +1,16 @@
 """The one place where twell's CUDA sources are compiled.
 
 Each kernel source is a ``.cu`` file next to its launcher module (``X.cu`` is launched
-by ``X.py`` alone), read as a string through :mod:`importlib.resources`. A launcher
-declares its source once, as a :class:`Source`: the compile-time parameters it chooses
-per call (tile width, slots, model width, ...), the constants it shares with the kernel
-(block sizes the host needs for its grid), and example configurations for the compile
+by ``X.py`` alone; the backward's steps, ``backward_*.cu``, by ``backward.py``), read as a
+string through :mod:`importlib.resources`. A launcher declares its source once, as a
+:class:`Source`: the compile-time parameters it chooses per call (tile width, slots,
+model width, ...), the constants it shares with the kernel (block sizes the host needs
+for its grid), the shared headers it uses, and example configurations for the compile
 test. The text that gets compiled is always
 
     #define TWELL_<NAME> <value>   (constants and parameters, sorted)
     common.cuh                     (shared device code: types, bf16 helpers, routing rule)
+    the source's headers           (tensor_core.cuh: the tensor-core tile engine)
     <the source>
 
 built by :func:`full_source`, for both back ends:
@@ -16,7 +18,7 @@ built by :func:`full_source`, for both back ends:
 - :meth:`Source.kernel` compiles with CuPy's ``RawModule`` (NVRTC) for the current
   device and caches the result per (device id, source, parameters) behind a lock. CuPy
   keeps its own on-disk cache keyed on the whole text (``CUPY_CACHE_DIR``), so a change
-  to ``common.cuh`` recompiles and a warm start does not.
+  to ``common.cuh`` or another header recompiles and a warm start does not.
 - :func:`compile_cubin` compiles with ``cuda.bindings.nvrtc`` on any machine, GPU or
   not (the CPU test proves that every source builds for sm_90a without spilling).
 
@@ -94,6 +96,8 @@ class Source:
         dependent: the kernels :func:`launch_after` may launch: each calls
             ``twell_grid_wait()`` before any global memory access, in every CTA (the CPU
             test checks that in their PTX, for every example configuration).
+        headers: shared device headers of this package (``"tensor_core.cuh"``) the
+            source uses, put after ``common.cuh`` in this order.
     """
 
     name: str
@@ -102,6 +106,7 @@ class Source:
     examples: tuple[Mapping[str, int], ...] = ({},)
     directory: Path | None = None
     dependent: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
 
     def text(self) -> str:
         """The source file's text."""
@@ -163,12 +168,14 @@ def prelude(params: Mapping[str, int]) -> str:
 
 
 def full_source(source: Source, params: Mapping[str, int]) -> str:
-    """The text both back ends compile for ``params``: prelude, ``common.cuh``, source."""
+    """The text both back ends compile for ``params``: prelude, ``common.cuh``, the
+    source's headers, the source."""
     return _text(source, source.defines(params))
 
 
 def _text(source: Source, defines: Mapping[str, int]) -> str:
-    return prelude(defines) + common_header() + source.text()
+    headers = "".join(_read(name, None) for name in source.headers)
+    return prelude(defines) + common_header() + headers + source.text()
 
 
 def _require_cupy() -> Any:

@@ -45,20 +45,6 @@
 // deterministic, independent of M and of the grid (for one HR_SPLIT: the launcher
 // chooses it from the weight's shape alone).
 
-#define DT_ROWS 64
-#define DT_COLS 64
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // TWELL_HR_SPLIT (a parameter): the CTAs of a cluster, the split of the reduction;
 // TWELL_HR_STAGES (a parameter): the depth of the cp.async ring (HR_STAGES - 1 k-slices
 // in flight); TWELL_HR_FLAG_ROWS (a constant): the most rows whose flags the matmul
@@ -71,10 +57,6 @@ static_assert(HR_SPLIT == 1 || HR_SPLIT == 2 || HR_SPLIT == 4 || HR_SPLIT == 8,
               "each CTA finishes 32 / HR_SPLIT values of every thread's fragment");
 static_assert(HR_STAGES >= 2 && HR_STAGES <= 5, "static shared memory: 48 KB");
 static_assert(HR_FLAG_ROWS % 128 == 0 && HR_FLAG_ROWS <= 1024, "flags: 128 threads, 4 KB");
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
 
 __device__ __forceinline__ void epilogue(float v0, float v1, int i, int col, int OUTC,
                                          const int* __restrict__ ids,
@@ -108,8 +90,8 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   // [thread]) share the same bytes: a 5-deep ring (40 KB) fits beside the row ids.
   union Smem {
     struct {
-      uint4 a[HR_STAGES][DT_ROWS][4];
-      uint4 b[HR_STAGES][DT_COLS][4];
+      uint4 a[HR_STAGES][TC_TILE][4];
+      uint4 b[HR_STAGES][TC_TILE][4];
     } ring;
     float part[32][128];
   };
@@ -156,8 +138,8 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
   } else {
     count = count_ptr[0];
   }
-  const int row_blocks = (count + DT_ROWS - 1) / DT_ROWS;
-  const int col_blocks = (OUTC + DT_COLS - 1) / DT_COLS;
+  const int row_blocks = (count + TC_TILE - 1) / TC_TILE;
+  const int col_blocks = (OUTC + TC_TILE - 1) / TC_TILE;
   const int kblocks = (RED + 31) / 32;
   const uint32_t rank = HR_SPLIT == 1 ? 0u : twell_cluster_rank();
   const int kper = (kblocks + HR_SPLIT - 1) / HR_SPLIT;
@@ -180,11 +162,11 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
       kc[q] = c & 3;
       // Rows past the count are zero-filled, not read (a clamped row read 64 times over
       // made one heavy row slower than 64).
-      aok[q] = rb * DT_ROWS + rr[q] < count;
-      const int i = min(rb * DT_ROWS + rr[q], count - 1);
+      aok[q] = rb * TC_TILE + rr[q] < count;
+      const int i = min(rb * TC_TILE + rr[q], count - 1);
       const long long ar = a_by_id ? ids[i] : i;
       arow[q] = A + ar * RED + kc[q] * 8;
-      const int col = cb * DT_COLS + rr[q];
+      const int col = cb * TC_TILE + rr[q];
       bok[q] = col < OUTC;
       brow[q] = B + (long long)(bok[q] ? col : 0) * RED + kc[q] * 8;
     }
@@ -193,33 +175,28 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const bool kok = r + kc[q] * 8 < RED;
-        cp_async16(&As[s][rr[q]][kc[q]], (kok && aok[q]) ? arow[q] + r : arow[q],
-                   kok && aok[q]);
-        cp_async16(&Bs[s][rr[q]][kc[q]], (kok && bok[q]) ? brow[q] + r : brow[q],
-                   kok && bok[q]);
+        twell_cp_async16(&As[s][rr[q]][kc[q]], (kok && aok[q]) ? arow[q] + r : arow[q],
+                         kok && aok[q]);
+        twell_cp_async16(&Bs[s][rr[q]][kc[q]], (kok && bok[q]) ? brow[q] + r : brow[q],
+                         kok && bok[q]);
       }
     };
 
     float acc[2][4][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+    twell_acc_zero(acc);
 
     // (The previous item's ring reads ended at the barrier after its k-loop, and its
     // reads of `part`, which the ring overwrites, at its closing cluster barrier.)
 #pragma unroll
     for (int j = 0; j < HR_STAGES - 1; ++j) {
       if (j < nkb) stage_in(j);
-      cp_async_commit();
+      twell_cp_async_commit();
     }
     for (int kb = 0; kb < nkb; ++kb) {
-      cp_async_wait<HR_STAGES - 2>();
+      twell_cp_async_wait<HR_STAGES - 2>();
       __syncthreads();
       if (kb + HR_STAGES - 1 < nkb) stage_in(kb + HR_STAGES - 1);
-      cp_async_commit();
+      twell_cp_async_commit();
       const int s = kb % HR_STAGES;
       uint4 a[2][2], b[4];
 #pragma unroll
@@ -241,17 +218,13 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
           twell_mma_bf16(acc[mt][nt], a[mt][0].z, a[mt][1].z, a[mt][0].w, a[mt][1].w, b[nt].z, b[nt].w);
         }
     }
-    cp_async_wait<0>();
+    twell_cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring, which `part` overwrites
 
     // The fragments to shared memory; after the barrier, every CTA's are readable.
     if constexpr (HR_SPLIT > 1) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part[(mt * 4 + nt) * 4 + e][tid] = acc[mt][nt][e];
+      for (int v = 0; v < 32; ++v) part[v][tid] = twell_acc_value(acc, v);
       twell_cluster_sync();
     }
     // This CTA finishes the values v = V rank .. V rank + V - 1 (V = 32 / HR_SPLIT) of
@@ -262,17 +235,17 @@ twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
     for (int p = 0; p < V / 2; ++p) {
       const int v = V * (int)rank + 2 * p;
       const int mt = v >> 4, nt = (v >> 2) & 3, half = (v >> 1) & 1;
-      const int col = cb * DT_COLS + wn * 32 + nt * 8 + 2 * t;
-      const int i = rb * DT_ROWS + wm * 32 + mt * 16 + g + 8 * half;
+      const int col = cb * TC_TILE + wn * 32 + nt * 8 + 2 * t;
+      const int i = rb * TC_TILE + wm * 32 + mt * 16 + g + 8 * half;
       float v0 = 0.f, v1 = 0.f;
       if constexpr (HR_SPLIT == 1) {
-        v0 = acc[p >> 3][(p >> 1) & 3][2 * (p & 1)];
-        v1 = acc[p >> 3][(p >> 1) & 3][2 * (p & 1) + 1];
+        v0 = twell_acc_value(acc, v);
+        v1 = twell_acc_value(acc, v + 1);
       } else {
 #pragma unroll
         for (int q = 0; q < HR_SPLIT; ++q) {  // rank order: fixed
-          v0 += __uint_as_float(twell_ld_remote_u32(smem_u32(&part[v][tid]), (uint32_t)q));
-          v1 += __uint_as_float(twell_ld_remote_u32(smem_u32(&part[v + 1][tid]), (uint32_t)q));
+          v0 += __uint_as_float(twell_ld_remote_u32(twell_smem_addr(&part[v][tid]), (uint32_t)q));
+          v1 += __uint_as_float(twell_ld_remote_u32(twell_smem_addr(&part[v + 1][tid]), (uint32_t)q));
         }
       }
       if (col < OUTC && i < count)

@@ -25,6 +25,7 @@ SOURCE = declare(
         dependent=("twell_heavy_rows_matmul", "twell_compact_rows"),
         constants={"HR_FLAG_ROWS": FLAG_ROWS},
         examples=tuple({"HR_SPLIT": s, "HR_STAGES": d} for s in (1, 2, 4, 8) for d in (3, 5)),
+        headers=("tensor_core.cuh",),
     )
 )
 #: Splits of the reduction ``twell_heavy_rows_matmul`` is built for (CTAs of a cluster).
