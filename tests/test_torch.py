@@ -129,7 +129,9 @@ def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:
     assert sparsify(other) == 0
     with torch.no_grad():
         after = model(x)
-    torch.testing.assert_close(after, before)
+    # On the CPU the sparse layers run twell's reference, whose gate values are bf16 (as
+    # TwELL stores them): the dense float32 model's output within that rounding.
+    assert float((after - before).norm() / before.norm()) < 1e-2
 
 
 def _cuda_reason() -> str | None:

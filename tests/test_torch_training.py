@@ -227,7 +227,7 @@ def test_autocast_bf16_with_fp32_master_weights_on_cpu() -> None:
         assert relative_error(got.double().numpy(), want) < 2e-2
 
 
-def test_inference_path_unchanged_and_clears_the_statistics() -> None:
+def test_inference_path_runs_the_reference_and_clears_the_statistics() -> None:
     problem = workloads.heavy(48, 64, 256, seed=3)
     mlp = _mlp(problem)
     sparse = SparseMLP.from_module(mlp)
@@ -236,7 +236,9 @@ def test_inference_path_unchanged_and_clears_the_statistics() -> None:
     assert sparse.l1 is not None
     with torch.no_grad():
         y = sparse(x)
-        torch.testing.assert_close(y, mlp(x))  # dense torch math on CPU, as before
+    want = reference.ffn(*(np.asarray(a, np.float64) for a in
+                           (problem.x, problem.w_gate, problem.w_up, problem.w_down)))  # fmt: skip
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-12, atol=1e-12)  # the CPU op's oracle
     assert sparse.l1 is None and sparse.l0 is None
 
 
@@ -319,7 +321,8 @@ def test_state_dict_round_trip_keeps_names_and_layouts() -> None:
     sparse.load_state_dict(dense.state_dict())
     x = torch.randn(6, 32)
     with torch.no_grad():
-        torch.testing.assert_close(sparse(x), dense(x))
+        got, want = sparse(x), dense(x)  # the CPU reference: bf16 gate values
+        assert float((got - want).norm() / want.norm()) < 1e-2
     back = Decoder(32, 256, layers=2)
     back.load_state_dict(sparse.state_dict())
     for a, b in zip(back.parameters(), dense.parameters(), strict=True):
@@ -444,9 +447,10 @@ def test_auto_capacity_covers_the_last_count_with_headroom() -> None:
 def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """AutoCapacity.choose on counts fed by hand (an event that has passed): up at once,
-    down only after AUTO_PATIENCE calls in a row asked for less, to the most they asked."""
-    from twell.autograd import AutoCapacity
+    """AutoCapacity.choose on counts fed by hand (events that have passed): each choice
+    reads the count of AUTO_LAG calls before; up at once, down only after AUTO_PATIENCE
+    calls in a row asked for less, to the most they asked."""
+    from twell.autograd import AUTO_LAG, AutoCapacity
     from twell.options import AUTO_PATIENCE
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -457,28 +461,34 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
 
     auto = AutoCapacity()
 
+    def feed(count: int, m: int = 16384) -> None:
+        auto._pending.append((torch.tensor([count], dtype=torch.int32), Passed(), m))
+
     def after(count: int, m: int = 16384) -> float:
-        auto._host, auto._m, auto._event = torch.tensor([count], dtype=torch.int32), m, Passed()
+        """Record a call's count, then choose for the next call (which reads the count
+        recorded AUTO_LAG calls before it)."""
+        feed(count, m)
         return auto.choose()
 
     assert auto.choose() == 0.0  # nothing recorded yet
+    for _ in range(AUTO_LAG - 1):
+        feed(0)
     assert after(0) == 0.0
-    assert after(3000) == 1 / 4
-    assert after(5000) == 1.0
-    for _ in range(AUTO_PATIENCE - 1):
+    assert after(3000) == 0.0  # not yet read: the count of AUTO_LAG calls before is 0
+    for _ in range(AUTO_LAG - 2):
+        after(3000)
+    assert after(5000) == 1 / 4
+    for _ in range(AUTO_LAG - 1):
+        after(100)
+    assert auto.fraction == 1.0
+    for _ in range(AUTO_PATIENCE - 1):  # these read the counts of 100
         assert after(100) == 1.0
     assert after(0) == 1 / 64  # the most the last AUTO_PATIENCE calls asked for
-    for _ in range(AUTO_PATIENCE - 1):
-        assert after(0 if _ % 2 else 20) == 1 / 64
-    assert after(300) == 1 / 16  # up at once, the count of lower calls starts over
+    assert len(auto._free) >= 1  # the pinned buffers are reused
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert auto.choose() == 0.0 and auto.fraction == 1 / 16  # a capture runs without
-    auto._event = Passed()
-    assert auto.choose() == 0.0 and auto._event is not None  # nothing read while capturing
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    for _ in range(AUTO_PATIENCE):
-        after(0)
-    assert auto.fraction == 0.0
+    pending = len(auto._pending)
+    assert auto.choose() == 0.0 and auto.fraction == 1 / 64  # a capture runs without
+    assert len(auto._pending) == pending  # nothing read while capturing
 
 
 def test_auto_capacity_survives_a_deep_copy() -> None:
@@ -489,7 +499,7 @@ def test_auto_capacity_survives_a_deep_copy() -> None:
     mlp._auto.fraction = 1 / 16
     twin = copy.deepcopy(mlp)
     assert twin._auto is not mlp._auto and twin._auto.fraction == 1 / 16
-    assert twin._auto._event is None and twin._auto._host is None
+    assert not twin._auto._pending and not twin._auto._free
 
 
 def test_training_block_is_a_prepared_block_without_the_host_check() -> None:

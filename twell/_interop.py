@@ -48,13 +48,17 @@ def _numpy_to_torch() -> dict[np.dtype, Any]:
     return {v: k for k, v in _torch_dtypes().items()}
 
 
-def cupy_view(tensor: Any) -> Any:
-    """A CuPy array over a C-contiguous CUDA tensor's memory (the tensor stays its owner)."""
+def cupy_view(tensor: Any, *, borrow: bool = False) -> Any:
+    """A CuPy array over a C-contiguous CUDA tensor's memory. The view keeps the tensor
+    alive, unless ``borrow``: then whoever holds the view must make sure the tensor's
+    memory outlives it (twell.inference's registry drops its blocks when their weights'
+    storage dies)."""
     import cupy
 
     dtype = _torch_dtypes()[tensor.dtype]
     nbytes = tensor.numel() * dtype.itemsize
-    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, tensor, tensor.device.index)
+    owner = None if borrow else tensor
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, owner, tensor.device.index)
     return cupy.ndarray(tuple(tensor.shape), dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
@@ -108,9 +112,13 @@ def _torch_stream(device_index: int) -> Any:
 
 
 @contextlib.contextmanager
-def on_gpu(library: str, arrays: dict[str, Any]) -> Iterator[tuple[dict[str, Any], Any]]:
+def on_gpu(
+    library: str, arrays: dict[str, Any], *, borrow: bool = False
+) -> Iterator[tuple[dict[str, Any], Any]]:
     """CuPy views of ``arrays`` (CuPy or torch, validated: C-contiguous, one device) on
-    their device and the caller's current stream, with the caller's allocator.
+    their device and the caller's current stream, with the caller's allocator
+    (``borrow``: views of torch tensors that do not keep them alive, see
+    :func:`cupy_view`).
 
     Yields:
         ``(views, to_caller)``: the CuPy arrays, and a function that turns a CuPy result
@@ -126,7 +134,10 @@ def on_gpu(library: str, arrays: dict[str, Any]) -> Iterator[tuple[dict[str, Any
     if library == "torch":
         index = first.device.index
         buffers = TorchBuffers(first.device)
-        views = {k: None if a is None else cupy_view(a.detach()) for k, a in arrays.items()}
+        views = {
+            k: None if a is None else cupy_view(a.detach(), borrow=borrow)
+            for k, a in arrays.items()
+        }
         with (
             cupy.cuda.Device(index),
             _torch_stream(index),

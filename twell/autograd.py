@@ -62,6 +62,7 @@ count words; not differentiable).
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,11 @@ import torch
 
 from twell._graphs import OpGraphs
 from twell.options import AUTO_PATIENCE, Options, auto_capacity, check_geometry
+
+#: How many calls back ``dense_capacity="auto"`` reads a layer's heavy-row count
+#: (:class:`AutoCapacity`): the call of the step before the last, long finished when
+#: the next one is launched.
+AUTO_LAG = 2
 
 __all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward", "l0_from_packed"]
 
@@ -337,48 +343,134 @@ def _ffn_train(
     options: Options,
     reduction: str,
     graphs: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`ffn_train`'s outputs and the forward's heavy-row count (int32 ``[1]``)."""
+    *,
+    lazy_l0: bool = False,
+) -> tuple[torch.Tensor, Any, Any, torch.Tensor]:
+    """:func:`ffn_train`'s outputs and the forward's heavy-row count (int32 ``[1]``).
+
+    Eager calls on CUDA run the implementations through :class:`_EagerTraining` (no
+    dispatcher: an op call through it costs hundreds of microseconds of host time);
+    CPU tensors and code that ``torch.compile`` traces take the custom ops. ``lazy_l0``:
+    the L0 comes back as a :class:`LazyL0` (computed when read)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y, l1, packed, _, _, count, _ = ffn_train_forward(
-        x2, w_gate, w_up, w_down, options.tile, options.slots,
-        -1 if options.max_row_nnz is None else options.max_row_nnz, options.fixed_capacity,
-        reduction, graphs,
-    )  # fmt: skip
-    return y.reshape(x.shape), l1, l0_from_packed(packed.detach(), options.slots), count
+    settings = (options.tile, options.slots,
+                -1 if options.max_row_nnz is None else options.max_row_nnz,
+                options.fixed_capacity, reduction, bool(graphs))  # fmt: skip
+    if x2.is_cuda and not torch.compiler.is_compiling():
+        y, l1, packed, count = _EagerTraining.apply(x2, w_gate, w_up, w_down, settings)
+    else:
+        y, l1, packed, _, _, count, _ = ffn_train_forward(x2, w_gate, w_up, w_down, *settings)
+    if lazy_l0 and not torch.compiler.is_compiling():
+        l0: Any = LazyL0(packed, options.slots)
+    else:
+        l0 = l0_from_packed(packed.detach(), options.slots)
+    return y.reshape(x.shape), l1, l0, count
+
+
+class LazyL0:
+    """A layer's L0 (mean active units per token) computed from its TwELL count words
+    when first read (``float()``, :meth:`tensor`): an eager training step that does not
+    log it pays nothing for it."""
+
+    __slots__ = ("_packed", "_slots", "_value")
+
+    def __init__(self, packed: torch.Tensor, slots: int) -> None:
+        self._packed, self._slots, self._value = packed, slots, None
+
+    def tensor(self) -> torch.Tensor:
+        """The L0 as a float32 scalar tensor on the layer's device."""
+        if self._value is None:
+            self._value = l0_from_packed(self._packed.detach(), self._slots)
+            self._packed = None
+        return self._value
+
+    def __float__(self) -> float:
+        return float(self.tensor())
+
+    def __repr__(self) -> str:
+        return f"LazyL0({float(self):.3f})"
+
+
+class _EagerTraining(torch.autograd.Function):
+    """The training ops' autograd for eager CUDA calls, calling their implementations
+    directly (with op graphs when asked). Same numbers as the ops: the same functions
+    run."""
+
+    @staticmethod
+    def forward(ctx: Any, x, w_gate, w_up, w_down, settings):  # noqa: ANN001, ANN205
+        tile, slots, max_row_nnz, dense_capacity, reduction, graphs = settings
+        _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+        args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
+        if graphs:
+            outputs = _FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
+        else:
+            outputs = _forward_cuda(*args)
+        y, l1, packed, heavy, ids, count, up = outputs
+        ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count, up)
+        ctx.settings = settings
+        ctx.mark_non_differentiable(packed, count)
+        ctx.set_materialize_grads(False)
+        return y, l1, packed, count
+
+    @staticmethod
+    def backward(ctx: Any, dy, dl1, *_unused):  # noqa: ANN001, ANN205
+        x, w_gate, w_up, w_down, packed, heavy, ids, count, up = ctx.saved_tensors
+        if dy is None and dl1 is None:
+            return None, None, None, None, None
+        tile, slots, max_row_nnz, dense_capacity, reduction, graphs = ctx.settings
+        if dy is not None:
+            dy = dy.contiguous()
+        if x.shape[0] == 0:
+            grads = _zero_grads(x, w_gate, w_up, w_down)
+        else:
+            args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, tile,
+                    slots, max_row_nnz, dense_capacity, reduction)  # fmt: skip
+            if graphs:
+                grads = _BACKWARD_GRAPHS(_backward_cuda, args, pinned=_BACKWARD_WEIGHTS)
+            else:
+                grads = _backward_cuda(*args)
+        dx, dw_gate, dw_up, dw_down = grads
+        needs = ctx.needs_input_grad
+        return (
+            dx if needs[0] else None,
+            dw_gate if w_gate is not None and needs[1] else None,
+            dw_up if needs[2] else None,
+            dw_down if needs[3] and dy is not None else None,  # the L1 term needs no w_down
+            None,
+        )
 
 
 class AutoCapacity:
     """``dense_capacity="auto"`` for one layer's training calls on CUDA: each call's
-    capacity comes from the heavy-row counts of the layer's earlier calls
-    (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 at the first call). A call's
-    count is copied to pinned memory behind an event as the call is launched; the next
-    call waits for that event, normally long passed (a step's GPU work lies between
-    them), and reads it. So the choice is a function of the data and the calls before,
-    the same in every run of a program from the same start (the bits repeat), and no
-    call waits for its own GPU work. The choice changes time and rounding, not what is
-    computed: the capacity rows' GEMMs round their products to bf16 as dense bf16 math
-    does, twell's own tiles keep them in fp32, and no row is ever dropped. It is not
-    part of a state dict (a resumed run starts again at 0), and each process of a
-    distributed run chooses on its own data. Inside a CUDA-graph capture of the caller's
-    own the capacity is 0 and nothing is read or recorded: a captured step is replayed
-    for as long as the caller likes, and a capacity chosen while the model was still
-    dense would cost full-size GEMMs in every replay (pass a fixed ``dense_capacity`` to
-    capture one)."""
+    capacity comes from the heavy-row count of the layer's call :data:`AUTO_LAG` calls
+    before (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 until then). A call's
+    count is copied to pinned memory behind an event as the call is launched; the choice
+    reads the copy of a call that lies a whole training step or more in the past, which
+    has long landed: the host never waits for the GPU unless it runs more than
+    ``AUTO_LAG - 1`` steps ahead of it (then it waits for that old call, not for its own
+    work). The choice is a function of the data and the calls before, the same in every
+    run of a program from the same start (the bits repeat). It changes time and
+    rounding, not what is computed: the capacity rows' GEMMs round their products to
+    bf16 as dense bf16 math does, twell's own tiles keep them in fp32, and no row is ever
+    dropped. It is not part of a state dict (a resumed run starts again at 0), and each
+    process of a distributed run chooses on its own data. Inside a CUDA-graph capture of
+    the caller's own the capacity is 0 and nothing is read or recorded: a captured step
+    is replayed for as long as the caller likes, and a capacity chosen while the model
+    was still dense would cost full-size GEMMs in every replay (pass a fixed
+    ``dense_capacity`` to capture one)."""
 
     def __init__(self) -> None:
         self.fraction = 0.0
-        self._host: torch.Tensor | None = None
-        self._event: Any = None
-        self._m = 0
+        self._pending: collections.deque[tuple[torch.Tensor, Any, int]] = collections.deque()
+        self._free: list[torch.Tensor] = []
         self._lower = 0  # calls in a row that asked for less than `fraction`
         self._lower_max = 0.0  # the most they asked for
 
     def __getstate__(self) -> dict[str, Any]:
-        # a copy (copy.deepcopy of a model, pickling) keeps the choice, not the copy in
+        # a copy (copy.deepcopy of a model, pickling) keeps the choice, not the copies in
         # flight: CUDA events and pinned buffers are not copied
         return {"fraction": self.fraction}
 
@@ -387,17 +479,19 @@ class AutoCapacity:
         self.fraction = state["fraction"]
 
     def choose(self) -> float:
-        """The capacity (a fraction of M) for the next call: up at once to what the last
-        count asks for; down only after ``AUTO_PATIENCE`` calls in a row asked for less
-        (then to the most any of them asked), so a count that wavers around a level
-        does not switch between two launch sequences (and two op graphs) every step."""
+        """The capacity (a fraction of M) for the next call: up at once to what the count
+        of :data:`AUTO_LAG` calls before asks for; down only after ``AUTO_PATIENCE`` calls
+        in a row asked for less (then to the most any of them asked), so a count that
+        wavers around a level does not switch between two launch sequences (and two op
+        graphs) every step."""
         if torch.cuda.is_current_stream_capturing():
             return 0.0
-        if self._event is None:
+        if len(self._pending) < AUTO_LAG:
             return self.fraction
-        self._event.synchronize()
-        self._event = None
-        asked = auto_capacity(int(self._host[0]), self._m)
+        host, event, m = self._pending.popleft()
+        event.synchronize()  # recorded AUTO_LAG calls ago: normally long done
+        asked = auto_capacity(int(host[0]), m)
+        self._free.append(host)
         if asked >= self.fraction:
             self.fraction, self._lower, self._lower_max = asked, 0, 0.0
         else:
@@ -412,12 +506,12 @@ class AutoCapacity:
         the current stream), unless a capture is running."""
         if torch.cuda.is_current_stream_capturing():
             return
-        if self._host is None:
-            self._host = torch.empty((1,), dtype=torch.int32, pin_memory=True)
-        self._host.copy_(count.reshape(1), non_blocking=True)  # on count's device
-        self._m = m
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(count.device))
+        host = self._free.pop() if self._free else torch.empty((1,), dtype=torch.int32,
+                                                               pin_memory=True)  # fmt: skip
+        host.copy_(count.reshape(1), non_blocking=True)  # on count's device
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(count.device))
+        self._pending.append((host, event, m))
 
 
 # ---------------------------------------------------------------------- CPU: reference

@@ -309,39 +309,29 @@ class SparseFFN:
         self._prepared = None
         if self.library != "numpy":
             self._device = _device_id(inputs.arrays["w_up"])
-            with on_gpu(inputs.library, inputs.arrays) as (g, _):
-                self._prepared = _kernels().PreparedBlock(
-                    g.get("w_gate"), g["w_up"], g["w_down"], self.options
-                )
-            # The graph cache refers to the prepared block, not to self: no reference
-            # cycle, so a dropped SparseFFN frees its graphs at once rather than in a later
-            # garbage collection that may fall inside someone else's graph capture.
-            prepared, density = self._prepared, self._prepared.density
-            auto = self.options.auto_capacity
-
-            def decision(m: int, read: bool) -> tuple[bool, float]:
-                dense = density.go_dense(m, capturing=not read)
-                return dense, density.capacity(m) if auto and not dense else 0.0
-
-            self._graphed = GraphedBlock(
-                lambda x: _eager_torch(prepared, x),
-                decision,
-                prepared._graph_scratch,
-                density.measure_next if self.options.density_switch else None,
-            )
+            self._prepared, self._graphed = prepare_gpu(inputs.library, inputs.arrays,
+                                                        self.options)  # fmt: skip
         # The torch call a model makes most (contiguous [..., K], on the weights' GPU, a
         # float dtype): recognised by a few attribute reads instead of the full check.
-        self._fast_torch: tuple[type, frozenset] | None = None
+        self._fast_torch: tuple[type, frozenset, Any] | None = None
         if self.library == "torch":
             import torch
 
             floats = frozenset(getattr(torch, name) for name in TORCH_FLOATS)
-            self._fast_torch = (torch.Tensor, floats)
+            self._fast_torch = (torch.Tensor, floats, torch.compiler.is_compiling)
 
     @property
     def gated(self) -> bool:
         """Whether the block has a gate projection."""
         return self._weights["w_gate"][0] is not None
+
+    def _compiled(self, x: Any) -> Any:
+        """The call as ``torch.compile`` sees it: the op ``twell::ffn`` (twell.inference),
+        whose implementation prepares the weights once more, in its own registry."""
+        from twell import inference
+
+        w = self._weights
+        return inference.ffn(x, w["w_gate"][0], w["w_up"][0], w["w_down"][0], self.options)
 
     def __repr__(self) -> str:
         n, k = self.shape
@@ -358,6 +348,8 @@ class SparseFFN:
         """
         k = self.shape[1]
         fast = self._fast_torch
+        if fast is not None and fast[2]():  # torch.compile is tracing: one opaque op
+            return self._compiled(x)
         if (
             fast is not None
             and isinstance(x, fast[0])
@@ -397,6 +389,58 @@ class SparseFFN:
             return _restore(self._graphed(inputs.arrays["x"]), inputs)
         with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
             return _restore(self._prepared(d["x"]), inputs, to_caller)
+
+
+def check_weights(weights: dict[str, Any], options: Options) -> None:
+    """The checks :class:`SparseFFN` makes of its weights (``{"w_gate": ..., "w_up": ...,
+    "w_down": ...}`` in ``torch.nn.Linear`` layouts; ``w_gate`` may be None)."""
+    _validate(
+        weights={"w_gate": (weights["w_gate"], "NK"), "w_up": (weights["w_up"], "NK"),
+                 "w_down": (weights["w_down"], "KN")},
+        tile=options.tile, slots=options.slots,
+    )  # fmt: skip
+
+
+def prepare_gpu(
+    library: str, weights: dict[str, Any], options: Options, *, borrow: bool = False
+) -> tuple[Any, GraphedBlock]:
+    """The :class:`~twell.kernels.pipeline.PreparedBlock` of validated GPU weights
+    (``{"w_gate": ..., "w_up": ..., "w_down": ...}``, CuPy or torch) and the
+    :class:`~twell._graphs.GraphedBlock` that replays its torch calls.
+
+    ``borrow`` (torch weights): the prepared block reads the weights without keeping
+    them alive (twell.inference's registry, which drops a block when its weights'
+    storage dies). Inside a CUDA-graph capture the weights are not checked on the host
+    (that would synchronise): the block then runs dense math, which is right for any
+    weights."""
+    capturing = library == "torch" and _torch_capturing()
+    with on_gpu(library, weights, borrow=borrow) as (g, _):
+        prepared = _kernels().PreparedBlock(
+            g.get("w_gate"), g["w_up"], g["w_down"], options, check_weights=not capturing
+        )
+    # The graph cache refers to the prepared block, not to its owner: no reference cycle,
+    # so a dropped SparseFFN frees its graphs at once rather than in a later garbage
+    # collection that may fall inside someone else's graph capture.
+    density = prepared.density
+    auto = options.auto_capacity
+
+    def decision(m: int, read: bool) -> tuple[bool, float]:
+        dense = density.go_dense(m, capturing=not read)
+        return dense, density.capacity(m) if auto and not dense else 0.0
+
+    graphed = GraphedBlock(
+        lambda x: _eager_torch(prepared, x),
+        decision,
+        prepared._graph_scratch,
+        density.measure_next if options.density_switch else None,
+    )
+    return prepared, graphed
+
+
+def _torch_capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _eager_torch(prepared: Any, x: Any) -> Any:

@@ -13,17 +13,22 @@ modules (sharing their parameters, no copy: the state dict keeps the names
 
 What runs where:
 
-- No gradient needed (``torch.no_grad()``/``inference_mode()``), CUDA tensors: twell's
-  GPU kernels, through a :class:`twell.SparseFFN` prepared on first use and rebuilt
-  whenever a weight changes (tracked by the tensors' version counters). CPU tensors:
-  dense torch math.
+- No gradient needed (``torch.no_grad()``/``inference_mode()``): the op ``twell::ffn``
+  (:mod:`twell.inference`): on CUDA the GPU kernels, through a block prepared on first
+  use and rebuilt whenever a weight changes (tracked by the tensors' version counters);
+  on CPU the float64 NumPy reference.
 - Gradients needed (training), ``train_kernels=True`` (the default): the custom ops
   ``twell::ffn_train_forward`` / ``twell::ffn_train_backward`` (:mod:`twell.autograd`):
-  the GPU kernels for CUDA tensors, the float64 NumPy reference for CPU tensors. They
-  work with autograd, ``torch.compile(fullgraph=True)`` and CUDA graphs, and keep only
-  the compressed activations (TwELL words, heavy-row ids, and the gated block's up
-  products of the active units, 4 bytes each) for the backward.
-  ``train_kernels=False``: dense torch math.
+  the GPU kernels for CUDA tensors, the float64 NumPy reference for CPU tensors. Eager
+  CUDA calls run the same implementations without the dispatcher, and replay op graphs
+  for batches up to :data:`OP_GRAPH_TOKENS` tokens (``op_graphs``). The backward keeps
+  only the compressed activations (TwELL words, heavy-row ids, and the gated block's up
+  products of the active units, 4 bytes each). ``train_kernels=False``: dense torch
+  math.
+
+Every path is one opaque op to ``torch.compile`` (``fullgraph=True`` in every mode,
+CUDA graphs included, as transformers' static-cache ``generate`` uses them): dynamo never
+traces twell's launch code.
 
 Training with the L1 penalty: every forward that records gradients leaves the layer's
 L1 term in ``mlp.l1`` (a differentiable float32 scalar) and its L0 in ``mlp.l0`` (mean
@@ -57,11 +62,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from twell.autograd import REDUCTIONS, AutoCapacity, _ffn_train
-from twell.ops import SparseFFN
+from twell import inference
+from twell.autograd import REDUCTIONS, AutoCapacity, LazyL0, _ffn_train
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
 __all__ = ["SparseMLP", "is_relu_mlp", "l0_per_layer", "l1_penalty", "sparsify"]
+
+#: Largest batch (tokens) whose eager training calls replay op graphs by default
+#: (``SparseMLP(op_graphs=None)``): up to it the host's ~40 launches per op set the
+#: time; above, the GPU work hides them and the graphs' copies would only cost.
+OP_GRAPH_TOKENS = 16384
 
 
 def _is_relu(act: Any) -> bool:
@@ -98,18 +108,17 @@ class SparseMLP(nn.Module):
             (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
         reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
             entries) or ``"per_token"`` (sum over units, mean over tokens).
-        op_graphs: on CUDA, the training ops replay a CUDA graph of their launches
-            from the second step with the same batch shape on (eager training loops: a
-            replay costs the host about one launch instead of ~40; the activations are
-            copied into the graph's buffers and the outputs out of them, ~5% of the
-            bytes the block's kernels move). Memory: each layer's two graphs keep their
-            own copies of the ops' inputs and outputs (``x``, ``dy``, ``y``, ``dx``, the
-            TwELL words and the weight gradients: about 0.12 GB per layer for K = 1024,
-            N = 2816 and 16k tokens; a 6-layer model on one H200 peaked at 6.6 GB
-            against 5.9 without), per batch shape; two-GPU runs gained nothing from
-            them (perf-log). Their replays must not run on two streams at once
+        op_graphs: whether eager training calls on CUDA replay a CUDA graph of the
+            ops' launches (from the second call with the same batch shape and weights
+            on): a replay costs the host about one launch instead of ~40, and the
+            activations are copied into the graph's buffers and the outputs out of them.
+            None (default): on for batches of at most :data:`OP_GRAPH_TOKENS` tokens,
+            where the host's launches would otherwise set the step's time. Memory: each
+            layer's two graphs keep their own copies of the ops' inputs and outputs
+            (``x``, ``dy``, ``y``, ``dx``, the TwELL words and the weight gradients) per
+            batch shape. Replays of one op must not run on two streams at once
             (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph capture of
-            the caller's own.
+            the caller's own or under ``torch.compile``.
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden
@@ -137,7 +146,7 @@ class SparseMLP(nn.Module):
         dense_capacity: float | str = "auto",
         train_kernels: bool = True,
         reduction: str = "mean",
-        op_graphs: bool = False,
+        op_graphs: bool | None = None,
     ) -> None:
         super().__init__()
         for name, layer in (
@@ -163,14 +172,16 @@ class SparseMLP(nn.Module):
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+        if op_graphs is not None and not isinstance(op_graphs, bool):
+            raise TypeError(f"op_graphs: expected a bool or None, got {type(op_graphs).__name__}")
         self.train_kernels = bool(train_kernels)
         self.reduction = reduction
-        self.op_graphs = bool(op_graphs)
+        self.op_graphs = op_graphs
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.l1: torch.Tensor | None = None
-        self.l0: torch.Tensor | None = None
-        self._block: SparseFFN | None = None
-        self._block_key: tuple | None = None
+        self._l0: torch.Tensor | LazyL0 | None = None
+        # The inference op's trailing arguments (constants for torch.compile).
+        self._arguments = inference.op_arguments(self.options)
 
     @classmethod
     def from_module(cls, mlp: nn.Module, **kwargs: Any) -> SparseMLP:
@@ -199,29 +210,37 @@ class SparseMLP(nn.Module):
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
 
-    def prepared(self) -> SparseFFN:
-        """The :class:`twell.SparseFFN` of the current weights (rebuilt after a change).
+    @property
+    def l0(self) -> torch.Tensor | None:
+        """The mean number of active units per token at the last forward with gradients
+        (float32 scalar tensor, no gradient; computed when first read), else None."""
+        l0 = self._l0
+        return l0.tensor() if isinstance(l0, LazyL0) else l0
 
-        A change is seen through the weights' version counters, and the cached block is
-        also dropped by every training forward and every ``train()``/``eval()`` switch:
-        optimizers that write parameters without moving their version counter (fused
-        AdamW, writes through ``.data``) would otherwise leave a stale block behind.
+    @l0.setter
+    def l0(self, value: torch.Tensor | None) -> None:
+        self._l0 = value
+
+    def prepared(self) -> Any:
+        """The prepared inference block of the current CUDA weights (twell.inference's
+        registry: rebuilt after a weight changed in place).
+
+        A change is seen through the weights' version counters; the block is also
+        dropped by every training forward and every ``train()``/``eval()`` switch:
+        optimizers that write parameters without moving their version counter (writes
+        through ``.data``) would otherwise leave a stale block behind.
         """
-        weights = self._weights()
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
-        if self._block is None or key != self._block_key:
-            o = self.options
-            self._block = SparseFFN(
-                *(w.detach() for w in weights), tile=o.tile, slots=o.slots, path=o.path,
-                max_row_nnz=o.max_row_nnz, dense_capacity=o.dense_capacity,
-                density_switch=o.density_switch,
-            )  # fmt: skip
-            self._block_key = key
-        return self._block
+        return inference.block_for(*self._weights(), self.options)
+
+    def _forget(self) -> None:
+        w = self._weights()
+        if w[1].is_cuda:
+            inference.forget(*w)
 
     def train(self, mode: bool = True) -> SparseMLP:
-        """``nn.Module.train``; also drops the cached inference block (see :meth:`prepared`)."""
-        self._block = None
+        """``nn.Module.train``; also drops the prepared inference block (see
+        :meth:`prepared`)."""
+        self._forget()
         return super().train(mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,30 +250,40 @@ class SparseMLP(nn.Module):
             x.requires_grad or any(w.requires_grad for w in weights)
         )
         if not needs_grad:
-            self.l1 = self.l0 = None
-            if x.is_cuda:
-                return self.prepared()(x.contiguous())
-            return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+            self.l1 = self._l0 = None
+            return inference.ffn(x, *weights, self.options, self._arguments)
+        compiling = torch.compiler.is_compiling()
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
             # The op sees the autocast dtype for x; fp32 master weights go in as they are
             # (the kernels round them to bf16; their gradients come back in fp32).
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        self._block = None  # the weights are about to change: no stale inference block
+        if not compiling:
+            self._forget()  # the weights are about to change: no stale inference block
         if self.train_kernels:
-            auto = self._auto if x.is_cuda and not torch.compiler.is_compiling() else None
+            auto = self._auto if x.is_cuda and not compiling else None
             options = self.options if auto is None else self._options_at(auto.choose())
-            y, l1, l0, count = _ffn_train(x, *weights, options, self.reduction, self.op_graphs)
+            y, l1, l0, count = _ffn_train(
+                x, *weights, options, self.reduction, self._graphs(x), lazy_l0=True
+            )
             if auto is not None:
                 auto.record(count, x.numel() // x.shape[-1])
         else:
             y, l1, l0 = self._dense(x)
-        self.l1, self.l0 = l1, l0
-        if y.requires_grad and not torch.compiler.is_compiling():
+        self.l1, self._l0 = l1, l0
+        if y.requires_grad and not compiling:
             hook = _detach_l1_hook(self, l1)
             y.register_hook(hook)  # the task loss's backward reaches the layer
             if l1.requires_grad:
                 l1.register_hook(hook)  # or a backward of the L1 term alone does
         return y
+
+    def _graphs(self, x: torch.Tensor) -> bool:
+        """Whether this training call replays op graphs (``op_graphs``; None: on CUDA for
+        batches of at most :data:`OP_GRAPH_TOKENS` tokens, where the host's launches
+        would otherwise set the time)."""
+        if self.op_graphs is not None:
+            return self.op_graphs
+        return x.is_cuda and x.numel() // x.shape[-1] <= OP_GRAPH_TOKENS
 
     def _options_at(self, fraction: float) -> Options:
         """``self.options`` with dense capacity ``fraction`` (cached per value)."""
@@ -316,7 +345,7 @@ def sparsify(
     dense_capacity: float | str = "auto",
     train_kernels: bool = True,
     reduction: str = "mean",
-    op_graphs: bool = False,
+    op_graphs: bool | None = None,
 ) -> int:
     """Replace every Llama-style ReLU MLP inside ``model`` by a :class:`SparseMLP`.
 

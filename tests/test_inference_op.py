@@ -1,0 +1,195 @@
+"""The inference op ``twell::ffn`` on the CPU: registration (opcheck), fake tensors,
+``torch.compile(fullgraph=True)`` over SparseMLP and SparseFFN, errors, and the
+registry of prepared blocks (with the GPU preparation replaced by a stub)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from twell import inference, reference, workloads  # noqa: E402
+from twell.options import Options  # noqa: E402
+from twell.torch import SparseMLP  # noqa: E402
+
+ARGS = inference.op_arguments(Options())
+
+
+def _weights(k: int = 32, n: int = 256, gated: bool = True, dtype=torch.float32, seed: int = 0):
+    p = workloads.uniform(8, k, n, p=0.05, seed=seed)
+    w = [None if not gated else p.w_gate, p.w_up, p.w_down]
+    return [None if a is None else torch.from_numpy(np.asarray(a, np.float32)).to(dtype)
+            for a in w], torch.from_numpy(np.asarray(p.x, np.float32)).to(dtype)  # fmt: skip
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(k, n, bias=False)
+        self.up_proj = nn.Linear(k, n, bias=False)
+        self.down_proj = nn.Linear(n, k, bias=False)
+        self.act_fn = nn.ReLU()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("shape", [(8,), (2, 4), (0,)])
+def test_opcheck(gated: bool, shape: tuple[int, ...]) -> None:
+    """torch.library.opcheck: schema, fake implementation against the real one (shapes,
+    dtypes, strides), and the op under dynamo/AOT (dynamic shapes included)."""
+    (wg, wu, wd), x = _weights(gated=gated)
+    x = x[: int(np.prod(shape))].reshape(*shape, x.shape[-1])
+    torch.library.opcheck(inference.ffn_op, (x, wg, wu, wd, *ARGS))
+
+
+def test_the_cpu_op_is_the_reference() -> None:
+    (wg, wu, wd), x = _weights(dtype=torch.float64)
+    y = inference.ffn_op(x.reshape(2, 4, -1), wg, wu, wd, *ARGS)
+    want = reference.ffn(x.numpy(), wg.numpy(), wu.numpy(), wd.numpy())
+    assert y.shape == (2, 4, x.shape[-1]) and y.dtype == torch.float64
+    np.testing.assert_allclose(y.reshape(8, -1).numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_fake_tensors_give_the_output_shape() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    (wg, wu, wd), x = _weights(dtype=torch.bfloat16)
+    x = x.reshape(2, 4, -1)
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        fw = [mode.from_tensor(w) for w in (wg, wu, wd)]
+        y = inference.ffn_op(fx, *fw, *ARGS)
+    assert tuple(y.shape) == (2, 4, x.shape[-1]) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda x, wg, wu, wd: (x[:, :-8], wg, wu, wd), "x: expected shape"),
+        (lambda x, wg, wu, wd: (x, wg[:-1], wu, wd), "w_gate: expected shape"),
+        (lambda x, wg, wu, wd: (x, wg, wu, wd.T.contiguous()), "w_down: expected shape"),
+        (lambda x, wg, wu, wd: (x, wg[:128], wu[:128], wd[:, :128]), "not a multiple of tile"),
+    ],
+)
+def test_bad_shapes_raise_before_anything_runs(change, message: str) -> None:
+    (wg, wu, wd), x = _weights()
+    args = [a.contiguous() for a in change(x, wg, wu, wd)]
+    with pytest.raises(ValueError, match=message):
+        inference.ffn_op(*args, *ARGS)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(a) for a in args]
+    with mode, pytest.raises(ValueError, match=message):
+        inference.ffn_op(*fakes, *ARGS)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_sparse_mlp_is_one_op_in_a_full_graph(backend: str) -> None:
+    """fullgraph=True: dynamo must not break the graph anywhere in SparseMLP's inference
+    path; the compiled module gives the eager module's numbers."""
+    torch.manual_seed(0)
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    x = torch.randn(3, 5, 32)
+    compiled = torch.compile(mlp, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), mlp(x), rtol=0, atol=0)
+        torch.testing.assert_close(compiled(x[:, :2]), mlp(x[:, :2]), rtol=0, atol=0)
+    assert mlp.l1 is None and mlp.l0 is None
+
+
+def test_compiled_graph_holds_the_op() -> None:
+    """What dynamo records for SparseMLP's inference: the op twell::ffn, nothing of
+    twell's launch code."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    graphs = []
+
+    def backend(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm)
+        return gm.forward
+
+    counter = CompileCounterWithBackend(backend)
+    with torch.no_grad():
+        torch.compile(mlp, fullgraph=True, backend=counter)(torch.randn(4, 32))
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert counter.frame_count == 1 and "twell.ffn.default" in targets
+
+
+def test_compiled_functional_sparse_ffn_on_the_cpu() -> None:
+    import twell
+
+    (wg, wu, wd), x = _weights()
+    block = twell.SparseFFN(wg.numpy(), wu.numpy(), wd.numpy())  # NumPy: the reference
+    want = block(x.numpy())
+
+    def f(x):  # noqa: ANN001, ANN202
+        return inference.ffn(x, wg, wu, wd, Options())
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x.double())
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- registry
+class _Stub:
+    """What prepare_gpu returns, without a GPU."""
+
+    builds = 0
+
+    def __init__(self) -> None:
+        _Stub.builds += 1
+        self.run = lambda x: x
+
+    def __call__(self, x):  # noqa: ANN001, ANN204
+        return x
+
+
+@pytest.fixture
+def stub_gpu(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    import twell.ops
+
+    monkeypatch.setattr(twell.ops, "prepare_gpu", lambda *a, **k: (object(), _Stub()))
+    monkeypatch.setattr(twell.ops, "check_weights", lambda *a, **k: None)
+    monkeypatch.setattr(inference, "_blocks", {})
+    _Stub.builds = 0
+    yield
+
+
+def test_registry_reuses_a_block_until_a_weight_changes(stub_gpu) -> None:  # noqa: ANN001
+    (wg, wu, wd), _ = _weights()
+    options = Options()
+    first = inference.block_for(wg, wu, wd, options)
+    assert inference.block_for(wg, wu, wd, options) is first and _Stub.builds == 1
+    # Another view of the same memory is the same weight.
+    assert inference.block_for(wg.detach(), wu, wd, options) is first
+    # Other options: another block.
+    assert inference.block_for(wg, wu, wd, Options(slots=16)) is not first
+    with torch.no_grad():
+        wu.mul_(2)  # an in-place change moves the version counter
+    second = inference.block_for(wg, wu, wd, options)
+    assert second is not first and _Stub.builds == 3
+    inference.forget(wg, wu, wd)  # .data writes: the module drops its blocks by hand
+    assert inference.block_for(wg, wu, wd, options) is not second
+
+
+def test_registry_drops_the_blocks_of_freed_weights(stub_gpu) -> None:  # noqa: ANN001
+    (wg, wu, wd), _ = _weights()
+    inference.block_for(wg, wu, wd, Options())
+    assert len(inference._blocks) == 1
+    del wg
+    gc.collect()
+    (wg2, wu2, wd2), _ = _weights(seed=1)
+    inference.block_for(wg2, wu2, wd2, Options())  # a build sweeps the dead entries
+    assert len(inference._blocks) == 1
+
+
+def test_a_copy_of_the_same_values_is_another_weight(stub_gpu) -> None:  # noqa: ANN001
+    (wg, wu, wd), _ = _weights()
+    first = inference.block_for(wg, wu, wd, Options())
+    assert inference.block_for(wg.clone(), wu, wd, Options()) is not first

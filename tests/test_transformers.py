@@ -1,0 +1,126 @@
+"""Hugging Face transformers as a client, on the CPU (twell's reference path): a tiny
+``LlamaForCausalLM`` with ReLU MLPs through ``sparsify`` — generate with the dynamic and
+the static cache (compiled, ``fullgraph=True``), a training step with ``labels=`` and the
+L1 term, and a ``save_pretrained``/``from_pretrained`` round trip. The GPU twins of these
+tests are in test_gpu_transformers.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from twell.torch import SparseMLP, l0_per_layer, l1_penalty, sparsify  # noqa: E402
+
+
+def tiny_llama(seed: int = 0, dtype=torch.float32):  # noqa: ANN001, ANN201
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, hidden_act="relu",
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _prompt(batch: int = 2, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def test_sparsify_replaces_every_mlp_and_keeps_the_logits() -> None:
+    model = tiny_llama()
+    ids = _prompt()
+    with torch.no_grad():
+        dense = model(ids).logits
+    assert sparsify(model) == 2
+    assert all(isinstance(layer.mlp, SparseMLP) for layer in model.model.layers)
+    with torch.no_grad():
+        sparse = model(ids).logits
+    # The reference rounds gate values to bf16 (as TwELL stores them).
+    assert float((sparse - dense).norm() / dense.norm()) < 1e-2
+
+
+def _generate(model, ids, **kwargs):  # noqa: ANN001, ANN202
+    return model.generate(ids, max_new_tokens=5, do_sample=False, **kwargs)
+
+
+def test_generate_with_the_dynamic_and_the_static_cache() -> None:
+    model = tiny_llama()
+    sparsify(model)
+    ids = _prompt()
+    dynamic = _generate(model, ids)
+    static = _generate(model, ids, cache_implementation="static")
+    assert dynamic.shape == (2, 11)
+    assert torch.equal(dynamic, static)
+
+
+def test_generate_with_a_compiled_static_cache_gives_the_eager_tokens() -> None:
+    """The static cache compiles the decode step (transformers does it for CUDA; here
+    forced on the CPU, with a backend that needs no C++ compiler): fullgraph, so any
+    graph break in twell's path fails the test."""
+    model = tiny_llama()
+    sparsify(model)
+    ids = _prompt()
+    eager = _generate(model, ids, cache_implementation="static")
+    config = transformers.CompileConfig(fullgraph=True, backend="aot_eager")
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = _generate(model, ids, cache_implementation="static", compile_config=config)
+    assert torch.equal(compiled, eager)
+
+
+def test_a_training_step_with_labels_and_the_l1_term() -> None:
+    """Loss, L1 term and every parameter's gradient as the dense twin's (whose MLPs
+    record the same per-token L1 term, see the fixture), then an AdamW step."""
+    model, dense = tiny_llama(), tiny_llama()
+    sparsify(model, reduction="per_token")
+    model.train()
+    dense.train()
+    ids = _prompt(2, 12)
+    out, ref = model(ids, labels=ids), dense(ids, labels=ids)
+    loss, ref_loss = float(out.loss.detach()), float(ref.loss.detach())
+    assert abs(loss - ref_loss) < 1e-2 * ref_loss
+    dense_l1 = sum(layer.mlp.l1_term for layer in dense.model.layers)
+    assert abs(float(l1_penalty(model)) - float(dense_l1)) < 2e-2 * float(dense_l1)
+    (out.loss + 1e-3 * l1_penalty(model)).backward()
+    (ref.loss + 1e-3 * dense_l1).backward()
+    assert len(l0_per_layer(model)) == 2
+    for (name, p), q in zip(model.named_parameters(), dense.parameters(), strict=True):
+        assert p.grad is not None, name
+        error = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
+        assert error < 3e-2, (name, error)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.fixture(autouse=True)
+def _dense_l1_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a dense LlamaMLP record its per-token L1 term (sum over units, mean over
+    tokens) in ``mlp.l1_term`` at each forward, as SparseMLP does in ``mlp.l1``."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    def forward(self, x):  # noqa: ANN001, ANN202
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        self.l1_term = h.abs().sum() / max(1, h.numel() // h.shape[-1])
+        return self.down_proj(h)
+
+    monkeypatch.setattr(LlamaMLP, "forward", forward)
+
+
+def test_save_pretrained_and_from_pretrained_round_trip(tmp_path) -> None:  # noqa: ANN001
+    model = tiny_llama()
+    sparsify(model)
+    ids = _prompt()
+    with torch.no_grad():
+        before = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert {k for k in loaded.state_dict()} == {k for k in model.state_dict()}
+    assert sparsify(loaded) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, before, rtol=0, atol=0)
