@@ -281,14 +281,7 @@ def _memory(torch_step: Any, twell_step: Any, buffers: Any) -> dict[str, Any]:
     import cupy as cp
     import torch
 
-    out: dict[str, Any] = {}
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    keep = torch_step(0)
-    torch.cuda.synchronize()
-    out["torch_peak_delta_bytes"] = torch.cuda.max_memory_allocated() - base
-    del keep
+    out: dict[str, Any] = {"torch_peak_delta_bytes": _peak_delta(torch_step)}
 
     pool = cp.get_default_memory_pool()
     cp.cuda.Device().synchronize()
@@ -306,14 +299,8 @@ def _memory(torch_step: Any, twell_step: Any, buffers: Any) -> dict[str, Any]:
         t = torch.empty(max(1, size), dtype=torch.uint8, device="cuda")
         return cp.from_dlpack(t)[:size].view(dtype).reshape(shape)
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     with buffers.allocating_with(torch_alloc):
-        keep = twell_step(0)
-    torch.cuda.synchronize()
-    out["twell_torch_allocator_peak_delta_bytes"] = torch.cuda.max_memory_allocated() - base
-    del keep
+        out["twell_torch_allocator_peak_delta_bytes"] = _peak_delta(twell_step)
     return out
 
 

@@ -5,68 +5,35 @@ Launch with torchrun, one process per GPU::
     torchrun --standalone --nproc_per_node 2 bench/train_distributed.py  # the record
     torchrun --nproc_per_node 2 bench/train_distributed.py --smoke --out /tmp/dist.json  # CPU, gloo
 
-For each variant (``dense``: the model as is; ``twell``: ``sparsify``'d MLPs trained with
-the L1 penalty and its warm-up, as in train_small.py) the script runs:
+For each variant (``dense``; ``twell``: ``sparsify``'d MLPs with the L1 penalty and its
+warm-up, as in train_small.py), from the same initial weights, at the same per-GPU batch:
 
-1. **one GPU**: every rank trains its own copy of the model alone for
-   ``--baseline-steps`` steps, with no communication, at the per-GPU batch (all ranks at
-   once, so each measures one GPU of the same machine);
-2. for each strategy, from the same initial weights, ``--steps`` steps at the same
-   per-GPU batch (each rank draws its own batches):
+1. **one GPU**: every rank trains its own copy alone for ``--baseline-steps`` steps (all
+   ranks at once, so each measures one GPU of the same machine);
+2. each strategy for ``--steps`` steps: ``ddp`` (``DistributedDataParallel``) and
+   ``fsdp`` (FSDP2 ``fully_shard`` on every block and on the model);
+3. **reference**: rank 0 alone at the *global* batch (step ``s``'s batch is the ranks'
+   batches of step ``s`` concatenated in rank order, :func:`draw_batch`), same schedules,
+   clipping and optimizer, as many steps as the distributed runs did.
 
-   - ``ddp``: ``DistributedDataParallel`` (gradients all-reduced in buckets);
-   - ``fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on every transformer block
-     and on the whole model (parameters, gradients and optimizer state sharded);
+The report (rank 0 writes ``--out``, JSON; by default
+``bench/results/<gpu>/train_distributed.json``) has, per run and rank, the training loss
+every ``--log-every`` steps, every step's time, tokens/s and peak memory; per strategy
+the all-reduced mean loss, the scaling efficiency ``tokens/s of the job / (world size *
+mean one-GPU tokens/s)`` and ``loss_vs_reference`` (:func:`compare_losses`): the
+distributed run's mean loss against the reference's at the steps both logged, matching
+when the mean of the last ``TAIL_LOGGED`` logged losses is within ``rtol`` and every
+logged step within ``STEP_RTOL_FACTOR * rtol``. Bitwise equality is impossible (other
+reduction orders and GEMM shapes, amplified by training; bf16 autocast rounds every
+matmul on CUDA), so ``rtol`` is 2% on CUDA, several times the drift between equivalent
+runs yet tight enough to flag a run that learns differently (unsynchronised gradients, a
+shifted schedule). On CPU (``--smoke``: fp32, no autocast) only the reduction order
+differs and ``rtol`` is 1e-3: the smoke runs agree to about 1e-7, a reference with half
+its batches replaced is off by about 2%.
 
-3. **reference**: rank 0 alone (the other ranks wait) trains the model from the same
-   initial weights on its one device at the *global* batch, ``world size * --batch``:
-   step ``s``'s batch is the concatenation, in rank order, of the batches the ranks draw
-   at step ``s`` in the distributed runs (every rank's batch generator is replayed; one
-   helper, :func:`draw_batch`, draws the batches of all runs), with the same lr schedule,
-   L1 coefficient schedule (twell), gradient clipping and optimizer (fused AdamW on CUDA,
-   as DDP; FSDP2's sharded parameters take the foreach path), for as many steps as the
-   distributed runs did.
-
-Both use bf16 autocast with fp32 parameters (as train_small.py). The report (rank 0
-writes ``--out``, JSON; by default ``bench/results/<gpu>/train_distributed.json``) has,
-per run and rank: the training loss every ``--log-every`` steps, the step times (median
-after ``--warmup-steps``), tokens/s, peak memory and the steps done; per strategy the
-all-reduced mean loss and the scaling efficiency: ``tokens/s of the whole job / (world
-size * mean one-GPU tokens/s)``. ``reference_runs`` holds the reference run of each
-variant (same fields, one device), and every DDP/FSDP run has ``loss_vs_reference``:
-
-- ``per_step``: at each step both runs logged, the reference's loss, the distributed
-  run's all-reduced mean loss, their absolute and relative difference;
-- ``max_abs_diff``, ``max_rel_diff``: over those steps;
-- ``final_step``, ``final_reference_loss``, ``final_distributed_loss``,
-  ``final_abs_diff``, ``final_rel_diff``: at the last step both logged (training loss;
-  there is no held-out evaluation here);
-- ``tail_steps``, ``tail_rel_diff``: the relative difference of the means of the last
-  ``TAIL_LOGGED`` (5) logged losses;
-- ``rtol`` and ``loss_matches``: ``tail_rel_diff <= rtol`` and every logged step's
-  ``rel_diff <= STEP_RTOL_FACTOR * rtol`` (3x).
-
-The tolerance: bitwise equality is impossible (the reductions run in other orders: DDP's
-bucketed all-reduce and FSDP2's reduce-scatter against one backward over the whole batch,
-and GEMMs of other shapes pick other kernels), and training amplifies the rounding
-differences step after step; on CUDA every matmul also rounds to bf16 under autocast
-(8-bit significand, up to 0.4% per rounding), so the runs drift apart while following the
-same loss curve. ``rtol`` is 2% on CUDA: several times the drift expected between such
-equivalent runs on identical batches, yet tight enough to flag a run that learns
-differently (gradients not synchronised across ranks, a shifted lr or L1 schedule, a
-diverging run). It cannot see every data error (batches of thousands of tokens differ
-little in loss, and AdamW largely ignores a gradient's overall scale), so batch identity
-is checked where rounding does not hide it: on CPU (``--smoke``: fp32, no autocast) only
-the reduction order differs and ``rtol`` is 1e-3; the smoke runs agree to about 1e-7,
-while a reference with half its batches replaced by other windows is off by about 2% in
-the last logged losses and 5% at single steps.
-
-``--max-minutes`` stops a run early (checked at the logged steps; DDP/FSDP ranks agree
-through the loss all-reduce); the report has ``steps_done``. The reference's limit is
-``world size`` times longer (each of its steps does the work of all ranks).
-
-``NCCL_NVLS_ENABLE=0`` is set for the job (NVLink SHARP multicast off; see the machines'
-notes).
+``--max-minutes`` stops a run early (checked at the logged steps; the ranks agree through
+the loss all-reduce); the reference's limit is world size times longer.
+``NCCL_NVLS_ENABLE=0`` is set for the job (NVLink SHARP multicast off).
 """
 
 from __future__ import annotations
@@ -193,18 +160,6 @@ def draw_batch(train_data: Any, config: train_small.Config, generators: list[Any
 
 
 # ---------------------------------------------------------------------- one run
-def optimizer_for(model: Any, config: train_small.Config, *, fused: bool) -> Any:
-    import torch
-
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": other, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=fused or None)
-
-
 def run(
     strategy: str,
     variant: str,
@@ -255,7 +210,7 @@ def run(
         fully_shard(model, mesh=mesh)
     # Fused AdamW on plain CUDA tensors; FSDP2's sharded DTensors take the foreach path.
     fused = device.type == "cuda" and strategy != "fsdp"
-    optimizer = optimizer_for(model, config, fused=fused)
+    optimizer = train_small.make_optimizer(model, config, fused=fused)
     train_data, _ = data
     ranks = range(world) if strategy == "reference" else [rank]
     generators = [batch_generator(config, r) for r in ranks]

@@ -262,15 +262,20 @@ def l1_coeff_at(config: Config, step: int) -> float:
     return config.l1_coeff * min(1.0, step / ramp)
 
 
-def make_optimizer(model: nn.Module, config: Config) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, config: Config, fused: bool | None = None
+) -> torch.optim.Optimizer:
+    """AdamW, weight decay on matrices only; fused on CUDA unless ``fused`` says otherwise
+    (FSDP2's sharded parameters take the foreach path)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": other, "weight_decay": 0.0},
     ]
-    fused = {"fused": True} if next(model.parameters()).is_cuda else {}
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), **fused)
+    if fused is None:
+        fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=fused or None)
 
 
 def autocast(device: torch.device) -> Any:

@@ -5,7 +5,7 @@
 // work item = 16 rows x 32 output columns; the block's 4 warps split the reduction
 // (interleaved 32-wide slices) and add their partial sums in a fixed order through shared
 // memory: deterministic. Each B element read from L2 serves 16 rows only, which is why
-// the tiled kernel (64 rows per B tile, cp.async ring) replaced it (docs/perf-log.md).
+// the tiled kernel (64 rows per B tile, cp.async ring) replaced it (docs/history.md).
 
 #define DR_WARPS 4
 #define DR_NT 4  // n8 tiles per work item (32 output columns)
