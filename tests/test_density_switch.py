@@ -1,4 +1,4 @@
-"""The density switch's rule (pipeline.DensitySwitch), from its statistics alone: which
+"""The density switch's rule (twell.kernels.density), from its statistics alone: which
 batch sizes and statistics send a call to dense math. The GPU side (the statistics
 measured on the device, read without a wait) is in tests/test_gpu_serving.py.
 """
@@ -11,13 +11,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from twell.kernels.pipeline import CROSSOVER, HEAVY_DENSE, DensitySwitch, crossover
+from twell.kernels.density import (
+    CROSSOVER,
+    HEAVY_DENSE,
+    REFRESH_EVERY,
+    DensitySwitch,
+    crossover,
+)
 
 N = 5632
 
 
-def switch(estimate: float | None, heavy_share: float = 0.0, enabled: bool = True):  # noqa: ANN201
-    s = DensitySwitch(N, row_limit=168, enabled=enabled)
+def switch(  # noqa: ANN201
+    estimate: float | None, heavy_share: float = 0.0, enabled: bool = True, auto: bool = False
+):
+    s = DensitySwitch(N, row_limit=168, enabled=enabled, auto=auto)
     s.estimate, s.heavy_share = estimate, heavy_share
     return s
 
@@ -37,9 +45,10 @@ def test_crossover_lies_between_its_neighbouring_points(m: int) -> None:
     assert lo - 1e-12 <= crossover(m) <= hi + 1e-12
 
 
+@pytest.mark.skipif(CROSSOVER[:1] != ((1, 0.2),), reason="the H100's crossover only")
 def test_measured_cases() -> None:
-    # H100, K=2048, N=5632 (docs/perf-log.md): uniform 0.5% of N active pays at 64 and
-    # 2048 tokens, not at 256; 2% pays at 16 tokens, not at 64
+    # H100, K=2048, N=5632: uniform 0.5% of N active pays at 64 and 2048 tokens, not at
+    # 256; 2% pays at 16 tokens, not at 64
     uniform, two_percent = 0.005 * N, 0.02 * N
     assert not switch(uniform).go_dense(64, False)
     assert switch(uniform).go_dense(256, False)
@@ -152,3 +161,33 @@ def test_measure_next_makes_the_next_eager_call_measure() -> None:
     off = DensitySwitch(N, row_limit=168, enabled=False)
     off.measure_next()
     assert not off._measures()
+
+
+def test_the_old_names_are_importable_from_the_pipeline() -> None:
+    from twell.kernels import density, pipeline
+
+    for name in ("CROSSOVER", "HEAVY_DENSE", "DensitySwitch", "crossover", "sample_rows"):
+        assert getattr(pipeline, name) is getattr(density, name)
+
+
+def test_the_decision_is_the_key_of_a_graph() -> None:
+    """What the call graphs (twell._graphs) read: ``decision(m, read)`` is ``(dense,
+    capacity)``, the capacity of ``"auto"`` only on sparse calls; ``refresh_every`` is
+    None with the switch off."""
+    share = 0.02  # 2% heavy at 16384 tokens: capacity 1/16
+    assert switch(28.0, share, auto=True).decision(16384, True) == (False, pytest.approx(1 / 16))
+    assert switch(28.0, share).decision(16384, True) == (False, 0.0)  # a fixed capacity
+    dense = switch(N, share, auto=True)
+    assert dense.decision(16384, True) == (True, 0.0)
+    hash(dense.decision(16384, False))
+    assert switch(None).refresh_every == REFRESH_EVERY
+    assert switch(None, enabled=False).refresh_every is None
+
+
+def test_the_decision_reads_landed_statistics_only_when_asked() -> None:
+    import numpy as np
+
+    s = switch(10.0)
+    s._pending = (np.array([float(N), 0.0], np.float32), _Landed())
+    assert s.decision(256, False) == (False, 0.0)  # a capture: the statistics in force
+    assert s.decision(256, True) == (True, 0.0)  # taken in

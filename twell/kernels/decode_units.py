@@ -26,20 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from twell import tuning
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare, device_info, launch_after
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.gate_gemm import tensor_map
 from twell.options import MAX_COLUMNS
 
-#: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels. On an
-#: H100 (K = 2048, N = 5632, uniform, weights read from DRAM) the route beats the
-#: per-token kernels up to 192 tokens (M = 64: 30.7 against 40.7 µs; 128: 37.5 against
-#: 48.9; 192: 49.5 against 53.0) and lost at 256 before its last two changes (61.7
-#: against 55.4; not measured since); docs/perf-log.md, 2026-11-23, fifth session. The
+#: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels (on an
+#: H100 the route is ahead up to 192 tokens: 49.5 against 53.0 µs at K=2048, N=5632). The
 #: routes sum in different orders, so a row's output bits depend on which side of this
 #: bound M lies.
-MAX_ROWS = 192
+MAX_ROWS: int = tuning.value("decode_units.MAX_ROWS")
 #: Most tokens the kernels take (the tensor-core gate: 64).
 MAX_TOKENS = 256
 #: Units of an m16 tile of the gate kernel and its threads; the down kernel's
@@ -52,17 +50,13 @@ DOWN_LANES = 4
 LIST = 512
 #: Most tokens whose down projection runs by a scan (``twell_units_down_scan``: one CTA
 #: per token and 32 columns of y, the token's units listed by a prefix sum) rather than by
-#: lists of eight-token groups (``twell_units_down``); a scan CTA has 64 or 128
-#: threads (:func:`scan_threads_for`; the output bits do not depend on it). H100,
-#: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM, scan
-#: (128 threads up to 8 tokens, 64 above) against lists: M=1 15.2-15.3 against 17.3-17.4
-#: us, 8 16.5-16.7 / 19.7, 16 17.6 / 20.3-20.6, 32 23.3-23.5 / 25.5-26.0, 48 26.5 / 28.2,
-#: 64 29.0-29.3 / 30.0-30.2; 96 35.5 / 34.6 (docs/perf-log.md, 2026-11-27, eighteenth
-#: session).
-SCAN_TOKENS = 64
+#: lists of eight-token groups (``twell_units_down``); a scan CTA has 64 or 128 threads
+#: (:func:`scan_threads_for`; the output bits do not depend on it). On an H100 the scan
+#: is ahead up to 64 tokens (29.2 against 30.1 µs) and behind at 96.
+SCAN_TOKENS: int = tuning.value("decode_units.SCAN_TOKENS")
 #: Mean kept units per token above which a scan CTA takes 128 threads at any token count
 #: (:func:`scan_threads_for`).
-SCAN_WIDE_UNITS = 36
+SCAN_WIDE_UNITS: int = tuning.value("decode_units.SCAN_WIDE_UNITS")
 #: Unit tiles per gate CTA by token count: (most tokens, tiles). The gate CTA reads all
 #: of x, so more tokens want more units per CTA (fewer CTAs reading x).
 UNIT_TILES = ((16, 1), (64, 2))
@@ -76,14 +70,9 @@ DOWN_COLUMNS = (32, 64, 128)
 SHARED_PER_SM = 227 * 1024
 STATIC_RESERVE = 4 * 1024
 #: Most tokens whose gate the gate/up kernel computes itself by default (mma.sync, every
-#: CTA reading all of x; :func:`gate_for`); the wgmma kernel above. H100, K = 2048,
-#: N = 5632, uniform, the block in a CUDA graph with the weights from DRAM (L2-warm in
-#: brackets), mma.sync against wgmma: M=1 14.4 / 14.6 us (11.5 / 13.2), 4 15.8 / 15.0
-#: (13.4 / 13.8), 8 16.4 / 15.8 (14.0 / 14.5), 12 17.0 / 17.0, 16 17.5 / 17.5 (15.6 / 15.6),
-#: 17 20.2 / 17.8, 20 20.5 / 18.4, 24 20.9 / 19.4 (20.1 / 17.9): from 17 tokens mma.sync
-#: covers 32 tokens a CTA; at 4-8 the two trade places between DRAM and L2, so mma.sync
-#: stays (docs/perf-log.md, 2026-11-27, twenty-first session).
-MMA_GATE_TOKENS = 16
+#: CTA reading all of x; :func:`gate_for`); the wgmma kernel above. From 17 tokens an
+#: mma.sync CTA covers 32 tokens (H100, 17 tokens: 20.2 µs against 17.8 for wgmma).
+MMA_GATE_TOKENS: int = tuning.value("decode_units.MMA_GATE_TOKENS")
 
 #: The gate's computation (``forward``'s ``gate``): ``"mma"`` in the gate/up kernel
 #: (mma.sync, every CTA reading all of x; at most 64 tokens), ``"cublas"`` (a GEMM into
@@ -91,13 +80,11 @@ MMA_GATE_TOKENS = 16
 #: a TMA ring and wgmma, then the up products in the same kernel; at most 64 tokens) and
 #: ``"wgmma_pre"`` (that kernel writing the pre-activation instead; measurements).
 GATES = ("mma", "cublas", "wgmma", "wgmma_pre")
-#: Most tokens whose gate the wgmma kernel computes by default (:func:`gate_for`; its
-#: tile has 64 rows), its 16-unit tiles per CTA and the depth of its TMA ring. H100,
-#: K = 2048, N = 5632, uniform, the block in a CUDA graph with the weights from DRAM,
-#: against the cuBLAS gate: M=32 20.4 against 22.3 us, M=64 28.2 against 28.5 (28.0 with
-#: six stages; 20.9 at M=32); with 64 units per CTA (88 CTAs) or 16 (352) it was slower
-#: (docs/perf-log.md, 2026-11-27, twentieth session).
-WGMMA_TOKENS = 64
+#: Most tokens whose gate the wgmma kernel computes by default (:func:`gate_for`; at most
+#: 64, its tile's rows), above them cuBLAS's GEMM (H100: 28.2 against 28.5 µs at 64
+#: tokens); then the kernel's 16-unit tiles per CTA and the depth of its TMA ring (64 or
+#: 16 units per CTA, or six stages, were slower).
+WGMMA_TOKENS: int = tuning.value("decode_units.WGMMA_TOKENS")
 WGMMA_UNIT_TILES = 2
 WGMMA_STAGES = 8
 
@@ -176,11 +163,9 @@ def scan_threads_for(m: int, units_per_token: float | None = None) -> int:
     """Threads of a scan CTA (64 or 128; the bits are the same) for ``m`` tokens that keep
     ``units_per_token`` units on average (the density switch's estimate; None: unknown).
     128 threads spread a token's units over 32 slots, 64 over 16 and make a grid of half
-    the warps. H100, K = 2048, N = 5632, the block in a CUDA graph with the weights from
-    DRAM, 64 against 128 threads: ``uniform`` (28 units a token) M=1 15.4 / 15.3 us, 8 16.7
-    / 16.7, 16 17.6 / 18.0, 32 23.3 / 25.4, 64 29.0 / 33.1; ``paperlike`` (47 on average,
-    a few tokens with hundreds) M=8 29.6 / 22.6, 16 30.6 / 23.8, 32 35.5 / 28.5, 64 39.4
-    / 35.8 (docs/perf-log.md, 2026-11-27, eighteenth session)."""
+    the warps: 64 are ahead for tokens of few units past 8 tokens (H100, ``uniform``,
+    28 units a token, M=64: 29.0 against 33.1 µs), 128 for tokens of many
+    (``paperlike``, 47 on average, M=64: 35.8 against 39.4)."""
     heavy = units_per_token is not None and units_per_token > SCAN_WIDE_UNITS
     return 128 if m <= 8 or heavy else 64
 

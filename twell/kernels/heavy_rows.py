@@ -13,11 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from twell import tuning
 from twell.kernels.buffers import alloc, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info, launch_after
 
-#: Most rows :func:`matmul` takes as flags (compacting them itself).
-FLAG_ROWS = 1024
+#: Most rows :func:`matmul` takes as flags (compacting them itself, in shared memory:
+#: at most 1024), and so the most tokens of an inference call whose heavy rows skip
+#: :func:`compact_rows` (one launch less, about 3.5 µs on an H100; flags the
+#: kernels scan byte by byte in every CTA cost more above 1024 tokens).
+FLAG_ROWS: int = tuning.value("heavy_rows.FLAG_ROWS")
 SOURCE = declare(
     Source(
         "heavy_rows.cu",
@@ -44,7 +48,7 @@ def split_for(outc: int) -> int:
 
     With few heavy rows (the common case, and what fixes the stage's cost) there is one
     64-row block: 32 tiles for the down projection of a 2048-wide model (split 8), 88 for
-    its up projection (split 4). Measured on an H100 (``bench/dev_heavy_rows.py``)."""
+    its up projection (split 4), the fastest splits on an H100."""
     tiles = math.ceil(outc / 64)
     return next((s for s in SPLITS if tiles * s <= TARGET_CTAS), 1)
 
@@ -115,7 +119,7 @@ def matmul(
     :data:`STAGES`), no workspace. ``overlap``: launched to start while the kernel
     before it ends (:func:`twell.kernels.compile.launch_after`); on an H100 that saved
     ~1.5 µs per forward pass where the stage found no row, and cost 1.4–2.5 where it had
-    rows (``bench/dev_pdl.py``). Returns None (no buffer to keep alive; the callers'
+    rows. Returns None (no buffer to keep alive; the callers'
     CUDA-graph scratch lists take what it returns).
     """
     outc, red = b.shape

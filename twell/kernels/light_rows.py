@@ -28,10 +28,8 @@ from twell.options import LIST_CAPACITY
 ROW_WARPS = 1
 #: Blocks per SM the one-warp kernels' register budget is sized for (their launch bound,
 #: at K <= 2048; 8 above): 16 gives 124-127 registers and 16 resident warps per SM, 8
-#: gave 140-158 and 12. Measured on an H100 (bench/dev_row_occupancy.py, the whole
-#: block in CUDA graphs, K = 2048, N = 5632, ms, 8 / 16): M = 2048 0.179 / 0.163 (2048
-#: tokens fit one wave of 16 warps per SM, not of 12), M = 1536 0.128 / 0.131, 3072
-#: 0.241 / 0.243, 4096 0.326 / 0.323, 8192 0.584 / 0.582, 16384 1.141 / 1.126.
+#: gave 140-158 and 12, and 2048 tokens then took two waves (H100, K=2048, N=5632, the
+#: block at M=2048: 0.163 ms against 0.179).
 ROW_MIN_BLOCKS = 16
 #: The fused kernels' scan of a pre-activation tile: two bf16 per instruction (halfword
 #: compares), empty tiles skipped after one ballot (1); or one value at a time (0).
@@ -40,11 +38,9 @@ SCAN_SIMD = 1
 #: picks 4 or 2, see :func:`wide_warps`).
 WIDE_WARPS = 8
 #: The wide kernels: one unit's rows in flight per warp, or two (more registers: used
-#: while a grid of four warps per token still fits in one wave, K <= WIDE2_KDIM). Measured
-#: on an H100 (bench/dev_wide.py, K = 2048, N = 5632, µs per launch in a graph, four warps
-#: per token, one unit / two units): uniform M = 64 29.4 / 28.0, M = 128 31.0 / 28.7,
-#: M = 256 35.9 / 35.8; paperlike M = 128 47.2 / 41.0, M = 256 51.9 / 43.7; past one wave
-#: (M = 384) 42.8 / 60.4.
+#: while a grid of four warps per token still fits in one wave, K <= WIDE2_KDIM; H100,
+#: K=2048, N=5632, ``paperlike`` at 256 tokens: 43.7 µs against 51.9 for one unit, and
+#: past one wave, at 384 tokens, 60.4 against 42.8).
 WIDE = "twell_light_rows_from_pre_wide"
 WIDE2 = "twell_light_rows_from_pre_wide2"
 WIDE2_KDIM = 2048
@@ -77,12 +73,8 @@ def wide_warps(m: int, sms: int, warps_per_sm: int) -> int:
     most of 4 and 2 whose blocks (one per token) all fit on ``sms`` SMs at once, given
     ``warps_per_sm`` resident warps of the wide kernel, else 1 (the one-warp kernel).
 
-    Measured on an H100 (bench/dev_wide.py, K = 2048, N = 5632, µs per launch in a graph,
-    W = 1 / 2 / 4 / 8 warps per token): uniform M = 256 51.7 / 44.0 / 36.6 / 39.4,
-    M = 512 53.6 / 48.3 / 46.3 / 72.9, M = 1024 64.2 / 63.1 / 81.1 / 132, M = 1536 79.4 /
-    98.5 / 116 / 193; paperlike M = 512 116 / 82.6 / 62.1 / 76.3, M = 1024 116 / 91.8 /
-    92.7 / 136. A grid of more than one wave of blocks loses to the one-warp kernel (M =
-    1536 with W = 2)."""
+    A grid of more than one wave of blocks loses to the one-warp kernel (H100, K=2048,
+    N=5632, 1536 tokens: 98.5 µs with two warps a token against 79.4 with one)."""
     for warps in (4, 2):
         if m <= (warps_per_sm // warps) * sms:
             return warps

@@ -18,19 +18,17 @@ from typing import Any
 
 import numpy as np
 
+from twell import tuning
 from twell.kernels.buffers import u16
 from twell.kernels.compile import Source, declare, launch_after, max_active_clusters
 from twell.options import LIST_CAPACITY
 
 #: Up to this many tokens (M <= DECODE_ROWS_BELOW), ``light_rows.from_pre`` runs this
-#: kernel; above, light_rows.cu's. The two sum in different orders, so a row's output
-#: bits depend on which side of this bound M lies (and, here, on M and the device's
-#: cluster count); within one kernel they are identical run to run. Measured on an H100
-#: (K = 2048, N = 5632, µs per launch in a CUDA graph, this kernel vs the wide one):
-#: uniform M = 1 12.5 vs 26.8, M = 64 gated 22.8 vs 31.6, non-gated 12.9 vs 39.3;
-#: paperlike M = 64 gated 48.5 vs 44.6, non-gated 27.4 vs 68.5; uniform M = 256 gated
-#: 75.2 vs 39.4 (bench/decode/check_decode.py).
-DECODE_ROWS_BELOW = 64
+#: kernel; above, light_rows.cu's (H100, K=2048, N=5632, gated, 64 tokens: 22.8 µs against
+#: 31.6; at 256 tokens 75.2 against 39.4). The two sum in different orders, so a row's
+#: output bits depend on which side of this bound M lies (and, here, on M and the
+#: device's cluster count); within one kernel they are identical run to run.
+DECODE_ROWS_BELOW: int = tuning.value("light_rows_decode.DECODE_ROWS_BELOW")
 #: Threads per CTA, CTAs per cluster, and the dynamic shared memory of a CTA (the sm_90
 #: opt-in maximum: one CTA per SM; the kernel sizes its staging ring to fit and
 #: static_asserts that its layout does).

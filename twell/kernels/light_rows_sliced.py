@@ -15,21 +15,18 @@ from typing import Any
 
 import numpy as np
 
+from twell import tuning
 from twell.kernels.backward import row_capacity
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
 #: When the "fused" route takes this stage (:func:`pays`): gathered weights (``w_up`` and
-#: ``w_down_t``; non-gated ``w_down_t``) of at least this many bytes (96 MiB), about twice
-#: an H100's L2, and at least this many tokens (only gated blocks were measured).
-#: Measured on an H100 (gated, M=16384, ms; the sliced stage after cuBLAS + pack): at
-#: K=4096, N=14336 (235 MB of the two) it beat the per-token gather (p = 0.003: 4.90
-#: against 6.14; p = 0.005: 6.03 against 8.13), at M=4096 too (1.43 against 1.57 for the
-#: "pack" route); at M=2048 it lost (0.84 against 0.80); at K=2048, N=5632 (46 MB) it
-#: lost (1.34 against 1.19, then with the gate_gemm.cu gate). docs/perf-log.md,
-#: 2026-11-23, sixth session.
-WEIGHT_BYTES = 96 << 20
-MIN_ROWS = 4096
+#: ``w_down_t``; non-gated ``w_down_t``) of at least this many bytes, about twice the L2
+#: (H100: 96 MiB), and at least this many tokens (gated blocks measured). On an H100, at
+#: K=4096, N=14336 (235 MB of the two) and M=16384 it took 6.03 ms against 8.13 for the
+#: per-token gather; at K=2048, N=5632 (46 MB) 1.34 against 1.19.
+WEIGHT_BYTES: int = tuning.value("light_rows_sliced.WEIGHT_BYTES")
+MIN_ROWS: int = tuning.value("light_rows_sliced.MIN_ROWS")
 #: Entries whose weight pieces a warp loads at once.
 SLICE_UNITS = 8
 #: Rows (warps) per block of every kernel here.

@@ -37,7 +37,7 @@ cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
 
 - a weight holds NaN or Inf (checked once, when the block is prepared): dense math then
   spreads it to outputs no sparse path would touch (``0 * NaN``), and twell keeps that;
-- the activations are too dense for the sparse path to pay (:class:`DensitySwitch`).
+- the activations are too dense for the sparse path to pay (twell.kernels.density).
 
 Nothing synchronises with the host, so a forward pass can be captured in a CUDA graph;
 no step uses atomics, so the same inputs give the same output bits.
@@ -46,20 +46,27 @@ no step uses atomics, so the same inputs give the same output bits.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from twell import tuning
 from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.backward import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16, keep_for_graph
 from twell.kernels.convert import as_bf16, from_bf16, transpose
 from twell.kernels.cublas import gemm_nt
+from twell.kernels.density import (  # noqa: F401 - the policy's names, importable here too
+    CROSSOVER,
+    HEAVY_DENSE,
+    DensitySwitch,
+    crossover,
+    sample_rows,
+)
 from twell.kernels.pack import pack
-from twell.options import Options, auto_capacity, check_width
+from twell.options import Options, check_width
 
 
 @dataclass
@@ -104,6 +111,7 @@ class PreparedBlock:
         check_weights: bool = True,
     ) -> None:
         self.options = options
+        tuning.check_device(_device_name(w_up.device.id))  # thresholds of another GPU model?
         self.w_gate = None if w_gate is None else as_bf16(w_gate)
         self.w_up = as_bf16(w_up)
         self.w_down = as_bf16(w_down)
@@ -114,7 +122,9 @@ class PreparedBlock:
         self.weights_finite: bool | None = (
             _all_finite(self.w_gate, self.w_up, self.w_down) if check_weights else None
         )
-        self.density = DensitySwitch(self.n, self.max_row_nnz, options.density_switch)
+        self.density = DensitySwitch(
+            self.n, self.max_row_nnz, options.density_switch, options.auto_capacity
+        )
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
 
     def _keep(self, buffers: list[Any]) -> None:
@@ -236,6 +246,13 @@ def capturing() -> bool:
     return cupy.cuda.get_current_stream().is_capturing()
 
 
+@functools.cache
+def _device_name(device: int) -> str:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["name"].decode()
+
+
 def _all_finite(*weights: Any) -> bool:
     import cupy
 
@@ -252,225 +269,6 @@ def dense_block(block: PreparedBlock, x: Any, y: Any) -> list[Any]:
     heavy_rows.relu_mul(g, u, g)
     gemm_nt(g, block.w_down, y)
     return [g, u]
-
-
-#: Where the sparse path stops paying, by batch size: ``(M, mean active units per row as
-#: a fraction of N)`` at which the default route and :func:`dense_block` take the same
-#: time, measured on an H100 at K=2048, N=5632 (``bench/dev_crossover.py``, CUDA graphs,
-#: weights from DRAM; docs/perf-log.md). Linear in log2(M) between the points, constant
-#: past the ends. Decode batches gain up to high densities (the by-unit route reads each
-#: active unit once for all tokens); near 256 tokens the dense GEMMs are at their most
-#: efficient per token and the sparse routes at their least; prefill batches gain up to
-#: about 1%. Points up to 192 tokens from the eighth session; from 256 on, the fifteenth
-#: session's (``--mid``, record ``..._2026-11-26_crossover_mid.json``: the fused route
-#: with the SIMD scan; before, 256 0.22%, 512 0.45%, 1024 0.6%, 2048 0.7%, 4096 0.95%,
-#: 8192 1%).
-CROSSOVER = (
-    (1, 0.2), (4, 0.1), (16, 0.05), (32, 0.02), (64, 0.012), (128, 0.0065), (192, 0.0045),
-    (256, 0.0032), (384, 0.0056), (512, 0.0066), (768, 0.0083), (1024, 0.0072),
-    (1536, 0.0078), (2048, 0.0086), (3072, 0.009), (4096, 0.0099), (8192, 0.0113),
-)  # fmt: skip
-#: Batch sizes ``[low, high)`` at which a single heavy row makes the dense path pay: the
-#: heavy-row stage costs 40-91 µs at K=2048, N=5632 whatever the number of heavy rows
-#: (a full read of w_up and w_down for a few rows), which is most of the sparse path's
-#: gain below about 4096 tokens; in the by-unit route a token with hundreds of units
-#: holds up its token group from 48 tokens on (docs/perf-log.md).
-HEAVY_DENSE = (48, 4096)
-
-
-@functools.lru_cache(maxsize=1024)
-def crossover(m: int) -> float:
-    """:data:`CROSSOVER` at ``m`` tokens (a fraction of N); cached (every replayed call
-    asks: whoever changes :data:`CROSSOVER` calls ``crossover.cache_clear()``)."""
-    points = CROSSOVER
-    if m <= points[0][0]:
-        return points[0][1]
-    for (m0, f0), (m1, f1) in zip(points, points[1:], strict=False):
-        if m <= m1:
-            t = (math.log2(m) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
-            return float(f0 + t * (f1 - f0))
-    return points[-1][1]
-
-
-class DensitySwitch:
-    """Decides, without a host synchronisation, when a batch is too dense for the sparse
-    path, from the statistics of the calls before.
-
-    Every :attr:`EVERY`-th eager call (and the one after :meth:`measure_next`: the call
-    graphs' refresh calls, twell._graphs.REFRESH) measures on the device the mean number
-    of active units per row (from a strided sample of :attr:`SAMPLE_ROWS` rows: their TwELL count
-    words when the route packed them, else their positive pre-activations; the dense path
-    samples its own gate GEMM the same way; the by-unit route counts every row from its
-    masks) and the share of heavy rows, and copies both to pinned host memory behind an
-    event. A heavy row is one the route left to the dense path (more than ``max_row_nnz``
-    units, a tile past its slots, or a non-finite value: the route's flags, every row); the
-    by-unit route and the dense path, which have no flags, count rows above
-    ``max_row_nnz`` active units (every row). A batch of fewer than
-    :attr:`SHARE_ROWS` rows leaves the share as it was (one decode token would set it to
-    0 or 1). A later call reads them only
-    once the event has completed, so the host never waits; the decision follows the data
-    with a lag of a few calls. An ``m``-token call runs :func:`dense_block` when the mean
-    is above :meth:`threshold` (``m``) or when it expects a heavy row and ``m`` lies in
-    :data:`HEAVY_DENSE` (docs/design.md). Inside a CUDA-graph capture nothing is measured
-    or read: the statistics in force decide.
-
-    Both paths are correct; they round differently, so the same input gives the same
-    bits as long as the decision stays the same (``dense`` tells which one ran last).
-    """
-
-    #: Rows sampled for an estimate (strided over the batch).
-    SAMPLE_ROWS = 64
-    #: Eager calls between two estimates: an estimate costs a few small launches and
-    #: reductions (on an H100's host, about 0.1–0.3 ms per call when done every call).
-    EVERY = 8
-    #: Fewest rows whose share of heavy rows is taken.
-    SHARE_ROWS = 16
-
-    def __init__(self, n: int, row_limit: int, enabled: bool = True) -> None:
-        self.n = n
-        self.row_limit = row_limit
-        self.enabled = enabled
-        self.estimate: float | None = None  # mean active units per row
-        self.heavy_share = 0.0  # share of heavy rows
-        self.dense = False
-        self._pending: tuple[Any, Any] | None = None
-        self._calls = 0
-        self._due = False
-
-    def threshold(self, m: int) -> float:
-        """Mean active units per row above which an ``m``-token call runs dense math
-        (:func:`crossover` of N, at least 8)."""
-        return max(8.0, self.n * crossover(m))
-
-    def go_dense(self, m: int, capturing: bool) -> bool:
-        """Whether an ``m``-token call runs the dense path (reads a finished estimate,
-        never waits; inside a capture, reads nothing)."""
-        if not capturing and self._pending is not None and self._pending[1].done:
-            estimate, share = (float(v) for v in self._pending[0])
-            self.estimate = estimate
-            if not math.isnan(share):  # NaN: too few rows to tell
-                self.heavy_share = share
-            self._pending = None
-        low, high = HEAVY_DENSE
-        self.dense = (
-            self.enabled
-            and self.estimate is not None
-            and (self.estimate > self.threshold(m) or (low <= m < high and self.expects_heavy(m)))
-        )
-        return self.dense
-
-    def expects_heavy(self, m: int) -> bool:
-        """Whether an ``m``-token call is expected to hold a heavy row (by the last
-        measured share; none measured: no)."""
-        return self.heavy_share * m >= 0.5
-
-    def measure_next(self) -> None:
-        """Make the next eager call measure, whatever :attr:`EVERY` says (the call graphs'
-        refresh calls, twell._graphs.REFRESH: otherwise only one of every EVERY of them
-        would); with an estimate still in flight, the first call after it lands."""
-        self._due = self.enabled
-
-    def _measures(self) -> bool:
-        """Whether this eager call measures (counts the call)."""
-        self._calls += 1
-        if not self.enabled or self._pending is not None:
-            return False
-        if not self._due and self._calls % self.EVERY != 1:
-            return False
-        self._due = False
-        return True
-
-    def capacity(self, m: int) -> float:
-        """``dense_capacity="auto"`` for an ``m``-token call: the capacity
-        (:func:`twell.options.auto_capacity`) for the heavy rows the statistics in force
-        expect, ``heavy_share * m`` (0 before the first statistics or with the switch off)."""
-        if not self.enabled or self.estimate is None:
-            return 0.0
-        return auto_capacity(math.floor(self.heavy_share * m + 0.5), m)
-
-    def observe_masks(self, masks: Any) -> None:
-        """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
-        every row: a few tokens, so all of them are counted). A row that keeps every unit
-        (a non-finite x: its gate is NaN everywhere) is left out of the mean, as long as
-        one row is not, and counts as heavy."""
-        import cupy
-
-        if not self._measures():
-            return
-        counts = _popcount8(masks.device.id)[masks.view(cupy.uint8)].sum(axis=1, dtype=cupy.float32)
-        usual = counts < 16 * masks.shape[1]
-        taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
-        per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
-        heavy = None
-        if masks.shape[0] >= self.SHARE_ROWS:
-            heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(per_row, heavy)
-
-    def observe(self, packed: Any | None, pre: Any, slots: int, heavy: Any | None = None) -> None:
-        """Start the estimate of this call (a few small kernels and an async copy): the
-        mean from a row sample; the share of heavy rows from ``heavy``, the route's uint8
-        row flags, or without them (the dense path) from every row of ``pre``."""
-        import cupy
-
-        if not self._measures():
-            return
-        m = pre.shape[0] if packed is None else packed.shape[0]
-        rows = sample_rows(m, self.SAMPLE_ROWS)
-        if packed is not None:
-            words = packed[rows, ::slots][: self.SAMPLE_ROWS]
-            counts = words.sum(axis=1, dtype=cupy.float32)
-        else:
-            sample = pre[rows][: self.SAMPLE_ROWS].view(cupy.int16)
-            counts = (sample > 0).sum(axis=1, dtype=cupy.float32)
-        if m < self.SHARE_ROWS:
-            share = None
-        elif heavy is not None:
-            share = (heavy != 0).mean(dtype=cupy.float32)
-        else:
-            # Every row where the share decides the path (a sample misses the rare heavy
-            # rows); above, the sample (the share then only sizes "auto", and counting
-            # every row would take a temporary of M x N bytes).
-            rows_in = pre if m < HEAVY_DENSE[1] else pre[rows][: self.SAMPLE_ROWS]
-            units = (rows_in.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
-            share = (units > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(counts.mean(), share)
-
-    def _publish(self, per_row: Any, heavy: Any | None) -> None:
-        """Copy the device statistics to pinned memory behind an event (read by go_dense);
-        ``heavy`` None (a batch under :attr:`SHARE_ROWS` rows) publishes NaN: the share in
-        force stays."""
-        import cupy
-
-        if heavy is None:
-            heavy = cupy.full((), np.nan, dtype=cupy.float32)
-        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.float32, 2)
-        cupy.stack([per_row.reshape(()), heavy.reshape(())]).get(out=host, blocking=False)
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record()
-        self._pending = (host, event)
-
-
-@functools.cache
-def _popcount8(device: int) -> Any:
-    """Set bits of every byte value, on ``device`` (uint8 ``[256]``)."""
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.asarray([bin(b).count("1") for b in range(256)], dtype=cupy.uint8)
-
-
-def sample_rows(m: int, rows: int) -> slice:
-    """About ``rows`` of ``m`` rows, strided, for the density estimate: an odd stride
-    (so a sample of ``rows`` rows falls once on every residue modulo any power of two up
-    to ``rows``; fewer rows where ``m // rows`` is even and small),
-    starting half a stride in. A batch of packed sequences whose first tokens fire far
-    more units than the rest (a real model's BOS sinks; the ``paperlike`` workload's) is
-    then sampled at its true share: a stride of ``m / rows`` from row 0 took every
-    sequence's first token whenever the sequence length divided it, and sent such
-    batches to the dense path (``paperlike``, M=16384: an estimate of 86 active units per
-    row for a mean of 29)."""
-    step = max(1, m // rows) | 1
-    return slice(step // 2, None, step)
 
 
 # ---------------------------------------------------------------------- routes
@@ -493,17 +291,10 @@ class SaveTargets:
 Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 
 
-# The "fused" path of a gated block took the "epilogue" route from 4096 tokens until the
-# fifteenth session: the epilogue packs TwELL inside the gate GEMM, so the 2 * M * N bytes
-# of dense pre-activation are neither written nor scanned, and was level with or ahead of
-# cuBLAS + scan there (docs/perf-log.md, eleventh session). Since the scan tests two bf16
-# per instruction (light_rows.SCAN_SIMD), cuBLAS + scan is ahead or level everywhere:
-# H100, K=2048, N=5632, graph / back to back / per call, ms, fused against epilogue:
-# uniform 4096 0.302 / 0.303 / 0.346 against 0.327 / 0.327 / 0.370, 8192 0.556 / 0.556 /
-# 0.615 against 0.583 / 0.584 / 0.649, 16384 1.089-1.129 / 1.113-1.156 / 1.183-1.201
-# against 1.127 / 1.160 / 1.240; heavy 16384 1.122-1.130 / 1.133-1.136 against 1.166 /
-# 1.195; paperlike 16384 1.113-1.115 / 1.123-1.127 against 1.177 / 1.203 (H200: the same
-# order). Records bench/results/*_2026-11-26_paths_*.json.
+# The "fused" path keeps cuBLAS + scan at every batch size, though the epilogue route
+# writes and scans no dense pre-activation: with the scan testing two bf16 per
+# instruction it is ahead or level (H100, K=2048, N=5632, M=16384: 1.09-1.13 ms against
+# 1.13-1.24 for the epilogue route; the same order on an H200).
 
 
 def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
