@@ -11,17 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from twell.testing import llama  # noqa: E402
 from twell.torch import SparseMLP, l0_per_layer, l1_penalty, sparsify  # noqa: E402
 
 
 def tiny_llama(seed: int = 0, dtype=torch.float32):  # noqa: ANN001, ANN201
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, hidden_act="relu",
-        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+    return llama.relu_llama(hidden=64, ffn=256, layers=2, heads=4, kv_heads=2, vocab=97,
+                            max_positions=64, seed=seed, dtype=dtype)  # fmt: skip
 
 
 def _prompt(batch: int = 2, length: int = 6) -> torch.Tensor:
@@ -82,7 +78,8 @@ def test_a_training_step_with_labels_and_the_l1_term() -> None:
     loss, ref_loss = float(out.loss.detach()), float(ref.loss.detach())
     assert abs(loss - ref_loss) < 1e-2 * ref_loss
     dense_l1 = sum(layer.mlp.l1_term for layer in dense.model.layers)
-    assert abs(float(l1_penalty(model)) - float(dense_l1)) < 2e-2 * float(dense_l1)
+    l1, l1_dense = float(l1_penalty(model).detach()), float(dense_l1.detach())
+    assert abs(l1 - l1_dense) < 2e-2 * l1_dense
     (out.loss + 1e-3 * l1_penalty(model)).backward()
     (ref.loss + 1e-3 * dense_l1).backward()
     assert len(l0_per_layer(model)) == 2
@@ -124,3 +121,20 @@ def test_save_pretrained_and_from_pretrained_round_trip(tmp_path) -> None:  # no
     assert sparsify(loaded) == 2
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, before, rtol=0, atol=0)
+
+
+def test_calibrated_llama_is_as_sparse_as_asked() -> None:
+    """twell.testing.llama.calibrate: held-out tokens land near the target L0 in every
+    layer, and the calibrated model stays a model (sparsify keeps its logits)."""
+    model = llama.relu_llama(hidden=128, ffn=512, layers=3, heads=4, kv_heads=2, vocab=200,
+                             max_positions=256, dtype=torch.float32)  # fmt: skip
+    held_out = llama.random_tokens(model, 4, 64, seed=99)
+    assert min(llama.l0_per_layer(model, held_out)) > 100  # random init: about half
+    llama.calibrate(model, l0=8, sequences=16, length=64)
+    per_layer = llama.l0_per_layer(model, held_out)
+    assert all(5 < v < 12 for v in per_layer), per_layer
+    with torch.no_grad():
+        dense = model(held_out).logits
+        sparsify(model)
+        sparse = model(held_out).logits
+    assert float((sparse - dense).norm() / dense.norm()) < 1e-2
