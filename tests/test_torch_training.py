@@ -456,8 +456,8 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     class Passed:
-        def synchronize(self) -> None:
-            pass
+        def query(self) -> bool:
+            return True
 
     auto = AutoCapacity()
 
@@ -489,6 +489,16 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     pending = len(auto._pending)
     assert auto.choose() == 0.0 and auto.fraction == 1 / 64  # a capture runs without
     assert len(auto._pending) == pending  # nothing read while capturing
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    class InFlight:
+        def query(self) -> bool:
+            return False
+
+    auto._pending.clear()
+    for _ in range(AUTO_LAG + 1):
+        auto._pending.append((torch.tensor([16384], dtype=torch.int32), InFlight(), 16384))
+    assert auto.choose() == 1 / 64 and len(auto._pending) == AUTO_LAG + 1  # never waits
 
 
 def test_auto_capacity_survives_a_deep_copy() -> None:

@@ -449,10 +449,11 @@ class AutoCapacity:
     before (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 until then). A call's
     count is copied to pinned memory behind an event as the call is launched; the choice
     reads the copy of a call that lies a whole training step or more in the past, which
-    has long landed: the host never waits for the GPU unless it runs more than
-    ``AUTO_LAG - 1`` steps ahead of it (then it waits for that old call, not for its own
-    work). The choice is a function of the data and the calls before, the same in every
-    run of a program from the same start (the bits repeat). It changes time and
+    has long landed. The host never waits for it: a copy still in flight (the host runs
+    more than ``AUTO_LAG - 1`` steps ahead of the GPU) is read by a later call. In a
+    loop whose host stays within a step of the GPU the choice is a function of the data
+    and the calls before, the same in every run from the same start (the bits repeat);
+    a host that runs further ahead may see a count one call later. It changes time and
     rounding, not what is computed: the capacity rows' GEMMs round their products to
     bf16 as dense bf16 math does, twell's own tiles keep them in fp32, and no row is ever
     dropped. It is not part of a state dict (a resumed run starts again at 0), and each
@@ -486,12 +487,16 @@ class AutoCapacity:
         graphs) every step."""
         if torch.cuda.is_current_stream_capturing():
             return 0.0
-        if len(self._pending) < AUTO_LAG:
-            return self.fraction
-        host, event, m = self._pending.popleft()
-        event.synchronize()  # recorded AUTO_LAG calls ago: normally long done
-        asked = auto_capacity(int(host[0]), m)
-        self._free.append(host)
+        pending = self._pending
+        # Recorded AUTO_LAG calls ago: normally long done. A copy still in flight (the
+        # host runs steps ahead of the GPU) is read by a later call: never waited for.
+        while len(pending) >= AUTO_LAG and pending[0][1].query():
+            host, _, m = pending.popleft()
+            self._take(auto_capacity(int(host[0]), m))
+            self._free.append(host)
+        return self.fraction
+
+    def _take(self, asked: float) -> None:
         if asked >= self.fraction:
             self.fraction, self._lower, self._lower_max = asked, 0, 0.0
         else:
@@ -499,7 +504,6 @@ class AutoCapacity:
             self._lower_max = max(self._lower_max, asked)
             if self._lower >= AUTO_PATIENCE:
                 self.fraction, self._lower, self._lower_max = self._lower_max, 0, 0.0
-        return self.fraction
 
     def record(self, count: torch.Tensor, m: int) -> None:
         """Start the host copy of a call's heavy-row count (``count``: int32 ``[1]`` on

@@ -1,0 +1,372 @@
+"""Whole models, the way the paper reports them: a transformers ``LlamaForCausalLM`` with
+ReLU MLPs at the paper's shape, its MLPs calibrated to the paper's sparsity, through
+``twell.torch.sparsify``, against its dense twin in the same process.
+
+    PYTHONPATH=. python bench/models.py                       # 8 layers, every benchmark
+    PYTHONPATH=. python bench/models.py --layers 38           # the full 2B-class model
+    PYTHONPATH=. python bench/models.py --benchmarks decode --batches 1 8
+
+The model: hidden 2048, FFN 5632, 16 heads (8 KV heads), vocabulary 32000, bf16;
+``twell.testing.llama.calibrate`` sets its gate thresholds for a mean L0 of ``--l0``
+(default 29 of 5632, the paper's 1.5B model) on random tokens; the per-layer L0 and
+heavy-row shares on held-out tokens are part of the report. The dense twin is a copy of
+the calibrated model before ``sparsify``.
+
+Benchmarks (``--benchmarks``), each twell against dense:
+
+- ``prefill``: a forward pass over ``--prefill-tokens`` tokens (one sequence, no cache,
+  logits of the last token), eager, and compiled (``torch.compile(model)``) at
+  ``--compiled-tokens``; energy per token from NVML (``nvidia-ml-py``) where the driver
+  reports it; the MLPs' share of the dense model's time (the MLPs replaced by zeros)
+  and the whole-model cap it sets (Amdahl, with the MLP speedup measured in the run).
+- ``decode``: ``generate`` with transformers' static cache (which compiles the decode
+  step, ``mode="reduce-overhead"``) at ``--batches``, ``--prompt`` tokens in,
+  ``--new-tokens`` out, greedy; tokens/s, and whether the compiled twell model's tokens
+  equal the eager twell model's; also the dynamic cache, eagerly.
+- ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
+  ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
+  compiled at ``--compiled-train-tokens``; the first step's loss against dense's
+  (``loss_rel_diff``) and the peak memory ratio.
+
+Records (one per line of the README's table) go to ``bench/results/<gpu>/models.json``
+(``--out``) with the fields of docs/benchmark.md: ``benchmark``, ``model``, ``mode``,
+``tokens``, ``batch``, ``t_twell_ms``, ``t_dense_ms``, ``speedup`` and, where they
+apply, ``energy_ratio``, ``tokens_match``, ``loss_rel_diff``, ``peak_mem_ratio``,
+``l0``. ``--plot FILE`` draws the speedups (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from twell.timing import gpu_name, record_path, versions, write_json
+
+
+def _sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[int], Any], calls: int, warmup: int = 2, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the wall time of ``calls`` back-to-back calls (the
+    device synchronised around each round), per call, ms."""
+    for i in range(warmup):
+        fn(i)
+    _sync()
+    times = []
+    for r in range(rounds):
+        start = time.perf_counter()
+        for c in range(calls):
+            fn(r * calls + c)
+        _sync()
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times)
+
+
+class Energy:
+    """NVML's energy counter of the current GPU (mJ), or None where unavailable."""
+
+    def __init__(self) -> None:
+        self.handle = None
+        try:
+            import pynvml
+            import torch
+
+            pynvml.nvmlInit()
+            index = torch.cuda.current_device()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+            self._read = pynvml.nvmlDeviceGetTotalEnergyConsumption
+        except Exception:  # noqa: BLE001 - no NVML, or no energy counter
+            self.handle = None
+
+    def joules(self, fn: Callable[[int], Any], calls: int) -> float | None:
+        """Energy of ``calls`` calls in J (None without a counter)."""
+        if self.handle is None:
+            return None
+        fn(0)
+        _sync()
+        before = self._read(self.handle)
+        for i in range(calls):
+            fn(i)
+        _sync()
+        return (self._read(self.handle) - before) / 1e3
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
+    """(twell model, dense twin, calibration report)."""
+    import torch
+
+    from twell.options import default_max_row_nnz
+    from twell.testing import llama
+    from twell.torch import sparsify
+
+    model = llama.relu_llama(hidden=args.hidden, ffn=args.ffn, layers=args.layers,
+                             heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
+                             device="cuda")  # fmt: skip
+    start = time.perf_counter()
+    llama.calibrate(model, l0=args.l0, sequences=args.calibration_sequences, length=512)
+    held_out = llama.random_tokens(model, 8, 512, seed=1234)
+    info = {
+        "calibration_s": time.perf_counter() - start,
+        "l0_per_layer": llama.l0_per_layer(model, held_out),
+        "heavy_share_per_layer": llama.heavy_share(model, held_out,
+                                                   default_max_row_nnz(args.ffn)),  # fmt: skip
+    }
+    info["l0_mean"] = statistics.fmean(info["l0_per_layer"])
+    dense = copy.deepcopy(model)
+    replaced = sparsify(model)
+    assert replaced == args.layers, replaced
+    torch.cuda.empty_cache()
+    return model, dense, info
+
+
+def tokens(model: Any, batch: int, length: int, sets: int = 2) -> list[Any]:
+    from twell.testing import llama
+
+    return [llama.random_tokens(model, batch, length, seed=100 + i) for i in range(sets)]
+
+
+# ---------------------------------------------------------------------- prefill
+def prefill(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
+    import torch
+
+    energy = Energy()
+    for mode in ("eager", "compiled"):
+        lengths = args.prefill_tokens if mode == "eager" else args.compiled_tokens
+        runners = {"twell": model, "dense": dense}
+        if mode == "compiled":
+            runners = {k: torch.compile(m) for k, m in runners.items()}
+        for t in lengths:
+            ids = tokens(model, 1, t)
+            rec: dict[str, Any] = {"benchmark": "prefill", "mode": mode, "tokens": t, "batch": 1}
+            outs, fns = {}, {}
+            for name, m in runners.items():
+
+                def fn(i: int, m: Any = m, ids: list = ids) -> Any:
+                    with torch.no_grad():
+                        return m(input_ids=ids[i % 2], use_cache=False, logits_to_keep=1).logits
+
+                outs[name] = fn(0).float()
+                fns[name] = fn
+                calls = max(1, min(10, 65536 // t))
+                rec[f"t_{name}_ms"] = timed(fn, calls)
+            rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
+            rec["logits_rel_err"] = float(
+                (outs["twell"] - outs["dense"]).norm() / outs["dense"].norm()
+            )
+            if mode == "eager" and t == args.energy_tokens:
+                e = {name: energy.joules(fn, 10) for name, fn in fns.items()}
+                if e["twell"] is not None and e["dense"]:
+                    rec["energy_mj_per_token_twell"] = e["twell"] * 1e3 / (10 * t)
+                    rec["energy_mj_per_token_dense"] = e["dense"] * 1e3 / (10 * t)
+                    rec["energy_ratio"] = e["twell"] / e["dense"]
+                rec.update(mlp_share(dense, model, ids[0], rec["t_dense_ms"]))
+            emit(rec)
+
+
+def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, Any]:
+    """The MLPs' share of the dense model's prefill (their forward replaced by zeros),
+    the MLP speedup of layer 0 on its real input, and the whole-model cap they set."""
+    import torch
+
+    from twell.testing.llama import mlp_share_cap
+
+    layers = dense.model.layers
+    saved = [layer.mlp.forward for layer in layers]
+    for layer in layers:
+        layer.mlp.forward = torch.zeros_like
+    try:
+
+        def fn(i: int) -> Any:
+            with torch.no_grad():
+                return dense(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+        t_without = timed(fn, 3)
+    finally:
+        for layer, forward in zip(layers, saved, strict=True):
+            layer.mlp.forward = forward
+    captured: list[Any] = []
+    handle = layers[0].mlp.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
+    with torch.no_grad():
+        dense(input_ids=ids, use_cache=False, logits_to_keep=1)
+    handle.remove()
+    x = captured[0]
+    times = {}
+    for name, mlp in (("dense", layers[0].mlp), ("twell", model.model.layers[0].mlp)):
+
+        def run(i: int, mlp: Any = mlp) -> Any:
+            with torch.no_grad():
+                return mlp(x)
+
+        times[name] = timed(run, 10)
+    share = max(0.0, 1.0 - t_without / t_dense_ms)
+    speedup = times["dense"] / times["twell"]
+    return {"mlp_share": share, "mlp_speedup": speedup, "cap": mlp_share_cap(share, speedup)}
+
+
+# ---------------------------------------------------------------------- decode
+def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
+    import torch
+
+    for batch in args.batches:
+        ids = tokens(model, batch, args.prompt, sets=1)[0]
+        reference = None
+        for cache, mode in (("static", "static_cache"), ("dynamic", "eager")):
+            rec: dict[str, Any] = {"benchmark": "decode", "mode": mode, "tokens": args.new_tokens,
+                                   "batch": batch, "prompt": args.prompt}  # fmt: skip
+            for name, m in (("twell", model), ("dense", dense)):
+                kwargs: dict[str, Any] = {"max_new_tokens": args.new_tokens, "do_sample": False,
+                                          "min_new_tokens": args.new_tokens}  # fmt: skip
+                if cache == "static":
+                    kwargs["cache_implementation"] = "static"
+
+                def run(i: int, m: Any = m, kwargs: dict = kwargs, ids: Any = ids) -> Any:
+                    with torch.no_grad():
+                        return m.generate(ids, **kwargs)
+
+                out = run(0)  # compiles (static cache)
+                if name == "twell" and cache == "static":
+                    eager_kwargs = dict(kwargs, disable_compile=True)
+                    with torch.no_grad():
+                        reference = m.generate(ids, **eager_kwargs)
+                    rec["tokens_match"] = bool(torch.equal(out, reference))
+                ms = timed(run, 1, warmup=1, rounds=3)
+                rec[f"t_{name}_ms"] = ms
+                rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
+            rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
+            emit(rec)
+
+
+# ---------------------------------------------------------------------- training
+def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
+    import torch
+
+    from twell.torch import l1_penalty
+
+    plans = [("eager", t) for t in args.train_tokens]
+    plans += [("compiled", t) for t in args.compiled_train_tokens]
+    for mode, t in plans:
+        seq = min(1024, t)
+        batch = t // seq
+        rec: dict[str, Any] = {"benchmark": "train_step", "mode": mode, "tokens": t,
+                               "batch": batch}  # fmt: skip
+        losses = {}
+        for name, base in (("twell", model), ("dense", dense)):
+            m = copy.deepcopy(base).train()
+            run_model = torch.compile(m) if mode == "compiled" else m
+            optimizer = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+            ids = tokens(m, batch, seq)
+
+            def step(i: int, m: Any = m, run_model: Any = run_model, opt: Any = optimizer,
+                     ids: list = ids, name: str = name) -> Any:  # fmt: skip
+                out = run_model(input_ids=ids[i % 2], labels=ids[i % 2])
+                loss = out.loss
+                if name == "twell":
+                    loss = loss + args.l1 * l1_penalty(m)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return out.loss
+
+            losses[name] = float(step(0).detach())
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_memory = torch.cuda.memory_allocated()
+            rec[f"t_{name}_ms"] = timed(step, 5, warmup=2, rounds=3)
+            rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
+            del m, run_model, optimizer
+            torch.cuda.empty_cache()
+        rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
+        rec["loss_rel_diff"] = abs(losses["twell"] - losses["dense"]) / abs(losses["dense"])
+        rec["peak_mem_ratio"] = rec["peak_extra_gb_twell"] / max(rec["peak_extra_gb_dense"], 1e-9)
+        emit(rec)
+
+
+BENCHMARKS = {"prefill": prefill, "decode": decode, "train_step": train_step}
+
+
+def plot(records: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if "speedup" in r]
+    labels = [f"{r['benchmark']}\n{r['mode']}\n{r['tokens']}×{r['batch']}" for r in done]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(done)), 4))
+    ax.bar(range(len(done)), [r["speedup"] for r in done])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(done)), labels, fontsize=7)
+    ax.set_ylabel("speedup over dense")
+    ax.set_title(f"{records[0].get('model', '')} on {records[0].get('gpu', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--l0", type=float, default=29.0)
+    p.add_argument("--calibration-sequences", type=int, default=32)
+    p.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS))
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 16384, 65536])
+    p.add_argument("--compiled-tokens", type=int, nargs="*", default=[16384])
+    p.add_argument("--energy-tokens", type=int, default=16384)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--train-tokens", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument("--compiled-train-tokens", type=int, nargs="*", default=[4096])
+    p.add_argument("--l1", type=float, default=1e-4)
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    out = args.out or record_path("models")
+    name = f"llama-relu-{args.layers}L-{args.hidden}x{args.ffn}"
+    report: dict[str, Any] = {"gpu": gpu_name(), **versions(), "model": name, "records": []}
+    model, dense, info = build(args)
+    report["calibration"] = info
+    print(f"== {name}: L0 per layer {[round(v, 1) for v in info['l0_per_layer']]}", flush=True)
+    failures = 0
+
+    def emit(rec: dict[str, Any]) -> None:
+        rec = {"gpu": report["gpu"], "model": name, **rec, "l0": info["l0_mean"]}
+        report["records"].append(rec)
+        write_json(out, report)
+        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()
+                 if k not in ("gpu", "model")}  # fmt: skip
+        print(shown, flush=True)
+
+    for bench in args.benchmarks:
+        try:
+            BENCHMARKS[bench](args, model, dense, emit)
+        except Exception as error:  # noqa: BLE001 - recorded, counted, the rest runs
+            traceback.print_exc()
+            failures += 1
+            report.setdefault("errors", []).append(f"{bench}: {type(error).__name__}: {error}")
+            write_json(out, report)
+        torch.cuda.empty_cache()
+    if args.plot:
+        plot(report["records"], args.plot)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

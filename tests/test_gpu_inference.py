@@ -1,0 +1,238 @@
+"""The user's path on the GPU: ``torch.compile`` (``fullgraph=True``, every mode) over
+SparseMLP and SparseFFN, transformers' ``generate`` with the dynamic and the static
+(compiled) cache, compiled and eager training steps of a Llama model, and eager training
+calls that never wait for the GPU.
+
+Skipped without a GPU; run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from twell import workloads
+from twell.kernels.compile import unavailable_reason
+from twell.testing.asserts import relative_error
+
+pytestmark = pytest.mark.gpu
+
+_REASON = unavailable_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import twell  # noqa: E402
+from twell import inference  # noqa: E402
+from twell.reference.forward import ffn_dense  # noqa: E402
+from twell.timing import host_us_queued  # noqa: E402
+from twell.torch import SparseMLP, l1_penalty, sparsify  # noqa: E402
+
+MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(k, n, bias=False)
+        self.up_proj = nn.Linear(k, n, bias=False)
+        self.down_proj = nn.Linear(n, k, bias=False)
+        self.act_fn = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _mlp(p: workloads.Problem, **kwargs) -> tuple[SparseMLP, LlamaMLP]:  # noqa: ANN003
+    dense = LlamaMLP(p.K, p.N).cuda().bfloat16()
+    with torch.no_grad():
+        for layer, w in ((dense.gate_proj, p.w_gate), (dense.up_proj, p.w_up),
+                         (dense.down_proj, p.w_down)):  # fmt: skip
+            layer.weight.copy_(torch.from_numpy(w.astype(np.float32)))
+    twin = LlamaMLP(p.K, p.N).cuda().bfloat16()
+    twin.load_state_dict(dense.state_dict())
+    return SparseMLP.from_module(twin, **kwargs), dense
+
+
+def _x(p: workloads.Problem) -> torch.Tensor:
+    return torch.from_numpy(p.x.astype(np.float32)).cuda().bfloat16()
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    return t.float().cpu().numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_compiled_sparse_mlp_gives_the_eager_bits(mode: str, m: int) -> None:
+    """fullgraph in every mode; the compiled calls' bits are the eager call's (the same
+    kernels run); inside reduce-overhead's CUDA-graph trees twell captures no graph of
+    its own (plain launches, which the trees capture)."""
+    p = workloads.uniform(m, 2048, 5632, p=0.005, seed=m)
+    sparse, _ = _mlp(p)
+    x = _x(p)
+    with torch.no_grad():
+        eager = sparse(x).clone()
+        assert relative_error(_f64(eager), ffn_dense(*p.arrays())) < 1e-2
+        block = sparse.prepared()
+        captures = block.graphed.captures
+        torch._dynamo.reset()
+        compiled = torch.compile(sparse, mode=None if mode == "default" else mode,
+                                 fullgraph=True, dynamic=False)  # fmt: skip
+        for _ in range(4):
+            got = compiled(x).clone()
+            assert torch.equal(got, eager)
+        if mode == "reduce-overhead":
+            assert block.graphed.captures == captures
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_sparse_ffn_in_a_larger_function(mode: str) -> None:
+    p = workloads.uniform(64, 1024, 2048, p=0.01, seed=5)
+    w = [torch.from_numpy(a.astype(np.float32)).cuda().bfloat16() for a in p.arrays()[1:]]
+    block = twell.SparseFFN(*w)
+    x = _x(p)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return block(torch.relu(x) * 2.0) + 1.0
+
+    with torch.no_grad():
+        eager = f(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(f, mode=None if mode == "default" else mode, fullgraph=True)
+        for _ in range(3):
+            assert relative_error(_f64(compiled(x).clone()), _f64(eager)) < 1e-2
+
+
+def _llama(layers: int = 2, l0: float = 12.0):  # noqa: ANN202
+    from twell.testing import llama
+
+    model = llama.relu_llama(hidden=512, ffn=1024, layers=layers, heads=8, kv_heads=4,
+                             vocab=1000, max_positions=512, device="cuda")  # fmt: skip
+    llama.calibrate(model, l0=l0, sequences=16, length=128)
+    return model
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_generate_with_the_static_cache_compiled_gives_the_eager_tokens(batch: int) -> None:
+    """transformers compiles the decode step for a static cache (reduce-overhead, on
+    CUDA): it must run, and its greedy tokens must be the eager twell model's."""
+    pytest.importorskip("transformers")
+    from twell.testing import llama
+
+    torch._dynamo.reset()
+    model = _llama()
+    sparsify(model)
+    ids = llama.random_tokens(model, batch, 16, seed=3)
+    kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    with torch.no_grad():
+        dynamic = model.generate(ids, **kwargs)
+        eager = model.generate(ids, cache_implementation="static", disable_compile=True,
+                               **kwargs)  # fmt: skip
+        compiled = model.generate(ids, cache_implementation="static", **kwargs)
+        again = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(dynamic, eager)
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+
+
+def test_compiled_llama_forward_and_training_step() -> None:
+    """torch.compile(model) (default mode): the forward's logits as eager twell's (up to
+    the rounding of inductor's fused kernels around the MLPs); a training step with
+    labels= and the L1 term runs compiled and matches the eager step's loss."""
+    pytest.importorskip("transformers")
+    from twell.testing import llama
+
+    torch._dynamo.reset()
+    model = _llama()
+    sparsify(model)
+    ids = llama.random_tokens(model, 2, 64, seed=4)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        eager_logits = model(ids).logits.float()
+        got = compiled(ids).logits.float()
+    assert float((got - eager_logits).norm() / eager_logits.norm()) < 1e-2
+    model.train()
+    losses = []
+    for run in (model, compiled):
+        out = run(input_ids=ids, labels=ids)
+        loss = out.loss + 1e-4 * l1_penalty(model)
+        loss.backward()
+        grads = [q.grad.float().clone() for q in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        losses.append((float(loss.detach()), grads))
+    (a, ga), (b, gb) = losses
+    assert abs(a - b) < 1e-2 * abs(a)
+    for x, y in zip(ga, gb, strict=True):
+        assert float((x - y).norm() / y.norm().clamp_min(1e-20)) < 5e-2
+
+
+@pytest.mark.parametrize("workload", ["uniform", "heavy"])
+def test_eager_training_replays_give_the_plain_bits(workload: str) -> None:
+    """SparseMLP's default eager training (op graphs from the second call, the autograd
+    Function without the dispatcher) gives the bits of plain launches and of the custom
+    ops that compiled code calls."""
+    p = (workloads.uniform(512, 1024, 2048, p=0.01, seed=1) if workload == "uniform"
+         else workloads.heavy(512, 1024, 2048, p=0.01, frac=0.02, seed=1))  # fmt: skip
+    dy = torch.randn(512, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    results = {}
+    for name, graphs in (("plain", False), ("graphs", True)):
+        sparse, _ = _mlp(p, op_graphs=graphs, dense_capacity=0.0)
+        for _ in range(3):  # eager, capture + replay, replay
+            for q in sparse.parameters():
+                q.grad = None
+            x = _x(p).requires_grad_()
+            y = sparse(x)
+            y.backward(dy.bfloat16())
+        results[name] = [y.detach().clone(), x.grad.clone(),
+                         *(q.grad.clone() for q in sparse.parameters())]  # fmt: skip
+    sparse, _ = _mlp(p, dense_capacity=0.0)
+    weights = [q for q in sparse.parameters()]
+    x = _x(p).requires_grad_()
+    y = torch.ops.twell.ffn_train_forward(x, *weights, 256, 32, -1, 0.0, "mean", False)[0]
+    y.backward(dy.bfloat16())
+    results["ops"] = [y.detach(), x.grad, *(q.grad for q in weights)]
+    for name in ("graphs", "ops"):
+        for a, b in zip(results[name], results["plain"], strict=True):
+            assert torch.equal(a, b), name
+
+
+def test_eager_training_never_waits_for_the_gpu() -> None:
+    """A default SparseMLP training step (auto dense capacity, op graphs) queued behind a
+    long GPU sleep returns without waiting (host_us_queued raises if it waits)."""
+    p = workloads.heavy(2048, 2048, 5632, p=0.005, frac=0.01, seed=2)
+    sparse, _ = _mlp(p)
+    x = _x(p).requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step() -> None:
+        for q in sparse.parameters():
+            q.grad = None
+        sparse(x).backward(dy)
+
+    assert host_us_queued(step, calls=4) < 50_000
+
+
+def test_inference_registry_follows_weight_updates_and_frees_blocks() -> None:
+    p = workloads.uniform(8, 512, 1024, p=0.02, seed=6)
+    sparse, dense = _mlp(p)
+    x = _x(p)
+    with torch.no_grad():
+        first = sparse(x).clone()
+        block = sparse.prepared()
+        sparse.up_proj.weight.mul_(2.0)  # in place: the version counter moves
+        second = sparse(x)
+        assert sparse.prepared() is not block
+        assert relative_error(_f64(second), _f64(2.0 * first)) < 1e-2
+    key = tuple(inference._identity(q) for q in sparse.parameters())
+    assert key in inference._blocks
+    del sparse, block
+    import gc
+
+    gc.collect()
+    q = workloads.uniform(8, 512, 1024, p=0.02, seed=7)
+    other, _ = _mlp(q)
+    with torch.no_grad():
+        other(_x(q))  # a build sweeps the blocks of freed weights
+    assert key not in inference._blocks
