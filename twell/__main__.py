@@ -1,4 +1,4 @@
-"""Command line: ``python -m twell {demo,check,bench}``.
+"""Command line: ``python -m twell {demo,check,bench,tune}``.
 
 - ``demo``: the main job on an embedded default workload (``paperlike`` at the paper's
   shape, K=2048, N=5632): sparsity statistics, the packed format's size, and a check that
@@ -8,6 +8,8 @@
   prints a verdict table; exits 1 if anything fails.
 - ``bench``: the benchmark of docs/benchmark.md (needs a GPU); ``bench --sweep``: its
   batch-size and density sweeps of the public torch API.
+- ``tune``: measures the thresholds of twell/tuning/ on this GPU and writes its file
+  (from a source checkout: the probes are in bench/tune/; needs a GPU).
 """
 
 from __future__ import annotations
@@ -249,6 +251,48 @@ def bench(args: argparse.Namespace) -> int:
     return _bench_main(args.rest)(args.rest)
 
 
+def tune(args: argparse.Namespace) -> int:
+    from twell import tuning
+
+    if args.list:
+        for probe, names in tuning.probes().items():
+            quick = " (--quick)" if probe in tuning.QUICK else ""
+            print(f"{probe + quick:<22} {', '.join(names)}")
+        return 0
+    if not gpu_available():
+        print(
+            "twell tune times the kernels on the GPU whose thresholds it measures: it needs "
+            "a Hopper GPU with CuPy and torch (none usable here)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from bench.tune.run import tune as run_probes
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "bench":
+            print(f"twell tune needs {error.name} (pip install it)", file=sys.stderr)
+        else:
+            print(
+                "twell tune runs the probes of bench/tune/ in a source checkout: run "
+                f"`{tuning.TUNE_COMMAND}` from the repository's root",
+                file=sys.stderr,
+            )
+        return 2
+    return run_probes(out=args.out, only=args.only, quick=args.quick)
+
+
+def _tuning_name(text: str) -> str:
+    """An argparse type: a probe of bench/tune/ or a threshold of twell/tuning/."""
+    from twell import tuning
+
+    if text not in tuning.probes() and text not in tuning.SPECS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a probe ({', '.join(tuning.probes())}) nor a threshold "
+            "(python -m twell tune --list)"
+        )
+    return text
+
+
 def _positive(text: str) -> int:
     """An argparse type: an integer >= 1 (a clean usage error otherwise, no traceback)."""
     try:
@@ -291,6 +335,25 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )  # fmt: skip
     p.set_defaults(run=bench)
+    p = commands.add_parser("tune", help="measure the thresholds of twell/tuning/ on this GPU")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="where to write them (default: twell/tuning/<h100|h200>.json; for another GPU, "
+        "tuning-<name>.json here)",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        type=_tuning_name,
+        help="probes or thresholds to measure (the others keep the values in force)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="only the probes that matter most (about 2 minutes)"
+    )
+    p.add_argument("--list", action="store_true", help="list the probes and their thresholds")
+    p.set_defaults(run=tune)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

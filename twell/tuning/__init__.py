@@ -148,6 +148,11 @@ SPECS: dict[str, Spec] = {
 }  # fmt: skip
 
 
+#: The probes ``python -m twell tune --quick`` runs: the thresholds that matter most (the
+#: crossover, and which kernels take decode and small batches).
+QUICK = ("decode_gates", "decode_rows", "crossover")
+
+
 def probes() -> dict[str, list[str]]:
     """The probes of bench/tune/ and the thresholds each one measures."""
     out: dict[str, list[str]] = {}
