@@ -19,8 +19,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.tune import crossover, decode_gates, decode_units, flag_rows, light_rows
-from bench.tune import row_limit, sliced
+from bench.tune import (
+    crossover,
+    decode_gates,
+    decode_units,
+    flag_rows,
+    light_rows,
+    row_limit,
+    sliced,
+)
 from bench.tune.common import Context, ProbeError
 from twell import tuning
 from twell.kernels import density
