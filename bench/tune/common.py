@@ -188,29 +188,20 @@ def level(a: float, b: float) -> bool:
     return abs(a - b) <= TIE * min(a, b)
 
 
-def first_wins(m: int, t_first: float, t_second: float, current: int) -> bool:
-    """Whether the choice for small ``m`` (the first) wins at ``m`` tokens against the
-    choice above a threshold: faster, or level and the threshold in force (``current``)
-    gives ``m`` to it."""
-    return m <= current if level(t_first, t_second) else t_first < t_second
-
-
 def decide(ms: Sequence[int], first: Sequence[float], second: Sequence[float], current: int) -> int:
-    """The threshold below which the first choice runs: :func:`prefix` of
-    :func:`first_wins` at each of ``ms`` (timings ``first`` and ``second``)."""
-    wins = [first_wins(m, a, b, current) for m, a, b in zip(ms, first, second, strict=True)]
-    return prefix(ms, wins)
+    """The threshold up to which (``m <= threshold``) the first choice runs, from timings
+    of both choices at the sizes ``ms`` (ascending): the threshold whose choices cost
+    least over the sizes measured (each size's time over its best time, summed), so that
+    one noisy size does not move it; ``current``, the threshold in force, when its
+    choices cost within :data:`TIE` of that."""
 
+    def cost(threshold: int) -> float:
+        return sum((a if m <= threshold else b) / min(a, b)
+                   for m, a, b in zip(ms, first, second, strict=True))  # fmt: skip
 
-def prefix(ms: Sequence[int], wins: Sequence[bool]) -> int:
-    """The largest ``m`` of ``ms`` (ascending) up to which the first choice wins at every
-    measured size (0 when it loses at the first)."""
-    best = 0
-    for m, won in zip(ms, wins, strict=True):
-        if not won:
-            break
-        best = m
-    return best
+    candidates = [0, *ms]
+    best = min(candidates, key=lambda t: (cost(t), abs(t - current)))
+    return current if cost(current) <= cost(best) * (1 + TIE) else best
 
 
 def crossing(ps: Sequence[float], ts: Sequence[float], t_ref: float) -> tuple[float, bool]:

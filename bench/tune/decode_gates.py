@@ -4,9 +4,9 @@ how many tokens, ``decode_units.MMA_GATE_TOKENS`` and ``WGMMA_TOKENS``.
 The route at M tokens with each of its three gates (mma.sync in the gate/up kernel, the
 TMA/wgmma kernel, a cuBLAS GEMM before the gate/up kernel), ``uniform`` at K=2048,
 N=5632. The gate's cost steps with its 8-token tiles (17 tokens take the tiles of 32),
-so the sizes are the ends of those steps. mma.sync keeps the tokens up to the last size
-where it is not behind wgmma; wgmma those above, up to the last size where it is not
-behind cuBLAS.
+so the sizes are the ends of those steps. mma.sync takes the tokens up to the bound that
+costs least against wgmma over the sizes measured (``common.decide``); wgmma those above,
+up to the bound that costs least against cuBLAS.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 batches, ``uniform`` at K=2048, N=5632, weights from DRAM:
 
 - ``decode_rows`` (``decode_units.MAX_ROWS``): the whole block by unit against the
-  per-token kernels (the route's bound at 0) at 1 to 256 tokens; the route keeps the
-  tokens up to the last size where it is not behind;
+  per-token kernels (the route's bound at 0) at 1 to 256 tokens; the bound is the one
+  that costs least over the sizes measured (``common.decide``), as for SCAN_TOKENS;
 - ``decode_scan`` (``decode_units.SCAN_TOKENS``, ``SCAN_WIDE_UNITS``): the route's down
   projection by a scan against lists of token groups (16 to 128 tokens), and the scan's
   CTA of 64 threads against 128 at means of 16 to 80 kept units a token, with a few

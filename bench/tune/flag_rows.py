@@ -5,8 +5,8 @@ rather than after ``heavy_rows.compact_rows``.
 The block on the per-token route (sizes above the by-unit route's), ``uniform`` at
 K=2048, N=5632 (no heavy row: the common case, which the launch saved is for; batches
 with heavy rows at these sizes go to dense math), in a CUDA graph, weights from DRAM,
-each way. The flags keep the sizes up to the last where they are not behind, in steps
-of 128 (the kernels' shared-memory capacity is the same number, at most 1024).
+each way. The flags take the sizes up to the bound that costs least (``common.decide``),
+in steps of 128 (the kernels' shared-memory capacity is the same number, at most 1024).
 """
 
 from __future__ import annotations

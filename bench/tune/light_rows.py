@@ -5,9 +5,9 @@ light_rows.cu's kernels (a block of four warps per token with two units in fligh
 
 The light-row stage alone, one launch per weight set replayed from a CUDA graph,
 ``uniform`` at K=2048, N=5632 (no heavy rows), its output checked against float32 math
-of the whole block. The cluster kernel keeps the tokens up to the last size where it is
-not behind. (The stage runs at these sizes where the by-unit route does not: the paths
-other than ``"fused"``, and N not a multiple of 32.)
+of the whole block. The cluster kernel takes the tokens up to the bound that costs least
+over the sizes measured (``common.decide``). (The stage runs at these sizes where the
+by-unit route does not: the paths other than ``"fused"``, and N not a multiple of 32.)
 """
 
 from __future__ import annotations
