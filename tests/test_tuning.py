@@ -213,3 +213,9 @@ def test_the_tune_command_refuses_unknown_names(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as exit_:
         main(["tune", "--help"])
     assert exit_.value.code == 0
+
+
+def test_no_visible_device_means_no_gpu_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert tuning._nvml_device_name() is None

@@ -299,9 +299,9 @@ def _nvml_device_name() -> str | None:
         return None  # no device visible
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+    except (OSError, AttributeError):  # no driver, or one without NVML's v2 entry points
         return None
     try:
         handle = ctypes.c_void_p()
@@ -316,6 +316,8 @@ def _nvml_device_name() -> str | None:
         if nvml.nvmlDeviceGetName(handle, name, ctypes.c_uint(96)) != 0:
             return None
         return name.value.decode(errors="replace")
+    except AttributeError:
+        return None
     finally:
         nvml.nvmlShutdown()
 
