@@ -105,6 +105,7 @@ def tune(
             return 1
         for name, (value, data) in found.items():
             value = json.loads(json.dumps(value))  # tuples as lists, as in the file
+            data = json.loads(json.dumps(data, default=float))  # (a device scalar: a float)
             measured[name] = (value, data)
             ctx.values[name] = apply(name, value)
             log(f"   {name} = {value}")
