@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lead's validation on the device machine, in two calls that fit its limits:
+# Validation of a tree on a Hopper GPU, in two runs of under ten minutes each:
 #   bash bench/validate_gpu.sh tests   GPU facts, cold/warm JIT, GPU tests, demo and check
 #   bash bench/validate_gpu.sh bench   gate GEMM timings, the benchmark (JSON), 2B decoder
 # Logs and JSON go under $OUT (or /tmp/twell_out); each step has its own time limit.
