@@ -103,9 +103,16 @@ def test_refresh_calls_run_eagerly_and_measure(monkeypatch) -> None:  # noqa: AN
     monkeypatch.setattr(_graphs, "_capturing", lambda: False)
     measured, ran = [], []
     x = torch.zeros(4, 8)
-    block = _graphs.GraphedBlock(
-        lambda t: ran.append(t) or "eager", lambda m, read: 0, [], lambda: measured.append(1)
-    )
-    block._calls = _graphs.REFRESH - 1
+    class Density:
+        refresh_every = 256
+
+        def decision(self, m: int, read: bool) -> int:
+            return 0
+
+        def measure_next(self) -> None:
+            measured.append(1)
+
+    block = _graphs.GraphedBlock(lambda t: ran.append(t) or "eager", Density(), [])
+    block._calls = Density.refresh_every - 1
     assert block(x) == "eager"
     assert ran == [x] and measured == [1]

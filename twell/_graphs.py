@@ -23,8 +23,8 @@ kept, :data:`LARGE` of them above :data:`COPY_TOKENS` tokens. All blocks' graphs
 replayed on one stream share one memory pool (their scratch is reused from one graph to
 the next: the launches on one stream never overlap). Plain launches are used when the
 caller is capturing a graph of its own (the launches then belong to the caller's graph)
-and every :data:`REFRESH`-th call, which runs eagerly so the density switch keeps seeing
-fresh statistics (none with the switch off).
+and every ``refresh_every``-th call of the block's density policy, which runs eagerly so
+that the density switch keeps seeing fresh statistics (none with the switch off).
 """
 
 from __future__ import annotations
@@ -49,9 +49,6 @@ GRAPH_TOKENS = 16384
 SMALL_TOKENS = 256
 #: Instantiations of a graph kept pointed at recent calls' tensors (see _Graph).
 EXECS = 2
-#: Every REFRESH-th call runs eagerly and measures the density statistics (none with the
-#: switch off). docs/perf-log.md (2026-11-26, fourteenth session) has the history.
-REFRESH = 256
 #: Graphs kept per block, and of them at most LARGE above COPY_TOKENS tokens.
 CACHE = 8
 LARGE = 2
@@ -137,24 +134,24 @@ class GraphedBlock:
 
     Args:
         run: the eager call (validation done), on torch's current stream.
-        decision: ``decision(m, read)`` returns a hashable key of what a call of ``m``
-            rows would do now (the density switch's decision): with ``read``, after taking
-            in statistics that have landed; without, from the statistics in force (what a
-            capture runs). A graph is captured per key.
+        density: the block's density policy (twell.kernels.density.DensitySwitch):
+            ``density.decision(m, read)`` is the hashable key of what a call of ``m``
+            rows would do now (with ``read``, after taking in statistics that have
+            landed; without, from the statistics in force: what a capture runs), and a
+            graph is captured per key; every ``density.refresh_every``-th call runs
+            eagerly after ``density.measure_next()``, so that the statistics stay fresh
+            (None: the switch is off, no refresh calls).
         scratch: the list into which ``run`` appends the buffers of a captured call
             (``PreparedBlock._graph_scratch``): a capture takes its entries, so that they
             live as long as the graph rather than as long as the block.
-        measure: called before a :data:`REFRESH` call's eager run: makes that run
-            measure the density statistics (``DensitySwitch.measure_next``). None (the
-            switch off): no refresh calls at all.
     """
 
-    def __init__(self, run: Callable[[Any], Any], decision: Callable[[int, bool], Any],
-                 scratch: list[Any] | None = None,
-                 measure: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(self, run: Callable[[Any], Any], density: Any,
+                 scratch: list[Any] | None = None) -> None:  # fmt: skip
         self.run = run
-        self.measure = measure
-        self.decision = decision
+        self.decision = density.decision
+        self.measure = density.measure_next
+        self.refresh = density.refresh_every
         self.scratch = scratch
         self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
@@ -167,7 +164,7 @@ class GraphedBlock:
         m = x.shape[0]
         if m == 0 or m > GRAPH_TOKENS or _capturing():
             return self.run(x)
-        if self.measure is not None and self._calls % REFRESH == 0:
+        if self.refresh is not None and self._calls % self.refresh == 0:
             self.measure()
             return self.run(x)
         device = x.get_device()

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -116,10 +118,16 @@ _blocks: dict[tuple, dict[Options, _Block]] = {}
 
 
 def block_for(
-    w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor, options: Options
+    w_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    options: Options,
+    *,
+    isolated: bool = False,
 ) -> _Block:
     """The prepared block of these CUDA weights and options (built on first use, rebuilt
-    after a weight changed in place; a dropped weight's blocks go at the next build)."""
+    after a weight changed in place; a dropped weight's blocks go at the next build).
+    ``isolated``: build it on a thread of its own (:func:`_build_isolated`)."""
     weights = (w_gate, w_up, w_down)
     key = tuple(_identity(t) for t in weights)
     by_options = _blocks.get(key)
@@ -129,9 +137,36 @@ def block_for(
     ):
         return block
     _sweep()
-    block = _Block(weights, options)
+    block = _build_isolated(weights, options) if isolated else _Block(weights, options)
     _blocks.setdefault(key, {})[options] = block
     return block
+
+
+def _build_isolated(weights: tuple[torch.Tensor | None, ...], options: Options) -> _Block:
+    """A block built on a short-lived thread, on a stream of its own: inside torch's
+    CUDA-graph trees every allocation of the calling thread goes to the trees' memory
+    pool (which must hold only what the trees track), and a capture in progress on the
+    calling thread must not see the block's one-time work (the weights' finiteness check
+    reads the host). The thread's work is finished when this returns."""
+    device = weights[1].device
+    result: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    result["block"] = _Block(weights, options)
+                stream.synchronize()
+        except BaseException as error:  # noqa: BLE001 - raised on the calling thread
+            result["error"] = error
+
+    thread = threading.Thread(target=build, name="twell-prepare")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["block"]
 
 
 def forget(w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -225,9 +260,9 @@ def _run(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
         x2 = x2.contiguous()
     weights = [t if t is None or t.is_contiguous() else t.contiguous()
                for t in (w_gate, w_up, w_down)]  # fmt: skip
-    block = block_for(*weights, options)
-    if graphs is None:
+    if graphs is None:  # the op, from compiled code: plain launches inside graph trees
         graphs = not _in_graph_tree(x.device)
+    block = block_for(*weights, options, isolated=not graphs)
     y = block(x2, graphs)
     if y._base is not None:  # an op's output must not be a view of a buffer made inside
         y = torch.empty((0,), dtype=y.dtype, device=y.device).set_(

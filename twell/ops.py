@@ -421,18 +421,8 @@ def prepare_gpu(
     # The graph cache refers to the prepared block, not to its owner: no reference cycle,
     # so a dropped SparseFFN frees its graphs at once rather than in a later garbage
     # collection that may fall inside someone else's graph capture.
-    density = prepared.density
-    auto = options.auto_capacity
-
-    def decision(m: int, read: bool) -> tuple[bool, float]:
-        dense = density.go_dense(m, capturing=not read)
-        return dense, density.capacity(m) if auto and not dense else 0.0
-
     graphed = GraphedBlock(
-        lambda x: _eager_torch(prepared, x),
-        decision,
-        prepared._graph_scratch,
-        density.measure_next if options.density_switch else None,
+        lambda x: _eager_torch(prepared, x), prepared.density, prepared._graph_scratch
     )
     return prepared, graphed
 

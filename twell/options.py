@@ -9,6 +9,7 @@ launchers pass to their kernels as compile-time constants.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -87,10 +88,18 @@ def default_max_row_nnz(n: int) -> int:
     """Active units per token above which a token takes the dense path.
 
     A gathered unit costs two weight rows from L2; a dense row costs ``N`` units' worth
-    of tensor-core work. The measured break-even on an H100 lies near 3% of N
-    (docs/perf-log.md); at most :data:`LIST_CAPACITY`.
+    of tensor-core work. The break-even, a percentage of N, is measured per GPU
+    (``options.ROW_LIMIT_PERCENT`` in twell.tuning: 3% on an H100); at most
+    :data:`LIST_CAPACITY`.
     """
-    return max(16, min(LIST_CAPACITY, n * 3 // 100))
+    return max(16, min(LIST_CAPACITY, n * _row_limit_percent() // 100))
+
+
+@functools.cache
+def _row_limit_percent() -> int:
+    from twell import tuning
+
+    return int(tuning.value("options.ROW_LIMIT_PERCENT"))
 
 
 @dataclass(frozen=True)
