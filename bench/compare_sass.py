@@ -117,7 +117,9 @@ def disassemble(cuobjdump: str, cubin: bytes) -> dict[str, dict[str, str]]:
     for block in re.split(r"\n\s*Function : ", sass)[1:]:
         name, _, body = block.partition("\n")
         body = body.split("\n\t\t.....")[0]
-        kernels[name.strip()] = {"sass": body.strip(), "res": ""}
+        # cuobjdump pads the instruction column to the widest instruction of the file
+        lines = (" ".join(line.split()) for line in body.strip().splitlines())
+        kernels[name.strip()] = {"sass": "\n".join(lines), "res": ""}
     for name, usage in re.findall(r"Function (\w+):\n\s*(.*)", res):
         kernels.setdefault(name, {"sass": "", "res": ""})["res"] = usage.strip()
     return kernels

@@ -57,15 +57,54 @@ def test_every_source_is_declared() -> None:
     assert {f for f in files if f.endswith(".cu")} == set(kc.SOURCES)
 
 
-def test_every_source_uses_the_common_header_not_copies_of_it() -> None:
-    """Types and helpers live in common.cuh; a source redefining them would drift."""
-    shared = re.findall(r"TWELL_\w+ \w+ (twell_\w+)\(", kc.common_header())
-    assert "twell_relu_keeps" in shared
+def _headers() -> dict[str, str]:
+    """The shared device headers (common.cuh, tensor_core.cuh, ...) by name."""
+    files = importlib.resources.files("twell.kernels").iterdir()
+    return {p.name: p.read_text() for p in files if p.name.endswith(".cuh")}
+
+
+def test_every_source_uses_the_shared_headers_not_copies_of_them() -> None:
+    """Types and helpers live in the shared headers; a source redefining them would drift."""
+    headers = _headers()
+    assert {"common.cuh", "tensor_core.cuh"} <= set(headers)
+    declared = r"TWELL_\w+ \w+ (twell_\w+)\("
+    shared = [name for text in headers.values() for name in re.findall(declared, text)]
+    assert {"twell_relu_keeps", "twell_cp_async16", "twell_acc_zero"} <= set(shared)
+    assert len(shared) == len(set(shared)), "a helper defined in two headers"
     for source in kc.SOURCES.values():
         text = source.text()
         assert "typedef" not in text, source.name
+        assert set(source.headers) <= set(headers) - {"common.cuh"}, source.name
         for name in shared:
-            assert not re.search(rf"\b{name}\s*\([^;)]*\)\s*{{", text), (source.name, name)
+            # a definition: the name, a parameter list (no lambda in it), a body
+            definition = rf"\b{name}\s*\((?:[^;{{}}()\[]|\[\w*\]|\([^()]*\))*\)\s*{{"
+            assert not re.search(definition, text), (source.name, name)
+
+
+def test_a_source_gets_its_headers_after_the_common_one() -> None:
+    source = kc.SOURCES["heavy_rows.cu"]
+    text = kc.full_source(source, source.examples[0])
+    common, engine = kc.common_header(), _headers()["tensor_core.cuh"]
+    assert text.index(common) < text.index(engine) < text.index(source.text())
+    assert engine not in kc.full_source(kc.SOURCES["pack.cu"], {"TILE": 256, "SLOTS": 32})
+
+
+def test_backward_kernels_launch_from_their_step_source() -> None:
+    """backward.py launches each kernel by name through the source that defines it (CPU:
+    the map against the sources' text), and keeps the forward's contract importable."""
+    from twell.kernels import activations, backward
+
+    defined = {
+        name: source
+        for source in kc.SOURCES.values() if source.name.startswith("backward")
+        for name in re.findall(r'extern "C" __global__\s+void\s+(?:__\w+__\([^)]*\)\s*)*(\w+)\(',
+                               source.text())
+    }  # fmt: skip
+    assert {k: s.name for k, s in backward._SOURCE_OF.items()} == {
+        k: s.name for k, s in defined.items()
+    }
+    assert backward.Activations is activations.Activations
+    assert backward.row_capacity is activations.row_capacity
 
 
 def test_parameters_are_declared_not_guessed() -> None:

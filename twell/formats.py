@@ -22,6 +22,7 @@ afterwards is the caller's responsibility.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,19 @@ from twell._arrays import (
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, MAX_COLUMNS, check_geometry
 
 _FLOAT_NAMES = "bfloat16, float16, float32, float64"
+#: The GPU's one-pass check of a buffer held by CuPy (see :func:`register_device_check`);
+#: None: CuPy data goes through the array code NumPy data takes.
+_device_check: Callable[..., tuple[str, int, int, int] | None] | None = None
+
+
+def register_device_check(check: Callable[..., tuple[str, int, int, int] | None]) -> None:
+    """Check the contents of buffers held by CuPy with ``check(packed, tile, slots, light,
+    routing=...)``: the first failing row-tile check in (row, tile, slot) order as
+    ``(what, row, tile, slot)``, or None. :mod:`twell.kernels.validate` registers its
+    kernel when imported (``import twell`` imports it); this module sits below the
+    kernels and does not import them."""
+    global _device_check
+    _device_check = check
 
 
 def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, int]:
@@ -282,7 +296,7 @@ class TwELL:
 
     def _validate(self, rows: Any) -> None:
         xp = self.xp
-        if xp is not np:  # on the GPU: one pass of twell/kernels/validate.cu
+        if xp is not np and _device_check is not None:  # on the GPU: one kernel pass
             light = None if rows is None else xp.ascontiguousarray(rows, dtype=xp.uint8)
             self._raise_gpu_failure(_gpu_first_failure(self, light, routing=False))
             return
@@ -353,11 +367,10 @@ class TwELL:
 def _gpu_first_failure(
     ell: TwELL, light: Any | None, *, routing: bool
 ) -> tuple[str, int, int, int] | None:
-    from twell.kernels.validate import first_failure
-
+    assert _device_check is not None
     packed = ell.xp.ascontiguousarray(ell.packed)
     with packed.device:
-        return first_failure(packed, ell.tile, ell.slots, light, routing=routing)
+        return _device_check(packed, ell.tile, ell.slots, light, routing=routing)
 
 
 class Hybrid:
@@ -609,7 +622,7 @@ class Hybrid:
                     f"[{int(rows[0])}, {int(rows[-1])}]"
                 )
         light = self._light_mask()  # dense_rows are in range now
-        if xp is not np:  # on the GPU: one pass of twell/kernels/validate.cu
+        if xp is not np and _device_check is not None:  # on the GPU: one kernel pass
             failure = _gpu_first_failure(self.ell, light.astype(xp.uint8), routing=True)
             self.ell._raise_gpu_failure(failure)
             return

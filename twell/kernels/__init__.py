@@ -5,6 +5,8 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
   parameters per source; the CPU-side NVRTC build).
 - ``common.cuh``: device code every source shares (types, bf16 helpers, routing rule,
   cluster, mbarrier and TMA helpers).
+- ``tensor_core.cuh``: the tensor-core tile engine (cp.async, ldmatrix, mma fragments)
+  that ``heavy_rows.cu`` and ``backward_heavy.cu`` share.
 - ``buffers``: the one allocation function (CuPy's pool or torch's allocator), bf16 views.
 - ``convert`` / ``convert.cu``: dtype conversions and the bf16 transpose.
 - ``cublas``: the dense GEMM ``x @ w.T`` from cuBLAS.
@@ -24,8 +26,11 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
 - ``pipeline``: the prepared block's forward pass (routes, then heavy rows).
 - ``hybrid_ops``: ``gate``, ``down``, ``gated_down``, ``ffn`` on CuPy arrays.
 - ``validate`` / ``validate.cu``: a user-built TwELL's contents checked in one pass.
-- ``backward`` / ``backward.cu``: the backward pass (the state the forward keeps for it,
-  the unit lists, the gradients).
+- ``activations``: what a forward pass keeps for the backward (``Activations``,
+  ``row_capacity``).
+- ``backward`` / ``backward_light.cu``, ``backward_lists.cu``, ``backward_grads.cu``,
+  ``backward_heavy.cu``, ``backward_transpose.cu``: the backward pass, one source per step
+  (light rows, unit lists, the light pairs' weight gradients, heavy rows, dW_down's layout).
 """
 
 from twell.kernels import backward, validate  # noqa: F401 - declare their sources

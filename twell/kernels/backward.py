@@ -1,36 +1,52 @@
-"""The FFN block's backward pass on the GPU (launcher of ``backward.cu``), and the state a
-forward pass keeps for it.
+"""The FFN block's backward pass on the GPU: the launcher of its step sources
+``backward_light.cu``, ``backward_lists.cu``, ``backward_grads.cu``, ``backward_heavy.cu``
+and ``backward_transpose.cu``.
 
 :func:`ffn_backward` computes the gradients of ``<dy, y> + l1_coeff · l1_loss(h)`` from the
-:class:`Activations` of ``PreparedBlock.forward(x, save=True)``, with work proportional to
-the active units, deterministically (no float atomics) and without synchronising the
-host. Its NumPy oracle is :func:`twell.reference.ffn_backward`. The steps (backward.cu's
-header has the details):
+:class:`~twell.kernels.activations.Activations` of ``PreparedBlock.forward(x, save=True)``,
+with work proportional to the active units, deterministically (no float atomics) and
+without synchronising the host. Its NumPy oracle is :func:`twell.reference.ffn_backward`.
+With ``a = x w_gateᵀ, g = relu(a), u = x w_upᵀ, h = g u, y = h w_downᵀ`` (non-gated:
+``a = x w_upᵀ, h = relu(a)``) and ``l1s`` the coefficient over ``M·N`` (``"mean"``) or
+``M`` (``"per_token"``)::
 
-1. **Light rows**, one warp per token: for each active unit of the token's TwELL entries,
-   ``u = x·w_up[n]`` (the forward's, ``Activations.up``, or recomputed with the same
-   sum), ``dh = dy·w_down_t[n]`` (+ the L1 term), ``da``, ``du``; the pair values
-   (``da, du, h``) and the pair's unit are stored at the pair's index. Then ``dx`` of the
-   light rows in fp32, a warp per (256-column slice, token), slice-major (the slices of
-   ``w_gate`` and ``w_up`` being read stay in L2). The step also routes the backward's
-   heavy rows: the forward's, plus rows whose ``x`` or ``dy`` holds Inf/NaN (dense math
-   spreads those to every unit, so only the dense path reproduces it) and rows over the
-   pair capacity.
-2. **Unit lists** (:class:`UnitLists`): the transposed view of the light pairs, built on
-   the device by a counting sort.
-3. **Weight gradients of the light pairs**, a block per (unit, K slice) (long lists in
-   segments), summed in ascending token order in fp32; blocks numbered slice-major, and
-   one launch per token range where a slice of ``x`` and ``dy`` for all tokens would not
-   stay in L2 (:func:`grad_slices`, :func:`grad_rows`: the bits depend on the ranges,
-   never on the slices).
-4. **Heavy rows**: with ``dense_capacity``, the first ``options.capacity_rows(M)`` of them
-   through cuBLAS GEMMs of exactly that many rows (:func:`_capacity_rows`, as the forward's
-   capacity GEMMs); the rest in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles
-   for ``a, u, dy·w_down`` → ``da, du, h`` (bf16), the rows of ``dx``, and the rows' weight
-   gradients added to the light part (light, then capacity rows, then chunks: fixed order).
-   All chunks are one launch whose blocks take work items from a queue in stage order
-   (the device's heavy-row count decides how many exist: none costs one empty launch).
-5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``.
+    dh = dy w_down + l1s sign(h),  da = dh u [a > 0],  du = dh g   (non-gated: da = dh [a > 0])
+    dx = da w_gate + du w_up,  dW_gate = daᵀ x,  dW_up = duᵀ x,  dW_down = dyᵀ h
+
+The steps, one source each (each file's header has the details):
+
+1. **Light rows** (``backward_light.cu``), one warp per token: for each active unit of the
+   token's TwELL entries, ``u = x·w_up[n]`` (the forward's, ``Activations.up``, or
+   recomputed with the same sum), ``dh = dy·w_down_t[n]`` (+ the L1 term), ``da``, ``du``;
+   the pair values (``da, du, h``) and the pair's unit are stored at the pair's index.
+   Then ``dx`` of the light rows in fp32, a warp per (256-column slice, token),
+   slice-major (the slices of ``w_gate`` and ``w_up`` being read stay in L2). The step
+   also routes the backward's heavy rows: the forward's, plus rows whose ``x`` or ``dy``
+   holds Inf/NaN (dense math spreads those to every unit, so only the dense path
+   reproduces it) and rows over the pair capacity.
+2. **Unit lists** (``backward_lists.cu``, :class:`UnitLists`): the transposed view of the
+   light pairs, built on the device by a counting sort.
+3. **Weight gradients of the light pairs** (``backward_grads.cu``), a block per (unit, K
+   slice) (long lists in segments), summed in ascending token order in fp32; blocks
+   numbered slice-major, and one launch per token range where a slice of ``x`` and ``dy``
+   for all tokens would not stay in L2 (:func:`grad_slices`, :func:`grad_rows`: the bits
+   depend on the ranges, never on the slices).
+4. **Heavy rows** (``backward_heavy.cu``): with ``dense_capacity``, the first
+   ``options.capacity_rows(M)`` of them through cuBLAS GEMMs of exactly that many rows
+   (:func:`_capacity_rows`, as the forward's capacity GEMMs); the rest in chunks of
+   :func:`heavy_chunk_rows` rows: tensor-core tiles for ``a, u, dy·w_down`` → ``da, du, h``
+   (bf16), the rows of ``dx``, and the rows' weight gradients added to the light part
+   (light, then capacity rows, then chunks: fixed order). All chunks are one launch whose
+   blocks take work items from a queue in stage order (the device's heavy-row count
+   decides how many exist: none costs one empty launch).
+5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``
+   (``backward_transpose.cu``).
+
+Every float sum has one owner and a fixed order: step 1 in entry order, step 3 in token
+order (then segments in order), step 4 per mma fragment in k order (then splits in
+order), light before heavy (capacity rows, then chunks); cuBLAS is deterministic for a
+given library path and shape. The only atomics are on integers (shared bit masks, the
+heavy step's work queue).
 
 Weight gradients accumulate in fp32 and are returned in ``grad_dtype`` (fp32 by default;
 bf16 rounds each once at the end); ``dx`` in ``x``'s dtype (bf16 math inside).
@@ -46,6 +62,7 @@ import numpy as np
 
 from twell._arrays import bfloat16
 from twell._validation import check_number, check_reduction
+from twell.kernels.activations import Activations, row_capacity  # importable from here too
 from twell.kernels.buffers import alloc, empty_bf16, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 from twell.kernels.convert import as_bf16, from_bf16
@@ -83,49 +100,67 @@ REDUCTIONS = ("mean", "per_token")
 #: training step never reads it on the host (twell.autograd uses this).
 DEVICE_L1_COEFF = True
 
-SOURCE = declare(
+#: Model widths of the step sources' example configurations (the compile test builds them).
+_WIDTHS = tuple(
+    {"KDIM": k, "GATED": g} for k in (8, 264, 2048, 4096) for g in (0, 1)
+) + ({"KDIM": 136, "GATED": 1},)  # fmt: skip
+
+# The step sources. A launch gives every parameter of the call (KDIM, TILE, SLOTS, GATED);
+# each source is built with the ones it declares.
+LIGHT = declare(
     Source(
-        "backward.cu",
+        "backward_light.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
-        constants={
-            "LIST_CAPACITY": LIST_CAPACITY, "BW_CHUNK_ROWS": CHUNK_ROWS,
-            "BW_UNIT_WARPS": UNIT_WARPS, "BW_GRAD_BATCH": GRAD_BATCH,
-            "BW_LIGHT_MIN_BLOCKS": LIGHT_MIN_BLOCKS,
-        },
+        constants={"LIST_CAPACITY": LIST_CAPACITY, "BW_LIGHT_MIN_BLOCKS": LIGHT_MIN_BLOCKS},
         examples=tuple(
             {"KDIM": k, "TILE": 256, "SLOTS": s, "GATED": g}
             for k in (8, 264, 2048, 4096) for s in (32, 64) for g in (0, 1)
         ) + ({"KDIM": 136, "TILE": 32, "SLOTS": 2, "GATED": 1},),
     )
 )  # fmt: skip
+LISTS = declare(
+    Source(
+        "backward_lists.cu",
+        parameters=("TILE", "SLOTS"),
+        constants={"BW_CHUNK_ROWS": CHUNK_ROWS, "BW_UNIT_WARPS": UNIT_WARPS},
+        examples=({"TILE": 256, "SLOTS": 32}, {"TILE": 256, "SLOTS": 64},
+                  {"TILE": 32, "SLOTS": 2}),
+    )
+)  # fmt: skip
+GRADS = declare(
+    Source(
+        "backward_grads.cu",
+        parameters=("KDIM", "GATED"),
+        constants={"BW_GRAD_BATCH": GRAD_BATCH},
+        examples=_WIDTHS,
+    )
+)
+HEAVY = declare(
+    Source(
+        "backward_heavy.cu",
+        parameters=("KDIM", "GATED"),
+        examples=_WIDTHS,
+        headers=("tensor_core.cuh",),
+    )
+)
+TRANSPOSE = declare(Source("backward_transpose.cu"))
+#: The source of each kernel of the backward.
+_SOURCE_OF = {
+    kernel: source
+    for source, kernels in (
+        (LIGHT, ("twell_bw_light", "twell_bw_light_saved", "twell_bw_light_dx",
+                 "twell_bw_any_nonfinite")),
+        (LISTS, ("twell_bw_unit_count", "twell_bw_unit_chunks", "twell_bw_unit_starts",
+                 "twell_bw_unit_scatter")),
+        (GRADS, ("twell_bw_weight_grads", "twell_bw_weight_grads_sliced",
+                 "twell_bw_weight_grads_finish")),
+        (HEAVY, ("twell_bw_heavy_chunks", "twell_bw_capacity_units", "twell_bw_capacity_dx")),
+        (TRANSPOSE, ("twell_bw_transpose_f32",)),
+    )
+    for kernel in kernels
+}  # fmt: skip
 
 _NULL = np.uint64(0)
-
-
-@dataclass
-class Activations:
-    """What a forward pass keeps for the backward pass, all on the device.
-
-    Attributes:
-        packed: TwELL words of ``relu(x @ w_gate.T)`` (``relu(x @ w_up.T)`` for the
-            non-gated block), uint32 ``[M, N/tile*slots]``; light rows only are valid.
-        heavy: uint8 ``[M]``, 1 for the rows that took the dense path.
-        ids: int32, the heavy rows' ids in ascending order (``ids[:count[0]]``).
-        count: int32 ``[1]``, the number of heavy rows.
-        row_l1: float32 ``[M]``, each row's sum of ``|h|`` (the L1 term before its
-            reduction; the backward does not read it), or None.
-        up: float32 ``[M, R]`` (gated), the light rows' up products ``x[t]·w_up[n]`` by
-            pair (``R = row_capacity(...)``, the backward's row capacity; see
-            :class:`UnitLists`), or None: the backward then recomputes them (the same
-            bits, one more weight row read per pair).
-    """
-
-    packed: Any
-    heavy: Any
-    ids: Any
-    count: Any
-    row_l1: Any | None = None
-    up: Any | None = None
 
 
 @dataclass
@@ -167,7 +202,8 @@ class UnitLists:
 
 
 def grad_threads(k: int) -> int:
-    """Threads of a weight-gradient block for width ``k`` (backward.cu's GRAD_THREADS)."""
+    """Threads of a weight-gradient block for width ``k`` (backward_grads.cu's
+    GRAD_THREADS)."""
     chunks = k // 8
     return 256 if chunks >= 256 else 32 * math.ceil(chunks / 32)
 
@@ -207,16 +243,12 @@ def heavy_chunk_rows(m: int) -> int:
     return 64 * max(1, math.ceil(rows / 64))
 
 
-def row_capacity(max_row_nnz: int, n: int, tile: int, slots: int, m: int) -> int:
-    """Most entries a light row may keep in the backward: the forward's row limit, what
-    the TwELL geometry can hold, the light kernel's list, and int32 pair indices."""
-    cap = min(max_row_nnz, (n // tile) * (slots - 1), LIST_CAPACITY)
-    return max(0, min(cap, (2**31 - 1) // max(1, m)))
-
-
 def _launch(function: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
             params: dict[str, int]) -> None:  # fmt: skip
-    SOURCE.kernel(function, **params)(grid, block, args)
+    """Launch the backward's kernel ``function``, built by its step's source with that
+    source's share of ``params`` (the call's KDIM, TILE, SLOTS, GATED)."""
+    source = _SOURCE_OF[function]
+    source.kernel(function, **{p: params[p] for p in source.parameters})(grid, block, args)
 
 
 def _multiprocessors() -> int:
@@ -228,7 +260,7 @@ def build_unit_lists(
 ) -> UnitLists:
     """The :class:`UnitLists` of the rows of ``packed`` with ``light[t] == 0`` (uint8
     ``[M]``; those rows are trusted: counts <= slots - 1, at most ``row_cap`` entries,
-    columns inside their tiles), given their ``tile_off``. ``params`` are backward.cu's
+    columns inside their tiles), given their ``tile_off``. ``params`` are the call's
     compile-time parameters (``KDIM``, ``TILE``, ``SLOTS``, ``GATED``)."""
     m = packed.shape[0]
     tiles = n // params["TILE"]

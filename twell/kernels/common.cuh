@@ -7,7 +7,7 @@
 // It holds:
 // - the fixed-width integer types (NVRTC has no <stdint.h>);
 // - bf16 helpers: unpacking the halves of a 32-bit word, rounding pairs of floats,
-//   8-wide dot products and axpy on 16-byte vectors;
+//   8-wide dot products and axpy on 16-byte vectors, NumPy's sign;
 // - the one routing rule of docs/format.md: which bf16 values are kept by ReLU, which
 //   are non-finite, when a tile overflows and when a row has too many active units.
 //   The rule is written with plain integer operations (TWELL_HOST_DEVICE), so a host
@@ -91,6 +91,11 @@ TWELL_DEVICE float twell_dot8(uint4 a, uint4 b, float s) {
   s = fmaf(twell_lo_bf16(a.w), twell_lo_bf16(b.w), s);
   s = fmaf(twell_hi_bf16(a.w), twell_hi_bf16(b.w), s);
   return s;
+}
+
+// sign(h) as NumPy has it: -1, 0, +1, NaN for NaN (the L1 penalty's gradient).
+TWELL_DEVICE float twell_sign(float h) {
+  return h > 0.f ? 1.f : (h < 0.f ? -1.f : (h == 0.f ? 0.f : h));
 }
 
 // acc[i] += h·b[i] over 8 bf16, fp32.

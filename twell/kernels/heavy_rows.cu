@@ -26,12 +26,13 @@
 // Limits: RED % 8 == 0, OUTC % 8 == 0, 16-byte aligned rows.
 
 // Compile-time parameters TWELL_HR_SPLIT and TWELL_HR_STAGES; constant TWELL_HR_FLAG_ROWS.
+// Uses tensor_core.cuh (the tile and its accumulators, cp.async); stages its own ring.
 
 // ---------------------------------------------------------------------------------------
 // twell_heavy_rows_matmul — a tiled GEMM over the listed rows: a cluster computes 64 rows x
 // 64 output columns, staging 32-wide k-slices of A (gathered rows) and B in shared memory
 // through a cp.async ring of HR_STAGES slices, so each B element read from L2 serves 64
-// rows (the untiled first version, 16 rows, is in bench/ladder/heavy_rows_simple.cu).
+// rows (bench/ladder/heavy_rows_simple.cu keeps the untiled kernel: 16 rows a block).
 // 4 warps in a 2 x 2 layout, each 32 rows x 32 columns (2 x 4 mma tiles). The k order
 // inside a slice is the same permutation for A and B (16 contiguous bytes per lane).
 // The reduction is split across the HR_SPLIT CTAs of a thread-block cluster (its

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from twell import tuning
-from twell.kernels.backward import row_capacity
+from twell.kernels.activations import row_capacity
 from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 

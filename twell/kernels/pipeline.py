@@ -54,7 +54,7 @@ import numpy as np
 
 from twell import tuning
 from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
-from twell.kernels.backward import Activations, row_capacity
+from twell.kernels.activations import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16, keep_for_graph
 from twell.kernels.convert import as_bf16, from_bf16, transpose
 from twell.kernels.cublas import gemm_nt

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from twell.formats import register_device_check
 from twell.kernels.buffers import alloc, grid_1d
 from twell.kernels.compile import Source, declare
 
@@ -58,3 +59,6 @@ def first_failure(
     code, position = key & 7, key >> 3
     slot, rest = position % slots, position // slots
     return CODES[code], rest // tiles, rest % tiles, slot
+
+
+register_device_check(first_failure)  # TwELL.validate and Hybrid.validate on CuPy data

@@ -1,0 +1,218 @@
+// backward_grads.cu — step 3 of the FFN block's backward pass (launched by backward.py):
+// the weight gradients of the light pairs.
+//
+// twell_bw_weight_grads (twell_bw_weight_grads_sliced) + twell_bw_weight_grads_finish:
+// per unit n, over its list in ascending token order, in fp32:
+//   dWg[n] += da x[t],  dWu[n] += du x[t],  dWd_t[n] += h dy[t]     (gated)
+//   dWu[n] += da x[t],  dWd_t[n] += h dy[t]                         (non-gated)
+// Lists longer than `seg` entries are cut into segments computed by different blocks;
+// segment 0 writes the output row, the others a workspace row, and the finish kernel
+// adds them in segment order. Units nobody uses get zero rows. A block takes one K slice
+// of its item, blocks numbered slice-major, and a token range per launch where needed,
+// so the x and dy rows being read stay in L2.
+//
+// Layouts: x, dy [M, K] bf16; the unit lists (tokens, pairs, unit_start, seg_start) of
+// backward_lists.cu; vals fp32 [NV, cap], the pair values of backward_light.cu; weight
+// gradients fp32 [N, K] (dw0, dw1, dw2: (dWg, dWu, dWd_t) gated, (dWu, dWd_t) non-gated);
+// ws fp32 [extra_cap·NV, K], the extra segments' rows.
+//
+// Limits: K = TWELL_KDIM, a multiple of 8, <= 4096; 16-byte aligned rows.
+//
+// Compile-time parameters: TWELL_KDIM, TWELL_GATED; constant shared with backward.py:
+// TWELL_BW_GRAD_BATCH (pairs a block stages in shared memory at a time).
+
+#define NV (TWELL_GATED ? 3 : 2)
+#define KCH (TWELL_KDIM / 8)
+// Threads of a weight-gradient block: 16-byte chunks of a row, one per thread (256 at most).
+#define GRAD_THREADS (KCH >= 256 ? 256 : ((KCH + 31) / 32) * 32)
+#define CPT ((KCH + GRAD_THREADS - 1) / GRAD_THREADS)
+
+// Largest n in [0, N) with start[n] <= e (start non-decreasing, start[0] = 0 <= e).
+__device__ __forceinline__ int find_unit(const int* __restrict__ start, int N, int e) {
+  int lo = 0, hi = N;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (start[mid] <= e) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// First index i in [lo, hi) with tokens[i] >= t (tokens ascending), hi if none.
+__device__ __forceinline__ int first_token_at_least(const int* __restrict__ tokens, int lo,
+                                                    int hi, int t) {
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (tokens[mid] < t) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+struct GradShared {
+  int tok[TWELL_BW_GRAD_BATCH];
+  float v[NV][TWELL_BW_GRAD_BATCH];
+};
+
+#define GRAD_UNROLL 4
+
+// out[v] rows (fp32, K wide): v < NV-1 sum vals[v]·x[t], v = NV-1 sum vals[v]·dy[t].
+// Items: unit n (segment 0, writes dw[v] row n) for item < N; extra segment e = item - N
+// (writes ws row e*NV + v) after that. A block computes one item's columns of one K slice
+// (`slices` equal slices of KCH / slices 16-byte chunks, one per thread; slices == 1: the
+// whole row, GRAD_THREADS threads). Blocks are numbered slice-major, so the blocks running
+// at once read the same slice of x and dy: a slice of both for all tokens can stay in L2
+// where the whole rows cannot. Each value is summed in token order by one thread whatever
+// the slicing: the bits do not depend on it. Where even a slice of all tokens is too large,
+// the launcher runs the kernel once per token range [t0, t1), in order: the first launch
+// writes the rows, the later ones (accumulate = 1) add their range's sums to them (a
+// fixed order: the bits depend on the ranges, not on timing).
+// C: 16-byte chunks per thread (CPT for the whole row; 1 for a slice, which has one per
+// thread).
+#define TWELL_GRAD_ARGS                                                                    \
+  const uint16_t *__restrict__ x, const uint16_t *__restrict__ dy,                         \
+      const int *__restrict__ tokens, const int *__restrict__ pairs,                       \
+      const float *__restrict__ vals, long long cap, const int *__restrict__ unit_start,   \
+      const int *__restrict__ seg_start, int N, int seg, int extra_cap, int slices, int t0, \
+      int t1, int accumulate, float *__restrict__ dw0, float *__restrict__ dw1,            \
+      float *__restrict__ dw2, float *__restrict__ ws
+#define TWELL_GRAD_PASS                                                                    \
+  x, dy, tokens, pairs, vals, cap, unit_start, seg_start, N, seg, extra_cap, slices, t0, t1, \
+      accumulate, dw0, dw1, dw2, ws
+template <int C>
+__device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
+  __shared__ GradShared sm;
+  const int tid = threadIdx.x, threads = blockDim.x;
+  const int extras = min(seg_start[N], extra_cap);
+  const int items = N + extras, per = N + extra_cap;
+  const int cs = KCH / slices;  // chunks of a slice
+  for (int b = blockIdx.x; b < slices * per; b += gridDim.x) {
+    const int s = b / per, item = b - s * per;
+    if (item >= items) continue;  // block-uniform
+    int begin, end;
+    long long row;  // where the item's rows go: dw[v] row n, or ws row e*NV + v
+    if (item < N) {
+      begin = unit_start[item];
+      end = min(unit_start[item + 1], begin + seg);
+      row = (long long)item * TWELL_KDIM;
+    } else {
+      const int e = item - N;
+      const int n = find_unit(seg_start, N, e);
+      begin = unit_start[n] + (e - seg_start[n] + 1) * seg;
+      end = min(unit_start[n + 1], begin + seg);
+      row = (long long)e * NV * TWELL_KDIM;
+    }
+    begin = first_token_at_least(tokens, begin, end, t0);  // the range's part of the list
+    end = first_token_at_least(tokens, begin, end, t1);
+    if (accumulate && begin == end) continue;  // nothing to add (block-uniform)
+    float* const out0 = item < N ? dw0 + row : ws + row;
+    float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
+    float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
+    float acc[NV][C][8];
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int cc = 0; cc < C; ++cc)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[v][cc][i] = 0.f;
+
+    for (int b0 = begin; b0 < end; b0 += TWELL_BW_GRAD_BATCH) {
+      const int nb = min(TWELL_BW_GRAD_BATCH, end - b0);
+      __syncthreads();  // the previous batch is consumed
+      for (int i = tid; i < nb; i += threads) {
+        const long long p = pairs[b0 + i];
+        sm.tok[i] = tokens[b0 + i];
+#pragma unroll
+        for (int v = 0; v < NV; ++v) sm.v[v][i] = vals[v * cap + p];
+      }
+      __syncthreads();
+      for (int i = 0; i < nb; i += GRAD_UNROLL) {
+        uint4 xv[GRAD_UNROLL][C], dv[GRAD_UNROLL][C];
+#pragma unroll
+        for (int q = 0; q < GRAD_UNROLL; ++q) {
+          const bool live = i + q < nb;
+          const long long t = live ? sm.tok[i + q] : 0;
+          const uint4* xr = reinterpret_cast<const uint4*>(x + t * TWELL_KDIM);
+          const uint4* dr = reinterpret_cast<const uint4*>(dy + t * TWELL_KDIM);
+#pragma unroll
+          for (int cc = 0; cc < C; ++cc) {
+            const int kl = tid + cc * threads, k = s * cs + kl;
+            const bool ok = live && kl < cs && k < KCH;
+            xv[q][cc] = ok ? __ldg(xr + k) : make_uint4(0, 0, 0, 0);
+            dv[q][cc] = ok ? __ldg(dr + k) : make_uint4(0, 0, 0, 0);
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < GRAD_UNROLL; ++q) {
+          if (i + q < nb) {
+#pragma unroll
+            for (int cc = 0; cc < C; ++cc) {
+#pragma unroll
+              for (int v = 0; v < NV - 1; ++v) twell_axpy8(sm.v[v][i + q], xv[q][cc], acc[v][cc]);
+              twell_axpy8(sm.v[NV - 1][i + q], dv[q][cc], acc[NV - 1][cc]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int cc = 0; cc < C; ++cc) {
+      const int kl = tid + cc * threads, k = s * cs + kl;
+      if (kl < cs && k < KCH) {
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {  // the output pointer chosen by value
+          float4* o = reinterpret_cast<float4*>((v == 0 ? out0 : (v == 1 ? out1 : out2)) + k * 8);
+          float4 lo = make_float4(acc[v][cc][0], acc[v][cc][1], acc[v][cc][2], acc[v][cc][3]);
+          float4 hi = make_float4(acc[v][cc][4], acc[v][cc][5], acc[v][cc][6], acc[v][cc][7]);
+          if (accumulate) {  // the earlier ranges' sums + this range's
+            const float4 a = o[0], b = o[1];
+            lo = make_float4(a.x + lo.x, a.y + lo.y, a.z + lo.z, a.w + lo.w);
+            hi = make_float4(b.x + hi.x, b.y + hi.y, b.z + hi.z, b.w + hi.w);
+          }
+          o[0] = lo;
+          o[1] = hi;
+        }
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(GRAD_THREADS)
+twell_bw_weight_grads(TWELL_GRAD_ARGS) {  // whole rows: slices == 1, GRAD_THREADS threads
+  weight_grads<CPT>(TWELL_GRAD_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_weight_grads_sliced(TWELL_GRAD_ARGS) {  // slices > 1: one chunk per thread
+  weight_grads<1>(TWELL_GRAD_PASS);
+}
+
+// Adds the extra segments of each unit to its rows, in segment order (segment 0 is
+// already there). A block per extra segment; the first segment of a unit does the work.
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra_cap,
+                             const float* __restrict__ ws, float* __restrict__ dw0,
+                             float* __restrict__ dw1, float* __restrict__ dw2) {
+  const int extras = min(seg_start[N], extra_cap);
+  for (int e = blockIdx.x; e < extras; e += gridDim.x) {
+    const int n = find_unit(seg_start, N, e);
+    if (seg_start[n] != e) continue;
+    const int nseg = min(seg_start[n + 1], extras) - e;
+    // One flat loop over (v, k); the output pointer chosen by value. (Two NVRTC versions
+    // spilled a few bytes here with a loop over v: 13.0 when unrolled, 13.x when not.)
+    const long long row = (long long)n * TWELL_KDIM;
+    for (int i = threadIdx.x; i < NV * (TWELL_KDIM / 4); i += blockDim.x) {
+      const int v = i / (TWELL_KDIM / 4), k = i - v * (TWELL_KDIM / 4);
+      float4* o = reinterpret_cast<float4*>((v == 0 ? dw0 : (v == 1 ? dw1 : dw2)) + row) + k;
+      const float4* src =
+          reinterpret_cast<const float4*>(ws + ((long long)e * NV + v) * TWELL_KDIM) + k;
+      float4 acc = *o;
+      for (int s = 0; s < nseg; ++s) {
+        const float4 b = src[(long long)s * NV * (TWELL_KDIM / 4)];
+        acc.x += b.x;
+        acc.y += b.y;
+        acc.z += b.z;
+        acc.w += b.w;
+      }
+      *o = acc;
+    }
+  }
+}
