@@ -250,6 +250,7 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
 def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
     import torch
 
+    from twell import autograd
     from twell.torch import l1_penalty
 
     plans = [("eager", t) for t in args.train_tokens]
@@ -281,7 +282,12 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_memory = torch.cuda.memory_allocated()
+            graphs = (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS)
+            before = [(g.captures, g.replays) for g in graphs]
             rec[f"t_{name}_ms"] = timed(step, 5, warmup=2, rounds=3)
+            if name == "twell":  # op graphs captured / replayed over the timed steps
+                rec["op_graphs"] = [(g.captures - c, g.replays - r)
+                                    for g, (c, r) in zip(graphs, before, strict=True)]  # fmt: skip
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
             del m, run_model, optimizer
             torch.cuda.empty_cache()
@@ -291,7 +297,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
         emit(rec)
 
 
-BENCHMARKS = {"prefill": prefill, "decode": decode, "train_step": train_step}
+BENCHMARKS = {"prefill": prefill, "train_step": train_step, "decode": decode}
 
 
 def plot(records: list[dict[str, Any]], path: str) -> None:
