@@ -143,42 +143,6 @@ def time_forward(model: Any, ids: Any, warmup: int, reps: int) -> tuple[float, A
         return statistics.median(times[warmup:]), out
 
 
-def diagnose(model: Any, ids: Any, layer_index: int) -> dict[str, Any]:
-    """One layer's real MLP input: active-unit distribution, routing, and both timings."""
-    import torch
-
-    from twell.timing import per_call_ms
-    from twell.torch import SparseMLP
-
-    mlp = model.model.layers[layer_index].mlp
-    captured: list[Any] = []
-    handle = mlp.register_forward_pre_hook(lambda _m, a: captured.append(a[0]))
-    try:
-        with torch.inference_mode():
-            model.model(ids)
-    finally:
-        handle.remove()
-    x = captured[0].reshape(-1, captured[0].shape[-1])
-    with torch.inference_mode():
-        active = mlp.gate_proj(x) > 0
-        per_token = active.sum(dim=1).float()
-        per_tile = active.reshape(x.shape[0], -1, 256).sum(dim=2)
-        levels = torch.tensor([0.5, 0.9, 0.99], device=x.device)
-        quantiles = torch.quantile(per_token[:65536], levels)
-        sparse = SparseMLP.from_module(mlp)
-        n = mlp.gate_proj.weight.shape[0]
-        return {
-            "layer": layer_index,
-            "l0_mean": float(per_token.mean()),
-            "l0_p50_p90_p99": [float(q) for q in quantiles],
-            "l0_max": float(per_token.max()),
-            "rows_over_max_row_nnz": float((per_token > 0.03 * n).float().mean()),
-            "rows_with_tile_overflow": float((per_tile > 31).any(dim=1).float().mean()),
-            "t_dense_mlp_ms": per_call_ms(lambda i: mlp(x)),
-            "t_twell_mlp_ms": per_call_ms(lambda i: sparse(x)),
-        }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=38)
@@ -197,13 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
-    parser.add_argument(
-        "--diagnose",
-        type=int,
-        nargs="*",
-        default=None,
-        help="layers to diagnose (MLP input statistics and timings), then exit",
-    )
     parser.add_argument(
         "--dense-capacity",
         type=lambda v: v if v == "auto" else float(v),
@@ -226,10 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args)
     ids = torch.randint(0, 49152, (args.batch, args.seq), device=args.device)
     calibrate(model, ids[: args.calibration_sequences], args)
-    if args.diagnose is not None:
-        for index in args.diagnose:
-            print(json.dumps(diagnose(model, ids, index)), flush=True)
-        return 0
     held_out = ids[args.calibration_sequences : 2 * args.calibration_sequences]
     l0, dense_share = measure_l0(model, held_out)
     t_dense, y_dense = time_forward(model, ids, args.warmup, args.reps)
