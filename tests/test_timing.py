@@ -25,7 +25,7 @@ from twell import timing
         ("", "unknown"),
     ],
 )
-def test_gpu_folder_names_the_two_hoppers_and_sanitises_the_rest(name, folder) -> None:
+def test_gpu_folder_is_the_tuning_files_model(name, folder) -> None:
     assert timing.gpu_folder(name) == folder
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -249,15 +248,11 @@ def versions() -> dict[str, str]:
 
 
 def gpu_folder(name: str) -> str:
-    """The results folder of a device name: ``h100`` and ``h200`` for those GPUs in any
-    form factor ("NVIDIA H100 80GB HBM3", "NVIDIA H200 NVL"), otherwise the name in lower
-    case with every run of other characters as one ``_`` ("NVIDIA GH200 480GB" →
-    ``nvidia_gh200_480gb``)."""
-    low = name.lower()
-    for known in ("h100", "h200"):
-        if re.search(rf"(?<![a-z0-9]){known}(?![0-9])", low):
-            return known
-    return re.sub(r"[^a-z0-9]+", "_", low).strip("_") or "unknown"
+    """The results folder of a device name: its model as the tuning files name it
+    (:func:`twell.tuning.model_of`: ``h100``, ``h200``, else the sanitised name)."""
+    from twell.tuning import model_of
+
+    return model_of(name)
 
 
 def record_path(benchmark: str, gpu: str | None = None, root: str | os.PathLike = RESULTS) -> Path:
