@@ -236,3 +236,26 @@ def test_inference_registry_follows_weight_updates_and_frees_blocks() -> None:
     with torch.no_grad():
         other(_x(q))  # a build sweeps the blocks of freed weights
     assert key not in inference._blocks
+
+
+def test_two_forwards_before_one_backward_keep_their_activations() -> None:
+    """Gradient accumulation through one autograd graph (two forwards of a layer, then one
+    backward): with op graphs the second forward's replay first copies out what the
+    first forward lent to its backward, so both backward calls read their own
+    activations; the gradients are the plain launches' bits."""
+    p = workloads.uniform(512, 1024, 2048, p=0.01, seed=8)
+    q = workloads.uniform(512, 1024, 2048, p=0.01, seed=9)
+    gen = torch.Generator("cuda").manual_seed(1)
+    dys = [torch.randn(512, 1024, device="cuda", generator=gen).bfloat16() for _ in range(2)]
+    results = {}
+    for graphs in (False, True):
+        sparse, _ = _mlp(p, op_graphs=graphs, dense_capacity=0.0)
+        for _ in range(3):  # eager, capture + replay, replay
+            for w in sparse.parameters():
+                w.grad = None
+            xs = [_x(p).requires_grad_(), _x(q).requires_grad_()]
+            ys = [sparse(x) for x in xs]
+            torch.autograd.backward(ys, dys)
+        results[graphs] = [*(x.grad for x in xs), *(w.grad for w in sparse.parameters())]
+    for a, b in zip(results[True], results[False], strict=True):
+        assert torch.equal(a, b)

@@ -844,7 +844,7 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
     x0, wg, wu, wd = (torch.from_numpy(a.astype(np.float32)).cuda().bfloat16()
                       for a in p.arrays())  # fmt: skip
     settings = (256, 32, -1, 0.0, "per_token")
-    fw, bw = autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS
+    fw, bw = autograd._OP_FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS
     before = (fw.captures, fw.replays, bw.captures, bw.replays)
     kept = []
     for step in range(4):

@@ -479,29 +479,41 @@ class OpGraphs:
         # again.
         self._pool = None
 
-    def __call__(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int]) -> tuple:
+    def __call__(
+        self,
+        fn: Callable[..., tuple],
+        args: tuple,
+        pinned: frozenset[int],
+        lend: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> Any:
+        """``fn(*args)``'s outputs, through the graph of the arguments' key.
+
+        ``lend = (inputs, outputs)``: the outputs at those positions, and the graph's
+        buffers of the inputs at those positions, are not copied out for the call but
+        lent (:class:`Lease`); returns ``(outputs, lease)``, the lent outputs in the
+        tuple being the graph's own (valid as long as the lease is held)."""
         import torch
 
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         with torch.cuda.device(device):
-            return self._call(fn, args, pinned, device)
+            return self._call(fn, args, pinned, device, lend)
 
     def _call(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int],
-              device: Any) -> tuple:  # fmt: skip
+              device: Any, lend: tuple | None) -> Any:  # fmt: skip
         import torch
 
         if torch.cuda.is_current_stream_capturing():
-            return fn(*args)
+            return _eager(fn, args, lend)
         key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
         found = self._graphs.get(key)
         if found is None:
             if key in self._failed:
-                return fn(*args)
+                return _eager(fn, args, lend)
             if key not in self._seen:
                 self._seen[key] = None
                 while len(self._seen) > OP_SEEN:
                     self._seen.popitem(last=False)
-                return fn(*args)
+                return _eager(fn, args, lend)
             del self._seen[key]
             try:
                 found = self._capture(fn, args, pinned, device)
@@ -525,17 +537,28 @@ class OpGraphs:
                         del self._by_rest[rest]
         else:
             self._graphs.move_to_end(key)
-            for buffer, arg in zip(found[1], args, strict=True):
+            holder = found.lease() if found.lease is not None else None
+            if holder is not None:
+                holder.keep()  # its backward has not run yet: copy its values out first
+            for buffer, arg in zip(found.buffers, args, strict=True):
                 if buffer is not None:
                     buffer.copy_(arg)
-        graph, _, outputs = found
-        graph.replay()
+        found.graph.replay()
         self.replays += 1
-        return tuple(None if t is None else t.clone() for t in outputs)
+        if lend is None:
+            return tuple(None if t is None else t.clone() for t in found.outputs)
+        inputs, lent = lend
+        outputs = tuple(
+            t if i in lent or t is None else t.clone() for i, t in enumerate(found.outputs)
+        )
+        buffers = [found.buffers[i] if found.buffers[i] is not None else args[i] for i in inputs]
+        lease = Lease(buffers + [found.outputs[i] for i in lent], static=True)
+        found.lease = weakref.ref(lease)
+        return outputs, lease
 
     def _capture(
         self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int], device: Any
-    ) -> tuple[Any, tuple, tuple]:
+    ) -> _OpGraph:
         """Capture on this instance's side stream of ``device`` with ``capture_begin``/
         ``capture_end``, not the ``torch.cuda.graph`` context: that one empties torch's
         allocator cache first, so every capture would cost the next steps fresh
@@ -559,4 +582,48 @@ class OpGraphs:
         outputs = _capture_into(graph, self._pool, side, fn, *inputs)
         current.wait_stream(side)
         self.captures += 1
-        return graph, buffers, tuple(outputs)
+        return _OpGraph(graph, buffers, tuple(outputs))
+
+
+class _OpGraph:
+    """One op graph: the captured graph, its input buffers (None where an argument is
+    read in place), its outputs, and the lease of its outputs held by the last call."""
+
+    __slots__ = ("buffers", "graph", "lease", "outputs")
+
+    def __init__(self, graph: Any, buffers: tuple, outputs: tuple) -> None:
+        self.graph, self.buffers, self.outputs = graph, buffers, outputs
+        self.lease: Any = None  # a weak reference
+
+
+class Lease:
+    """Tensors of an op graph (outputs, input buffers) lent to one call without a copy.
+
+    They stay that call's values until it calls :meth:`release` (the training backward
+    does, once it has read them): the graph's next replay first copies them out for a
+    call that still holds them (:meth:`keep`). ``static``: the tensors are still the
+    graph's own (an op graph of their addresses may read them in place)."""
+
+    __slots__ = ("__weakref__", "held", "static", "tensors")
+
+    def __init__(self, tensors: list[Any], static: bool) -> None:
+        self.tensors, self.static, self.held = tuple(tensors), static, True
+
+    def release(self) -> None:
+        self.held = False
+
+    def keep(self) -> None:
+        """Copy the tensors out of the graph (before its next replay overwrites them)."""
+        if self.held and self.static:
+            self.tensors = tuple(None if t is None else t.clone() for t in self.tensors)
+            self.static = False
+
+
+def _eager(fn: Callable[..., tuple], args: tuple, lend: tuple | None) -> Any:
+    """``fn(*args)`` run eagerly; with ``lend``, also a lease of the tensors asked for (its
+    own, nothing to copy out later)."""
+    outputs = fn(*args)
+    if lend is None:
+        return outputs
+    inputs, lent = lend
+    return outputs, Lease([args[i] for i in inputs] + [outputs[i] for i in lent], static=False)

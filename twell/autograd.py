@@ -161,7 +161,7 @@ def ffn_train_forward(
     if x.device.type == "cuda":
         args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
         if graphs:
-            return _FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
+            return _OP_FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
         return _forward_cuda(*args)
     if x.device.type != "cpu":
         raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
@@ -343,15 +343,12 @@ def _ffn_train(
     options: Options,
     reduction: str,
     graphs: bool,
-    *,
-    lazy_l0: bool = False,
-) -> tuple[torch.Tensor, Any, Any, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ffn_train`'s outputs and the forward's heavy-row count (int32 ``[1]``).
 
     Eager calls on CUDA run the implementations through :class:`_EagerTraining` (no
     dispatcher: an op call through it costs hundreds of microseconds of host time);
-    CPU tensors and code that ``torch.compile`` traces take the custom ops. ``lazy_l0``:
-    the L0 comes back as a :class:`LazyL0` (computed when read)."""
+    CPU tensors and code that ``torch.compile`` traces take the custom ops."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
@@ -360,44 +357,33 @@ def _ffn_train(
                 -1 if options.max_row_nnz is None else options.max_row_nnz,
                 options.fixed_capacity, reduction, bool(graphs))  # fmt: skip
     if x2.is_cuda and not torch.compiler.is_compiling():
-        y, l1, packed, count = _EagerTraining.apply(x2, w_gate, w_up, w_down, settings)
+        y, l1, l0, count = _EagerTraining.apply(x2, w_gate, w_up, w_down, settings)
     else:
         y, l1, packed, _, _, count, _ = ffn_train_forward(x2, w_gate, w_up, w_down, *settings)
-    if lazy_l0 and not torch.compiler.is_compiling():
-        l0: Any = LazyL0(packed, options.slots)
-    else:
         l0 = l0_from_packed(packed.detach(), options.slots)
     return y.reshape(x.shape), l1, l0, count
 
 
-class LazyL0:
-    """A layer's L0 (mean active units per token) computed from its TwELL count words
-    when first read (``float()``, :meth:`tensor`): an eager training step that does not
-    log it pays nothing for it."""
+def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest):  # noqa: ANN001, ANN202
+    """:func:`_forward_cuda`'s outputs and the L0 (computed on the device, in the same op
+    graph when one is replayed)."""
+    outputs = _forward_cuda(x, w_gate, w_up, w_down, tile, slots, *rest)
+    return (*outputs, l0_from_packed(outputs[2], slots))
 
-    __slots__ = ("_packed", "_slots", "_value")
 
-    def __init__(self, packed: torch.Tensor, slots: int) -> None:
-        self._packed, self._slots, self._value = packed, slots, None
-
-    def tensor(self) -> torch.Tensor:
-        """The L0 as a float32 scalar tensor on the layer's device."""
-        if self._value is None:
-            self._value = l0_from_packed(self._packed.detach(), self._slots)
-            self._packed = None
-        return self._value
-
-    def __float__(self) -> float:
-        return float(self.tensor())
-
-    def __repr__(self) -> str:
-        return f"LazyL0({float(self):.3f})"
+#: Forward outputs lent to the backward by the op graphs (packed, heavy, ids, count, up),
+#: and the input buffer it reads (x); their positions in the backward's arguments.
+_LENT = ((0,), (2, 3, 4, 5, 6))
+_BACKWARD_LENT = frozenset({2, 6, 7, 8, 9, 10})
 
 
 class _EagerTraining(torch.autograd.Function):
     """The training ops' autograd for eager CUDA calls, calling their implementations
-    directly (with op graphs when asked). Same numbers as the ops: the same functions
-    run."""
+    directly (the same numbers as the ops: the same functions run). With op graphs, the
+    forward's TwELL words, heavy rows and up products (and its copy of ``x``) are lent to
+    the backward in the graph's own memory (:class:`twell._graphs.Lease`), which then
+    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and ``y``,
+    ``l1``, ``l0`` and the gradients out, nothing else."""
 
     @staticmethod
     def forward(ctx: Any, x, w_gate, w_up, w_down, settings):  # noqa: ANN001, ANN205
@@ -405,19 +391,24 @@ class _EagerTraining(torch.autograd.Function):
         _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
         args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
         if graphs:
-            outputs = _FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
+            outputs, lease = _FORWARD_GRAPHS(_forward_with_l0, args, _FORWARD_WEIGHTS, _LENT)
+            ctx.save_for_backward(w_gate, w_up, w_down)
+            ctx.lease = lease
         else:
-            outputs = _forward_cuda(*args)
-        y, l1, packed, heavy, ids, count, up = outputs
-        ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count, up)
+            outputs = _forward_with_l0(*args)
+            ctx.save_for_backward(w_gate, w_up, w_down, x, *outputs[2:7])
+            ctx.lease = None
+        y, l1, _, _, _, count, _, l0 = outputs
         ctx.settings = settings
-        ctx.mark_non_differentiable(packed, count)
+        ctx.mark_non_differentiable(l0, count)
         ctx.set_materialize_grads(False)
-        return y, l1, packed, count
+        return y, l1, l0, count
 
     @staticmethod
     def backward(ctx: Any, dy, dl1, *_unused):  # noqa: ANN001, ANN205
-        x, w_gate, w_up, w_down, packed, heavy, ids, count, up = ctx.saved_tensors
+        w_gate, w_up, w_down, *rest = ctx.saved_tensors
+        lease = ctx.lease
+        x, packed, heavy, ids, count, up = rest if lease is None else lease.tensors
         if dy is None and dl1 is None:
             return None, None, None, None, None
         tile, slots, max_row_nnz, dense_capacity, reduction, graphs = ctx.settings
@@ -429,9 +420,15 @@ class _EagerTraining(torch.autograd.Function):
             args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, tile,
                     slots, max_row_nnz, dense_capacity, reduction)  # fmt: skip
             if graphs:
-                grads = _BACKWARD_GRAPHS(_backward_cuda, args, pinned=_BACKWARD_WEIGHTS)
+                pinned = _BACKWARD_WEIGHTS
+                if lease is not None and lease.static:  # read in the forward graph's memory
+                    pinned = pinned | _BACKWARD_LENT
+                grads = _BACKWARD_GRAPHS(_backward_cuda, args, pinned)
             else:
                 grads = _backward_cuda(*args)
+        if lease is not None:
+            lease.release()
+            ctx.lease = None
         dx, dw_gate, dw_up, dw_down = grads
         needs = ctx.needs_input_grad
         return (
@@ -580,6 +577,10 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 #: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each).
 _FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
 _BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}))
+#: The forward op's own graphs (called through the dispatcher with ``graphs=True``: the
+#: outputs of :func:`_forward_cuda`, where the eager path's graphs hold
+#: :func:`_forward_with_l0`'s).
+_OP_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
 #: The weights' positions in the ops' arguments: read in place by the graphs.
 _FORWARD_WEIGHTS = frozenset({1, 2, 3})
 _BACKWARD_WEIGHTS = frozenset({3, 4, 5})

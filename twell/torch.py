@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from twell import inference
-from twell.autograd import REDUCTIONS, AutoCapacity, LazyL0, _ffn_train
+from twell.autograd import REDUCTIONS, AutoCapacity, _ffn_train
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
 __all__ = ["SparseMLP", "is_relu_mlp", "l0_per_layer", "l1_penalty", "sparsify"]
@@ -179,7 +179,7 @@ class SparseMLP(nn.Module):
         self.op_graphs = op_graphs
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.l1: torch.Tensor | None = None
-        self._l0: torch.Tensor | LazyL0 | None = None
+        self.l0: torch.Tensor | None = None
         # The inference op's trailing arguments (constants for torch.compile).
         self._arguments = inference.op_arguments(self.options)
 
@@ -210,17 +210,6 @@ class SparseMLP(nn.Module):
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
 
-    @property
-    def l0(self) -> torch.Tensor | None:
-        """The mean number of active units per token at the last forward with gradients
-        (float32 scalar tensor, no gradient; computed when first read), else None."""
-        l0 = self._l0
-        return l0.tensor() if isinstance(l0, LazyL0) else l0
-
-    @l0.setter
-    def l0(self, value: torch.Tensor | None) -> None:
-        self._l0 = value
-
     def prepared(self) -> Any:
         """The prepared inference block of the current CUDA weights (twell.inference's
         registry: rebuilt after a weight changed in place).
@@ -250,7 +239,7 @@ class SparseMLP(nn.Module):
             x.requires_grad or any(w.requires_grad for w in weights)
         )
         if not needs_grad:
-            self.l1 = self._l0 = None
+            self.l1 = self.l0 = None
             return inference.ffn(x, *weights, self.options, self._arguments)
         compiling = torch.compiler.is_compiling()
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
@@ -262,14 +251,12 @@ class SparseMLP(nn.Module):
         if self.train_kernels:
             auto = self._auto if x.is_cuda and not compiling else None
             options = self.options if auto is None else self._options_at(auto.choose())
-            y, l1, l0, count = _ffn_train(
-                x, *weights, options, self.reduction, self._graphs(x), lazy_l0=True
-            )
+            y, l1, l0, count = _ffn_train(x, *weights, options, self.reduction, self._graphs(x))
             if auto is not None:
                 auto.record(count, x.numel() // x.shape[-1])
         else:
             y, l1, l0 = self._dense(x)
-        self.l1, self._l0 = l1, l0
+        self.l1, self.l0 = l1, l0
         if y.requires_grad and not compiling:
             hook = _detach_l1_hook(self, l1)
             y.register_hook(hook)  # the task loss's backward reaches the layer
