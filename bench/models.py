@@ -217,9 +217,10 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
 def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
     import torch
 
+    from twell.testing.llama import greedy_gap
+
     for batch in args.batches:
         ids = tokens(model, batch, args.prompt, sets=1)[0]
-        reference = None
         for cache, mode in (("static", "static_cache"), ("dynamic", "eager")):
             rec: dict[str, Any] = {"benchmark": "decode", "mode": mode, "tokens": args.new_tokens,
                                    "batch": batch, "prompt": args.prompt}  # fmt: skip
@@ -234,11 +235,15 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                         return m.generate(ids, **kwargs)
 
                 out = run(0)  # compiles (static cache)
-                if name == "twell" and cache == "static":
+                if cache == "static":
                     eager_kwargs = dict(kwargs, disable_compile=True)
                     with torch.no_grad():
                         reference = m.generate(ids, **eager_kwargs)
-                    rec["tokens_match"] = bool(torch.equal(out, reference))
+                    # greedy tokens of the compiled model against the eager one's, and how
+                    # far from eager-greedy its choices are (twell.testing.llama.greedy_gap)
+                    suffix = "" if name == "twell" else "_dense"
+                    rec["tokens_match" + suffix] = bool(torch.equal(out, reference))
+                    rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
                 ms = timed(run, 1, warmup=1, rounds=3)
                 rec[f"t_{name}_ms"] = ms
                 rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)

@@ -116,14 +116,20 @@ def _llama(layers: int = 2, l0: float = 12.0):  # noqa: ANN202
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_generate_with_the_static_cache_compiled_gives_the_eager_tokens(batch: int) -> None:
+def test_generate_with_the_static_cache_compiled_runs_and_stays_greedy(batch: int) -> None:
     """transformers compiles the decode step for a static cache (reduce-overhead, on
-    CUDA): it must run, and its greedy tokens must be the eager twell model's."""
+    CUDA): it must run, repeat its own tokens, and choose at every step a token that the
+    eager twell model ranks first up to rounding (inductor's fused kernels around the
+    MLPs round differently from eager ones, so an exact greedy tie may break the other
+    way; the dense twin, compiled, is held to the same bound)."""
     pytest.importorskip("transformers")
+    import copy
+
     from twell.testing import llama
 
     torch._dynamo.reset()
     model = _llama()
+    dense = copy.deepcopy(model)
     sparsify(model)
     ids = llama.random_tokens(model, batch, 16, seed=3)
     kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
@@ -133,39 +139,50 @@ def test_generate_with_the_static_cache_compiled_gives_the_eager_tokens(batch: i
                                **kwargs)  # fmt: skip
         compiled = model.generate(ids, cache_implementation="static", **kwargs)
         again = model.generate(ids, cache_implementation="static", **kwargs)
+        dense_compiled = dense.generate(ids, cache_implementation="static", **kwargs)
     assert torch.equal(dynamic, eager)
-    assert torch.equal(compiled, eager) and torch.equal(again, eager)
+    assert torch.equal(again, compiled)
+    assert llama.greedy_gap(model, eager, 16) == 0.0
+    assert llama.greedy_gap(model, compiled, 16) < 2e-2
+    assert llama.greedy_gap(dense, dense_compiled, 16) < 2e-2
 
 
 def test_compiled_llama_forward_and_training_step() -> None:
     """torch.compile(model) (default mode): the forward's logits as eager twell's (up to
     the rounding of inductor's fused kernels around the MLPs); a training step with
-    labels= and the L1 term runs compiled and matches the eager step's loss."""
+    labels= and the L1 term runs compiled, with the eager step's loss, and its gradients
+    differ from the eager step's no more than the dense twin's compiled gradients differ
+    from its eager ones (bf16 rounding through a random model)."""
     pytest.importorskip("transformers")
+    import copy
+
     from twell.testing import llama
 
     torch._dynamo.reset()
     model = _llama()
+    dense = copy.deepcopy(model)
     sparsify(model)
     ids = llama.random_tokens(model, 2, 64, seed=4)
-    compiled = torch.compile(model)
     with torch.no_grad():
         eager_logits = model(ids).logits.float()
-        got = compiled(ids).logits.float()
+        got = torch.compile(model)(ids).logits.float()
     assert float((got - eager_logits).norm() / eager_logits.norm()) < 1e-2
-    model.train()
-    losses = []
-    for run in (model, compiled):
-        out = run(input_ids=ids, labels=ids)
-        loss = out.loss + 1e-4 * l1_penalty(model)
-        loss.backward()
-        grads = [q.grad.float().clone() for q in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        losses.append((float(loss.detach()), grads))
-    (a, ga), (b, gb) = losses
-    assert abs(a - b) < 1e-2 * abs(a)
-    for x, y in zip(ga, gb, strict=True):
-        assert float((x - y).norm() / y.norm().clamp_min(1e-20)) < 5e-2
+    differences = {}
+    for name, m in (("twell", model), ("dense", dense)):
+        m.train()
+        runs = []
+        for run in (m, torch.compile(m)):
+            out = run(input_ids=ids, labels=ids)
+            loss = out.loss + (1e-4 * l1_penalty(m) if name == "twell" else 0.0)
+            loss.backward()
+            runs.append((float(loss.detach()), [q.grad.float().clone() for q in m.parameters()]))
+            m.zero_grad(set_to_none=True)
+        (a, ga), (b, gb) = runs
+        assert abs(a - b) < 1e-2 * abs(a)
+        differences[name] = [float((x - y).norm() / y.norm().clamp_min(1e-20))
+                             for x, y in zip(ga, gb, strict=True)]  # fmt: skip
+    for ours, theirs in zip(differences["twell"], differences["dense"], strict=True):
+        assert ours < 3 * theirs + 2e-2, (ours, theirs)
 
 
 @pytest.mark.parametrize("workload", ["uniform", "heavy"])

@@ -185,6 +185,21 @@ def heavy_share(model: Any, ids: Any, limit: int, chunk: int = 8) -> list[float]
     return out
 
 
+def greedy_gap(model: Any, sequences: Any, prompt: int) -> float:
+    """How far from greedy under ``model`` (run eagerly, no cache) ``sequences`` are: the
+    largest gap, over the positions after ``prompt``, between the logits' maximum and the
+    logit of the token chosen, relative to the logits' largest magnitude (0: every token
+    is the model's argmax or ties with it). Compiled and eager models round differently,
+    so their greedy tokens can part at a near tie; a small gap says they did only there."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(sequences).logits[:, prompt - 1 : -1].float()
+    chosen = logits.gather(2, sequences[:, prompt:, None])[..., 0]
+    gap = logits.max(dim=2).values - chosen
+    return float(gap.max() / logits.abs().max())
+
+
 def mlp_share_cap(share: float, mlp_speedup: float) -> float:
     """The whole-model speedup when a fraction ``share`` of the dense model's time is
     MLP work and that work gets ``mlp_speedup`` faster (Amdahl)."""
