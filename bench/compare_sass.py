@@ -2,17 +2,17 @@
 on a machine without a GPU: a restructure of the sources must leave every kernel's code
 as it was.
 
-For each source of the revision (default ``backward.cu`` and ``heavy_rows.cu``; ``--all``:
-every declared source), each of its example configurations and each of its kernels, both
-trees compile through their own ``twell.kernels.compile.compile_cubin`` (NVRTC, sm_90a),
-``cuobjdump`` disassembles the cubins, and the kernel's SASS (instructions, encodings,
-scheduling bits) and resource usage (registers, shared memory, stack) are compared. The
-revision's kernel is looked up by name among the tree's sources and compiled with the
-configuration's values of that source's parameters (a source split in several keeps its
-kernels' names). One line per source and configuration: identical, or the kernels that
-differ (``--diff``: their instruction diffs).
+For each declared source of the revision (or those named by ``--sources``), each of its
+example configurations and each of its kernels, both trees compile through their own
+``twell.kernels.compile.compile_cubin`` (NVRTC, sm_90a), ``cuobjdump`` disassembles the
+cubins, and the kernel's SASS (instructions, encodings, scheduling bits) and resource
+usage (registers, shared memory, stack) are compared. The revision's kernel is looked up
+by name among the tree's sources and compiled with the configuration's values of that
+source's parameters (a source split in several keeps its kernels' names). One line per
+source and configuration: identical, or the kernels that differ (``--diff``: their
+instruction diffs). Every source takes about four minutes on two cores.
 
-    python bench/compare_sass.py [--rev HEAD] [--tree .] [--all | --sources a.cu b.cu] [--diff]
+    python bench/compare_sass.py [--rev HEAD] [--tree .] [--sources a.cu b.cu] [--diff]
 
 Needs NVRTC as the compile test does, and ``cuobjdump`` (``pip install
 nvidia-cuda-cuobjdump``; found on PATH, in the venv's NVIDIA wheels, or ``--cuobjdump``).
@@ -36,7 +36,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SOURCES = ("backward.cu", "heavy_rows.cu")
 
 
 # ------------------------------------------------------------------ worker (one tree)
@@ -151,8 +150,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rev", default="HEAD", help="git revision of the 'before' sources")
     parser.add_argument("--tree", default=str(ROOT), help="the 'after' tree (default: this one)")
-    parser.add_argument("--sources", nargs="*", default=list(DEFAULT_SOURCES))
-    parser.add_argument("--all", action="store_true", help="every source of the revision")
+    parser.add_argument("--sources", nargs="*", help="source names (default: all)")
     parser.add_argument("--diff", action="store_true", help="print the instruction diffs")
     parser.add_argument("--cuobjdump", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -166,26 +164,26 @@ def main() -> int:
         before_tree = export(args.rev, Path(tmp))
         before = _listing(before_tree)
         after = _listing(tree)
-        names = sorted(before) if args.all else args.sources
+        names = args.sources or sorted(before)
         jobs = [(name, params) for name in names for params in before[name]["examples"]]
         print(f"compiling {len(jobs)} configurations of {args.rev} ...", flush=True)
         old = [disassemble(cuobjdump, base64.b64decode(c))
                for c in _run_worker(before_tree, "compile", jobs)]  # fmt: skip
 
-    # Where each kernel lives now, and the configurations to build there.
-    def home(kernel: str, params: dict) -> tuple[str, dict] | None:
-        for name, source in sorted(after.items()):
-            if re.search(rf"\b{kernel}\b", source["text"]) and set(source["parameters"]) <= set(
-                params
-            ):
-                return name, {p: params[p] for p in source["parameters"]}
+    # Where each kernel lives now (a source whose text names it, else the source of the
+    # same name: names made by token pasting), and the configurations to build there.
+    def home(kernel: str, source: str, params: dict) -> tuple[str, dict] | None:
+        names = [n for n, s in sorted(after.items()) if re.search(rf"\b{kernel}\b", s["text"])]
+        for name in names or ([source] if source in after else []):
+            if set(after[name]["parameters"]) <= set(params):
+                return name, {p: params[p] for p in after[name]["parameters"]}
         return None
 
     wanted: dict[str, tuple[str, dict]] = {}
     homes: dict[tuple[int, str], str | None] = {}
-    for i, ((_, params), kernels) in enumerate(zip(jobs, old, strict=True)):
+    for i, ((source, params), kernels) in enumerate(zip(jobs, old, strict=True)):
         for kernel in kernels:
-            found = home(kernel, params)
+            found = home(kernel, source, params)
             key = None if found is None else json.dumps(found, sort_keys=True)
             homes[i, kernel] = key
             if key is not None:

@@ -371,7 +371,8 @@ def ffn_backward(
 
     up = _saved_up(saved, gated, m, row_cap)
 
-    # 1. Light rows: pair values, the backward's heavy rows; then their dx by slices.
+    # 1. Light rows (backward_light.cu): pair values, the backward's heavy rows; then
+    # their dx by slices.
     heavy = alloc((m,), np.uint8)
     tile_off = alloc((m, tiles), np.int32)
     stride = max(1, capacity)
@@ -389,10 +390,10 @@ def ffn_backward(
              w_up, u16(dx)), params)  # fmt: skip
     del units, row_nnz
 
-    # 2. Unit lists of the light pairs.
+    # 2. Unit lists of the light pairs (backward_lists.cu).
     lists = build_unit_lists(saved.packed, heavy, tile_off, n, row_cap, params)
 
-    # 3. Weight gradients of the light pairs (every row of dws written).
+    # 3. Weight gradients of the light pairs (backward_grads.cu; every row of dws written).
     ws = alloc((max(1, lists.extra_cap) * nv, k), np.float32)
     out = (*dws, *([_NULL] * (3 - nv)))
     # One block per possible item (units, then extra segments) and K slice, slice-major:
@@ -412,11 +413,11 @@ def ffn_backward(
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
 
-    # 4. Heavy rows (the count stays on the device): the first `cap` through cuBLAS, the
-    # rest chunk by chunk. The light pairs' scratch goes back to the allocator first
-    # (stream-ordered: safe to reuse). Through torch (an op called with torch tensors, or
-    # a capture) the fp32 GEMMs need torch.mm's out_dtype: without it, every heavy row
-    # takes the chunks.
+    # 4. Heavy rows (backward_heavy.cu; the count stays on the device): the first `cap`
+    # through cuBLAS, the rest chunk by chunk. The light pairs' scratch goes back to the
+    # allocator first (stream-ordered: safe to reuse). Through torch (an op called with
+    # torch tensors, or a capture) the fp32 GEMMs need torch.mm's out_dtype: without it,
+    # every heavy row takes the chunks.
     ids, count = compact_rows(heavy)
     del vals, lists, ws, tile_off, heavy
     cap = block.options.capacity_rows(m)
@@ -429,7 +430,7 @@ def ffn_backward(
                     w_up, w_down_t, l1, dx, out)  # fmt: skip
     del out
 
-    # 5. dw_down = dw_down_t transposed (rounded to grad_dtype on the way).
+    # 5. dw_down = dw_down_t transposed (backward_transpose.cu; rounded to grad_dtype).
     return _result(dx, x, dws, grad_dtype, params, gated)
 
 

@@ -47,6 +47,7 @@ __device__ __forceinline__ int first_token_at_least(const int* __restrict__ toke
   return lo;
 }
 
+// A batch of the item's pairs: their tokens and values.
 struct GradShared {
   int tok[TWELL_BW_GRAD_BATCH];
   float v[NV][TWELL_BW_GRAD_BATCH];

@@ -27,6 +27,7 @@
 #define WPL ((TWELL_SLOTS + 31) / 32)
 #define CW (TWELL_BW_CHUNK_ROWS / 32)
 
+// A block's bit masks (and, to scatter, their first list positions) of its chunk and tile.
 struct UnitShared {
   uint32_t mask[TWELL_TILE][CW];  // bit r of mask[u][r/32]: row r of the chunk uses unit u
   int start[TWELL_TILE][CW];      // scatter: list position of the first entry of each word
