@@ -116,3 +116,20 @@ def test_refresh_calls_run_eagerly_and_measure(monkeypatch) -> None:  # noqa: AN
     block._calls = Density.refresh_every - 1
     assert block(x) == "eager"
     assert ran == [x] and measured == [1]
+
+
+def test_graphs_of_a_freed_cublas_workspace_are_not_replayed(monkeypatch) -> None:  # noqa: ANN001
+    """torch frees its cuBLAS workspaces around every warm-up and recording of its graph
+    trees: twell counts those frees, and a graph captured before one is stale."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append(1),
+                        raising=False)  # fmt: skip
+    _graphs._watch_cublas_workspaces()
+    _graphs._watch_cublas_workspaces()  # once: not wrapped twice
+
+    class Captured:
+        epoch = _graphs._cublas_epoch[0]
+
+    assert _graphs._current(Captured())
+    torch._C._cuda_clearCublasWorkspaces()
+    assert calls == [1] and not _graphs._current(Captured())

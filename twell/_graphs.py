@@ -59,6 +59,39 @@ SEEN = 64
 #: shared by all blocks.
 _pools: dict[tuple[int, int], list[Any]] = {}
 
+#: How many times torch has freed its cuBLAS workspaces since twell first captured a graph
+#: (:func:`_watch_cublas_workspaces`). A graph holding torch's cuBLAS kernels (the gate
+#: GEMM, dense math, heavy rows' fixed-size GEMMs) reads the workspace torch kept for the
+#: capture stream when it was captured; torch frees those workspaces
+#: (``torch._C._cuda_clearCublasWorkspaces``) around every warm-up and recording of its
+#: CUDA-graph trees (``torch.compile(mode="reduce-overhead")``, transformers' static-cache
+#: ``generate``), and a replay after that writes to freed memory: an illegal address, or
+#: another tensor's bytes. Graphs captured in an older epoch are dropped and captured
+#: again instead.
+_cublas_epoch = [0]
+
+
+def _watch_cublas_workspaces() -> None:
+    """Count torch's frees of its cuBLAS workspaces in :data:`_cublas_epoch` (wraps the
+    function torch's graph trees call; once)."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or getattr(clear, "_twell_counts", False):
+        return
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _cublas_epoch[0] += 1
+        return clear(*args, **kwargs)
+
+    counted._twell_counts = True  # type: ignore[attr-defined]
+    torch._C._cuda_clearCublasWorkspaces = counted
+
+
+def _current(graph: Any) -> bool:
+    """Whether a captured graph's cuBLAS workspace still exists (see :data:`_cublas_epoch`)."""
+    return graph.epoch == _cublas_epoch[0]
+
 
 class _Graph:
     """A captured call, launched re-pointed at the call's ``x`` and, with
@@ -83,6 +116,7 @@ class _Graph:
     def __init__(self, graph: Any, repointed: Any, static_x: Any, static_y: Any,
                  keep: list[Any], fresh_output: bool) -> None:  # fmt: skip
         self.graph = graph
+        self.epoch = _cublas_epoch[0]
         self.execs = [] if repointed is None else [repointed]  # least recently used first
         self.fresh_output = repointed is not None and fresh_output
         self.static_x = static_x if repointed is None else None
@@ -176,8 +210,10 @@ class GraphedBlock:
         key = (x.shape, x.dtype, device, stream, alignment, self.decision(m, True))
         found = self._graphs.get(key)
         if found is not None:
-            self._graphs.move_to_end(key)
-            return found(x, stream)
+            if _current(found):
+                self._graphs.move_to_end(key)
+                return found(x, stream)
+            del self._graphs[key]  # its cuBLAS workspace is gone: captured again below
         if key in self._eager or (
             m > COPY_TOKENS and (not _can_repoint() or not _remember(self._seen, key))
         ):
@@ -251,6 +287,7 @@ def _capture_into(graph: Any, pool: Any, side: Any, fn: Callable[..., Any], *arg
     torch's allocator cache first); returns what ``fn`` returned."""
     import torch
 
+    _watch_cublas_workspaces()
     with torch.cuda.stream(side):
         # thread_local: CUDA calls of other threads (a DDP reducer's, a data loader's)
         # neither break this capture nor are broken by it.
@@ -506,6 +543,10 @@ class OpGraphs:
             return _eager(fn, args, lend)
         key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
         found = self._graphs.get(key)
+        if found is not None and not _current(found):
+            del self._graphs[key]  # its cuBLAS workspace is gone: captured again next call
+            self._seen[key] = None
+            return _eager(fn, args, lend)
         if found is None:
             if key in self._failed:
                 return _eager(fn, args, lend)
@@ -589,10 +630,11 @@ class _OpGraph:
     """One op graph: the captured graph, its input buffers (None where an argument is
     read in place), its outputs, and the lease of its outputs held by the last call."""
 
-    __slots__ = ("buffers", "graph", "lease", "outputs")
+    __slots__ = ("buffers", "epoch", "graph", "lease", "outputs")
 
     def __init__(self, graph: Any, buffers: tuple, outputs: tuple) -> None:
         self.graph, self.buffers, self.outputs = graph, buffers, outputs
+        self.epoch = _cublas_epoch[0]
         self.lease: Any = None  # a weak reference
 
 
