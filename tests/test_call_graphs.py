@@ -133,3 +133,48 @@ def test_graphs_of_a_freed_cublas_workspace_are_not_replayed(monkeypatch) -> Non
     assert _graphs._current(Captured())
     torch._C._cuda_clearCublasWorkspaces()
     assert calls == [1] and not _graphs._current(Captured())
+
+
+def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monkeypatch) -> None:  # noqa: ANN001
+    """Once torch's graph trees have freed the cuBLAS workspaces, a shape is captured only
+    when it comes back within one epoch (a generate call's prefill, between two
+    recordings of the trees, runs eagerly instead of capturing a graph per call)."""
+    monkeypatch.setattr(_graphs, "_capturing", lambda: False)
+    monkeypatch.setattr(_graphs, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_graphs, "_cublas_epoch", [0])
+    ran, captured = [], []
+
+    class Density:
+        refresh_every = None
+
+        def decision(self, m: int, read: bool) -> int:
+            return 0
+
+        def measure_next(self) -> None:
+            pass
+
+    class Fake:
+        epoch = 0
+
+        def __call__(self, x, stream):  # noqa: ANN001, ANN204
+            return "replayed"
+
+    block = _graphs.GraphedBlock(lambda t: ran.append(t) or "eager", Density(), [])
+
+    def capture(x, stream):  # noqa: ANN001, ANN202
+        captured.append(x)
+        fake = Fake()
+        fake.epoch = _graphs._cublas_epoch[0]
+        return fake, "captured"
+
+    block._capture = capture
+    x = torch.zeros(4, 8)
+    assert block(x) == "captured" and block(x) == "replayed"  # no free yet: at once
+    _graphs._cublas_epoch[0] = 1  # the trees freed the workspaces
+    assert block(x) == "eager"  # stale graph dropped; first sighting in this epoch
+    assert block(x) == "captured" and block(x) == "replayed"
+    _graphs._cublas_epoch[0] = 2
+    assert block(x) == "eager"
+    _graphs._cublas_epoch[0] = 3  # freed again before the shape came back
+    assert block(x) == "eager" and len(captured) == 2

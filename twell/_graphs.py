@@ -190,6 +190,7 @@ class GraphedBlock:
         self._graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._eager: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._epochs: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self._calls = 0
         self.captures = 0
 
@@ -217,6 +218,14 @@ class GraphedBlock:
         if key in self._eager or (
             m > COPY_TOKENS and (not _can_repoint() or not _remember(self._seen, key))
         ):
+            return self.run(x)
+        epoch = _cublas_epoch[0]
+        if epoch and self._epochs.get(key) != epoch:
+            # torch's graph trees run in this process and free the cuBLAS workspaces at
+            # each of their recordings (transformers' generate records anew per call): a
+            # shape is captured only once it comes back within one epoch, so that a
+            # prompt's prefill does not pay a capture per generate call.
+            _note(self._epochs, key, epoch)
             return self.run(x)
         import torch
 
@@ -302,9 +311,9 @@ def _capture_into(graph: Any, pool: Any, side: Any, fn: Callable[..., Any], *arg
     return out
 
 
-def _note(keys: collections.OrderedDict, key: tuple) -> None:
+def _note(keys: collections.OrderedDict, key: tuple, value: Any = None) -> None:
     """Add ``key`` to ``keys`` (the most recent :data:`SEEN` kept)."""
-    keys[key] = None
+    keys[key] = value
     keys.move_to_end(key)
     while len(keys) > SEEN:
         keys.popitem(last=False)
