@@ -10,7 +10,7 @@
 // Five other builds of the same source serve checks and measurements, never the ops:
 // TWELL_OUTPUT 1 writes the bf16 pre-activation [M, N] instead of packing (tests compare
 // the packed words with pack.cu applied to it), TWELL_OUTPUT 2 stores nothing (the main
-// loop's time, bench/dev_gate_gemm.py); 3 and 4 time parts of the epilogue: 3 fills the
+// loop's time, docs/history.md, Gate GEMM); 3 and 4 time parts of the epilogue: 3 fills the
 // bf16 tile and hands it over, but the packer warps do nothing with it; 4 only hands it
 // over (the barriers, no tile stores); 5 packs as 0 and records, per CTA, clock64 cycles
 // of its parts into `pre` (uint64 [grid, 8]: the consumers' time to their end, their
