@@ -3,7 +3,7 @@
 ``twell::ffn(x, w_gate?, w_up, w_down, tile, slots, path, max_row_nnz, dense_capacity,
 density_switch) -> y`` computes ``(relu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T`` (``w_gate``
 None: ``relu(x @ w_up.T) @ w_down.T``) for ``x [..., K]``, in ``x``'s dtype. The options
-are :class:`twell.Options`' fields flattened to numbers and strings (``max_row_nnz`` -1:
+are :class:`twell.options.Options`' fields flattened to numbers and strings (``max_row_nnz`` -1:
 the default; ``dense_capacity`` -1.0: ``"auto"``).
 
 Why an op: ``torch.compile`` must never trace into twell's launch code. That code builds
@@ -25,8 +25,8 @@ Where it runs:
   with plain launches inside torch's CUDA-graph trees (``mode="reduce-overhead"``,
   transformers' static-cache ``generate``: torch captures the launches itself, and a
   graph of twell's own captured during the trees' warm-up would take memory from their
-  pool). Nothing inside synchronises with the host or allocates outside torch's
-  allocator, and every launch is on torch's current stream.
+  pool). Every launch is on torch's current stream, and inside a capture nothing
+  synchronises with the host or allocates outside torch's allocator.
 - **CPU**: the float64 NumPy reference (``twell.reference.ffn``), cast back to ``x``'s
   dtype.
 
