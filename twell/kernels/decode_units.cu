@@ -100,8 +100,8 @@ constexpr int SLICES = (K + 255) / 256;           // 256-wide slices of a row (a
 constexpr int UP_PAIRS = 32;                      // kept pairs per round of up products
 // work items a warp loads at once: six from 33 tokens (NT >= 8), so that a CTA's typical
 // pairs at M = 64 (about 5 pairs x 8 slices) take one round (H100: 26.9-27.3 against
-// 28.3-28.6 us per block with the weights in L2, level from DRAM; docs/perf-log.md,
-// 2026-11-27); below, four already cover a CTA's typical pairs
+// 28.3-28.6 us per block with the weights in L2, level from DRAM; docs/history.md,
+// Decode); below, four already cover a CTA's typical pairs
 constexpr int UP_LOADS = NT >= 8 ? 6 : 4;
 constexpr int DTHREADS = TWELL_DOWN_THREADS;
 constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA

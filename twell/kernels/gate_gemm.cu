@@ -255,10 +255,10 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       const long long t1 = PROFILE ? clock64() : 0;
       if (PACKS) {
         // The packers are busy for the whole main loop; scanning the four rows of a step
-        // before any of their stores, so that they interleave, was no faster
-        // (docs/perf-log.md, 2026-11-26, eleventh session). The CTA's last tile, which no
-        // main loop hides, the consumer warps pack with them (half the tail, ~2% at M=16384;
-        // twelfth session).
+        // before any of their stores, so that they interleave, was slower (H100, M=16384:
+        // 0.608 against 0.581 ms; docs/history.md, Gate GEMM). The CTA's last tile, which
+        // no main loop hides, the consumer warps pack with them (half the tail, ~2% at
+        // M=16384).
         pack_rows(twell_smem_addr(tile_smem), pw,
                   final_tile(tile, tiles) ? ALL_WARPS : PACKER_WARPS, m0, n0, cols, M, N, lane,
                   packed, heavy);

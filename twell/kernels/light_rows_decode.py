@@ -79,7 +79,7 @@ def _launch(
     tile: int, slots: int, max_row_nnz: int, clusters: int | None = None,
 ) -> None:  # fmt: skip
     """:func:`from_pre`, with the number of clusters given (``None``: as many as fit at
-    once; ``bench/decode`` times others). Any number gives a correct result."""
+    once; other counts serve timing probes). Any number gives a correct result."""
     m, k = y.shape
     if m == 0:
         return
