@@ -152,10 +152,10 @@ class _Stub:
 
 @pytest.fixture
 def stub_gpu(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    import twell.ops
+    import twell._blocks
 
-    monkeypatch.setattr(twell.ops, "prepare_gpu", lambda *a, **k: (object(), _Stub()))
-    monkeypatch.setattr(twell.ops, "check_weights", lambda *a, **k: None)
+    monkeypatch.setattr(twell._blocks, "prepare_gpu", lambda *a, **k: (object(), _Stub()))
+    monkeypatch.setattr(twell._blocks, "check_weights", lambda *a, **k: None)
     monkeypatch.setattr(inference, "_blocks", {})
     _Stub.builds = 0
     yield

@@ -96,7 +96,7 @@ class _Block:
     def __init__(self, weights: tuple[torch.Tensor | None, ...], options: Options) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        from twell.ops import check_weights, prepare_gpu
+        from twell._blocks import check_weights, prepare_gpu
 
         w_gate, w_up, w_down = weights
         arrays = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}

@@ -17,7 +17,7 @@ import numpy as np
 
 from twell import reference
 from twell._arrays import bfloat16
-from twell._graphs import GraphedBlock
+from twell._blocks import prepare_gpu
 from twell._interop import on_gpu
 from twell._validation import (
     TORCH_FLOATS,
@@ -389,51 +389,3 @@ class SparseFFN:
             return _restore(self._graphed(inputs.arrays["x"]), inputs)
         with on_gpu(inputs.library, inputs.arrays) as (d, to_caller):
             return _restore(self._prepared(d["x"]), inputs, to_caller)
-
-
-def check_weights(weights: dict[str, Any], options: Options) -> None:
-    """The checks :class:`SparseFFN` makes of its weights (``{"w_gate": ..., "w_up": ...,
-    "w_down": ...}`` in ``torch.nn.Linear`` layouts; ``w_gate`` may be None)."""
-    _validate(
-        weights={"w_gate": (weights["w_gate"], "NK"), "w_up": (weights["w_up"], "NK"),
-                 "w_down": (weights["w_down"], "KN")},
-        tile=options.tile, slots=options.slots,
-    )  # fmt: skip
-
-
-def prepare_gpu(
-    library: str, weights: dict[str, Any], options: Options, *, borrow: bool = False
-) -> tuple[Any, GraphedBlock]:
-    """The :class:`~twell.kernels.pipeline.PreparedBlock` of validated GPU weights
-    (``{"w_gate": ..., "w_up": ..., "w_down": ...}``, CuPy or torch) and the
-    :class:`~twell._graphs.GraphedBlock` that replays its torch calls.
-
-    ``borrow`` (torch weights): the prepared block reads the weights without keeping
-    them alive (twell.inference's registry, which drops a block when its weights'
-    storage dies). Inside a CUDA-graph capture the weights are not checked on the host
-    (that would synchronise): the block then runs dense math, which is right for any
-    weights."""
-    capturing = library == "torch" and _torch_capturing()
-    with on_gpu(library, weights, borrow=borrow) as (g, _):
-        prepared = _kernels().PreparedBlock(
-            g.get("w_gate"), g["w_up"], g["w_down"], options, check_weights=not capturing
-        )
-    # The graph cache refers to the prepared block, not to its owner: no reference cycle,
-    # so a dropped SparseFFN frees its graphs at once rather than in a later garbage
-    # collection that may fall inside someone else's graph capture.
-    graphed = GraphedBlock(
-        lambda x: _eager_torch(prepared, x), prepared.density, prepared._graph_scratch
-    )
-    return prepared, graphed
-
-
-def _torch_capturing() -> bool:
-    import torch
-
-    return torch.cuda.is_current_stream_capturing()
-
-
-def _eager_torch(prepared: Any, x: Any) -> Any:
-    """One call of a prepared block on a validated 2-D torch tensor."""
-    with on_gpu("torch", {"x": x}) as (d, to_caller):
-        return to_caller(prepared(d["x"]))
