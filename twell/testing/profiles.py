@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
-from hypothesis.errors import InvalidArgument
+from twell._optional import optional_dependency
+
+with optional_dependency("hypothesis", "twell.testing.profiles"):
+    from hypothesis import HealthCheck, settings
+    from hypothesis.errors import InvalidArgument
 
 __all__ = ["PROFILES", "ENVIRONMENT_VARIABLE", "register_profiles", "load_profile"]
 
