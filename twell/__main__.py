@@ -2,8 +2,9 @@
 
 - ``demo``: the main job on an embedded default workload (``paperlike`` at the paper's
   shape, K=2048, N=5632): sparsity statistics, the packed format's size, and a check that
-  the sparse block equals the dense block. Runs the GPU kernels when a GPU is usable,
-  the NumPy reference otherwise.
+  the sparse block equals the dense block. Runs the GPU kernels when they can run here
+  (CuPy and a Hopper GPU; timed against the dense block when torch has CUDA), else the
+  NumPy reference, and says why.
 - ``check``: cross-checks every op against the float64 oracle on every workload and
   prints a verdict table; exits 1 if anything fails.
 - ``bench``: the benchmark of docs/benchmark.md (needs a GPU); ``bench --sweep``: its
@@ -22,11 +23,13 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import twell
 from twell import workloads
+from twell._optional import EXTRAS, install_hint
 from twell.options import DEFAULT_TILE, MAX_COLUMNS
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import as_host, relative_error
@@ -85,20 +88,76 @@ def _count_histogram(counts: np.ndarray, slots: int) -> list[tuple[str, int, flo
     return rows
 
 
+def _cpu_reason(args: argparse.Namespace) -> str | None:
+    """Why the demo runs the NumPy reference instead of the kernels (None: it runs them)."""
+    if args.cpu:
+        return "--cpu was given"
+    from twell.kernels.compile import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is None:
+        return None
+    if reason.startswith("CuPy"):
+        return (
+            f"{reason}: on a machine with an H100/H200, install the kernels' runtime with "
+            "pip install 'twell[cuda13]' (or [cuda12]); `make demo` does it when nvidia-smi "
+            "lists a GPU"
+        )
+    return reason
+
+
+def _torch_cuda() -> str | None:
+    """Why the dense baseline cannot be timed with torch here (None: it can)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (pip install 'twell[torch]')"
+    if not torch.cuda.is_available():
+        return f"this torch ({torch.__version__}) has no CUDA"
+    return None
+
+
+def _demo_cupy(problem: workloads.Problem) -> dict[str, Any]:
+    """The kernels on CuPy arrays (no torch): the gate's Hybrid, the block's output
+    against the float64 oracle on the first 256 rows, and its time per call."""
+    from twell.benchmark import to_device
+    from twell.timing import time_ms
+
+    x, w_gate, w_up, w_down = (to_device(a) for a in problem.arrays())
+    block = twell.SparseFFN(w_gate, w_up, w_down)
+    y = block(x)
+    rows = min(256, problem.x.shape[0])
+    reference = ffn_dense(problem.x[:rows], problem.w_gate, problem.w_up, problem.w_down)
+    return {
+        "hybrid": twell.gate(x, w_gate),
+        "rel. error": relative_error(as_host(y[:rows]), reference),
+        f"twell M={problem.x.shape[0]} (ms)": time_ms(lambda i: block(x)),
+    }
+
+
 def demo(args: argparse.Namespace) -> int:
     console = Console()
-    on_gpu = gpu_available() and not args.cpu
+    reason = _cpu_reason(args)
+    on_gpu = reason is None
+    no_torch = _torch_cuda() if on_gpu else None
     M, K, N = args.tokens, 2048, 5632  # noqa: N806
     console.rule(
         f"twell demo — paperlike workload, M={M} K={K} N={N} "
         f"({'GPU kernels' if on_gpu else 'NumPy reference, CPU'})"
     )
+    if reason is not None:
+        console.print(f"[yellow]The GPU kernels do not run here:[/] {escape(reason)}.")
+    if no_torch is not None:
+        console.print(f"[yellow]The dense baseline is not timed:[/] {escape(no_torch)}.")
     with Steps(console) as steps:
         problem = steps.run(
             "build the paperlike workload", lambda: workloads.paperlike(M, K, N, seed=args.seed)
         )
         x, w_gate, w_up, w_down = problem.arrays()
-        if on_gpu:
+        if on_gpu and no_torch is not None:
+            report = steps.run("run the kernels on CuPy arrays", lambda: _demo_cupy(problem))
+            h = report.pop("hybrid")
+        elif on_gpu:
             from twell.benchmark import demo as demo_gpu
 
             report = steps.run(
@@ -269,8 +328,10 @@ def tune(args: argparse.Namespace) -> int:
     try:
         from bench.tune.run import tune as run_probes
     except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] != "bench":
-            print(f"twell tune needs {error.name} (pip install it)", file=sys.stderr)
+        package = (error.name or "").split(".")[0]
+        if package != "bench":
+            hint = install_hint(package) if package in EXTRAS else "pip install it"
+            print(f"twell tune needs {package} ({hint})", file=sys.stderr)
         else:
             print(
                 "twell tune runs the probes of bench/tune/ in a source checkout: run "
