@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from twell._arrays import bfloat16
+from twell._optional import optional_dependency
 from twell.kernels.buffers import allocating_with
 
 _streams: dict[tuple[int, int], Any] = {}
@@ -124,12 +125,8 @@ def on_gpu(
         ``(views, to_caller)``: the CuPy arrays, and a function that turns a CuPy result
         into the caller's array type.
     """
-    try:
+    with optional_dependency("cupy", "twell's GPU ops"):
         import cupy
-    except ImportError as error:  # pragma: no cover - depends on the installation
-        raise RuntimeError(
-            "twell's GPU ops need CuPy: pip install 'twell[cuda12]' or 'twell[cuda13]'"
-        ) from error
     first = next(a for a in arrays.values() if a is not None)
     if library == "torch":
         index = first.device.index

@@ -20,8 +20,12 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F  # noqa: N812
+
+from twell._optional import optional_dependency
+
+with optional_dependency("torch", "the benchmark sweeps"):
+    import torch
+    import torch.nn.functional as F  # noqa: N812
 
 import twell
 from twell.benchmark import make_problem
@@ -102,7 +106,8 @@ def plot(records: list[dict], path: str) -> None:
     """Speedup against batch size (one line per timing mode) and against density, as PNG
     (needs matplotlib: pip install 'twell[plots]'); a panel only where there are records
     for it (a sweep run with ``--densities`` and no value has no density panel)."""
-    import matplotlib
+    with optional_dependency("matplotlib", "the sweep's plot"):
+        import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from twell import _driver
+from twell._optional import optional_dependency
 
 #: Architecture the kernels are built for (wgmma/setmaxnreg need the ``a`` variant).
 ARCH = "sm_90a"
@@ -179,12 +180,8 @@ def _text(source: Source, defines: Mapping[str, int]) -> str:
 
 
 def _require_cupy() -> Any:
-    try:
+    with optional_dependency("cupy", "twell's GPU kernels"):
         import cupy
-    except ImportError as error:
-        raise RuntimeError(
-            "twell's GPU kernels need CuPy: pip install 'twell[cuda13]' (or 'twell[cuda12]')"
-        ) from error
     return cupy
 
 

@@ -9,7 +9,9 @@ import numpy as np
 from scipy.special import ndtri
 
 from twell._arrays import round_bf16
+from twell.options import DEFAULT_TILE
 from twell.testing.strategies._draw import IntArg, draw_value, int_strategy, seeds, st
+from twell.testing.strategies.matrices import TILES
 
 
 # --------------------------------------------------------------------------- FFN problems
@@ -17,13 +19,25 @@ class FFNProblem(NamedTuple):
     """One FFN block's inputs, float32 and bf16-representable (``torch.nn.Linear`` layout).
 
     ``x`` ``[M, K]``; ``w_gate`` ``[N, K]`` or ``None`` (non-gated); ``w_up`` ``[N, K]``;
-    ``w_down`` ``[K, N]``.
+    ``w_down`` ``[K, N]``. It unpacks as the ops' first four arguments:
+    ``twell.ffn(*problem, tile=problem.tile)`` runs with any problem, and
+    ``twell.ffn(*problem)`` with one drawn at the default tile (``ffn_problems()``).
     """
 
     x: np.ndarray
     w_gate: np.ndarray | None
     w_up: np.ndarray
     w_down: np.ndarray
+
+    @property
+    def tile(self) -> int:
+        """The widest tile of docs/format.md that divides N (at most the ops' default,
+        256): a ``tile`` the ops take for this problem, with any ``slots`` up to it."""
+        n = self.w_up.shape[0]
+        fits = [t for t in TILES if t <= DEFAULT_TILE and n % t == 0]
+        if not fits:
+            raise ValueError(f"N={n} is not a multiple of any tile of docs/format.md {TILES}")
+        return max(fits)
 
 
 #: Firing probabilities of the gate units (docs/benchmark.md's ``uniform`` at small N).
@@ -38,7 +52,7 @@ def ffn_problems(
     rows: IntArg = None,
     k: IntArg = None,
     tiles: IntArg = None,
-    tile: int = 32,
+    tile: int = DEFAULT_TILE,
     allow_heavy: bool = True,
 ) -> FFNProblem:
     """Inputs of a gated or non-gated FFN block, sparse like docs/benchmark.md's ``uniform``.
@@ -52,7 +66,9 @@ def ffn_problems(
         gated: ``True``/``False``, a strategy, or ``None`` to draw.
         rows: M (default: 1 about a fifth of the time, else 2..16).
         k: K (default 2..16). ``tiles``: N / tile (default 1..3).
-        tile: N is a multiple of this.
+        tile: N is a multiple of this; the default is the ops' (256), so that
+            ``twell.ffn(*problem)`` runs as it is. A smaller tile gives smaller N (pass
+            it to the ops too: ``tile=problem.tile``).
         allow_heavy: allow heavy tokens.
     """
     if gated is None:
