@@ -103,6 +103,7 @@ def test_refresh_calls_run_eagerly_and_measure(monkeypatch) -> None:  # noqa: AN
     monkeypatch.setattr(_graphs, "_capturing", lambda: False)
     measured, ran = [], []
     x = torch.zeros(4, 8)
+
     class Density:
         refresh_every = 256
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch import nn  # noqa: E402
+from torch_helpers import LlamaMLP  # noqa: E402
 
 from twell import inference, reference, workloads  # noqa: E402
 from twell.options import Options  # noqa: E402
@@ -25,15 +25,6 @@ def _weights(k: int = 32, n: int = 256, gated: bool = True, dtype=torch.float32,
     w = [None if not gated else p.w_gate, p.w_up, p.w_down]
     return [None if a is None else torch.from_numpy(np.asarray(a, np.float32)).to(dtype)
             for a in w], torch.from_numpy(np.asarray(p.x, np.float32)).to(dtype)  # fmt: skip
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, k: int, n: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(k, n, bias=False)
-        self.up_proj = nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-        self.act_fn = nn.ReLU()
 
 
 @pytest.mark.parametrize("gated", [True, False])

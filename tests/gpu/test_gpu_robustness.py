@@ -20,27 +20,21 @@ import math
 import statistics
 import time
 
+import cupy as cp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twell.kernels.compile import unavailable_reason
+import twell
+from twell import Hybrid, TwELL, workloads
+from twell._arrays import bfloat16, round_bf16
+from twell.options import PATHS
+from twell.testing import as_host, assert_relative_error
+from twell.testing import strategies as tst
 
-pytestmark = pytest.mark.gpu
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
-
-import cupy as cp  # noqa: E402
-
-import twell  # noqa: E402
-from twell import Hybrid, TwELL, workloads  # noqa: E402
-from twell._arrays import bfloat16, round_bf16  # noqa: E402
-from twell.options import PATHS  # noqa: E402
-from twell.testing import as_host, assert_relative_error  # noqa: E402
-from twell.testing import strategies as tst  # noqa: E402
+# The public ops as a user calls them, on buffers as CuPy's pool hands them out.
+pytestmark = pytest.mark.unpoisoned
 
 K = 16  # one KDIM for every kernel variant these tests compile
 TILE = 256

@@ -9,46 +9,27 @@ hold the poison afterwards (the dense path writes them, not this kernel).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
+import cupy as cp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from twell import reference, workloads
+from twell.benchmark import to_device as to_gpu
 from twell.formats import dense_row_mask
-from twell.kernels.compile import unavailable_reason
-from twell.options import LIST_CAPACITY, default_max_row_nnz
-
-pytestmark = pytest.mark.gpu
-
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
-
-import cupy as cp  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from twell.benchmark import to_device as to_gpu  # noqa: E402
-from twell.kernels import buffers, light_rows, light_rows_decode  # noqa: E402
-from twell.kernels.buffers import u16  # noqa: E402
-from twell.kernels.pipeline import PreparedBlock  # noqa: E402
-from twell.options import Options  # noqa: E402
-from twell.testing import strategies as tst  # noqa: E402
-from twell.testing.gpu import poisoned_buffers  # noqa: E402
+from twell.kernels import buffers, light_rows, light_rows_decode
+from twell.kernels.buffers import u16
+from twell.kernels.pipeline import PreparedBlock
+from twell.options import LIST_CAPACITY, Options, default_max_row_nnz
+from twell.testing import strategies as tst
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 POISON = 0xFFFF
 NEG, POS = 0xBF80, 0x3F00  # bf16 -1.0 and 0.5
 TOL = 1e-2
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs() -> Iterator[None]:
-    with poisoned_buffers():
-        yield
 
 
 # ---------------------------------------------------------------------- problems

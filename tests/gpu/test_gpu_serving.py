@@ -7,42 +7,20 @@ Skipped without a GPU; run on the GPU machine. Outputs are poisoned as in test_g
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from twell import workloads
-from twell.kernels.compile import unavailable_reason
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
 
-pytestmark = pytest.mark.gpu
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
 torch = pytest.importorskip("torch")
 
+from torch_helpers import as_f64, tensors  # noqa: E402
 
 import twell  # noqa: E402
-from twell.testing.gpu import poisoned_buffers  # noqa: E402
 from twell.torch import SparseMLP  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs() -> Iterator[None]:
-    with poisoned_buffers():
-        yield
-
-
-def tensors(p: workloads.Problem) -> list:
-    return [None if a is None else torch.from_numpy(a.astype(np.float32)).cuda().bfloat16()
-            for a in p.arrays()]  # fmt: skip
-
-
-def as_f64(t: torch.Tensor) -> np.ndarray:
-    return t.float().cpu().numpy().astype(np.float64)
 
 
 def heavy_problem(m: int, k: int = 512, n: int = 1024) -> workloads.Problem:

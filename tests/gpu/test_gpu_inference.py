@@ -12,17 +12,11 @@ import numpy as np
 import pytest
 
 from twell import workloads
-from twell.kernels.compile import unavailable_reason
 from twell.testing.asserts import relative_error
 
-pytestmark = pytest.mark.gpu
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-from torch import nn  # noqa: E402
+from torch_helpers import LlamaMLP, as_f64  # noqa: E402
 
 import twell  # noqa: E402
 from twell import inference  # noqa: E402
@@ -30,19 +24,10 @@ from twell.reference.forward import ffn_dense  # noqa: E402
 from twell.timing import host_us_queued  # noqa: E402
 from twell.torch import SparseMLP, l1_penalty, sparsify  # noqa: E402
 
+# Through torch's ops, whose buffers come from torch's allocator.
+pytestmark = pytest.mark.unpoisoned
+
 MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, k: int, n: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(k, n, bias=False)
-        self.up_proj = nn.Linear(k, n, bias=False)
-        self.down_proj = nn.Linear(n, k, bias=False)
-        self.act_fn = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _mlp(p: workloads.Problem, **kwargs) -> tuple[SparseMLP, LlamaMLP]:  # noqa: ANN003
@@ -60,10 +45,6 @@ def _x(p: workloads.Problem) -> torch.Tensor:
     return torch.from_numpy(p.x.astype(np.float32)).cuda().bfloat16()
 
 
-def _f64(t: torch.Tensor) -> np.ndarray:
-    return t.float().cpu().numpy().astype(np.float64)
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m", [1, 64, 4096])
 def test_compiled_sparse_mlp_gives_the_eager_bits(mode: str, m: int) -> None:
@@ -75,7 +56,7 @@ def test_compiled_sparse_mlp_gives_the_eager_bits(mode: str, m: int) -> None:
     x = _x(p)
     with torch.no_grad():
         eager = sparse(x).clone()
-        assert relative_error(_f64(eager), ffn_dense(*p.arrays())) < 1e-2
+        assert relative_error(as_f64(eager), ffn_dense(*p.arrays())) < 1e-2
         block = sparse.prepared()
         captures = block.graphed.captures
         torch._dynamo.reset()
@@ -103,7 +84,7 @@ def test_compiled_sparse_ffn_in_a_larger_function(mode: str) -> None:
         torch._dynamo.reset()
         compiled = torch.compile(f, mode=None if mode == "default" else mode, fullgraph=True)
         for _ in range(3):
-            assert relative_error(_f64(compiled(x).clone()), _f64(eager)) < 1e-2
+            assert relative_error(as_f64(compiled(x).clone()), as_f64(eager)) < 1e-2
 
 
 def _llama(layers: int = 2, l0: float = 12.0):  # noqa: ANN202
@@ -241,7 +222,7 @@ def test_inference_registry_follows_weight_updates_and_frees_blocks() -> None:
         sparse.up_proj.weight.mul_(2.0)  # in place: the version counter moves
         second = sparse(x)
         assert sparse.prepared() is not block
-        assert relative_error(_f64(second), _f64(2.0 * first)) < 1e-2
+        assert relative_error(as_f64(second), as_f64(2.0 * first)) < 1e-2
     key = tuple(inference._identity(q) for q in sparse.parameters())
     assert key in inference._blocks
     del sparse, block

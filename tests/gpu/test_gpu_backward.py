@@ -9,42 +9,25 @@ comparison.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
+import cupy as cp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from twell import reference, workloads
-from twell.kernels.compile import unavailable_reason
-
-pytestmark = pytest.mark.gpu
-
-
-_REASON = unavailable_reason()
-if _REASON is not None:
-    pytest.skip(_REASON, allow_module_level=True)
-
-import cupy as cp  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from twell.benchmark import to_device as to_gpu  # noqa: E402
-from twell.kernels import backward  # noqa: E402
-from twell.kernels.pipeline import PreparedBlock  # noqa: E402
-from twell.options import Options  # noqa: E402
-from twell.testing import strategies as tst  # noqa: E402
-from twell.testing.asserts import as_host  # noqa: E402
-from twell.testing.gpu import poisoned_buffers  # noqa: E402
+from twell.benchmark import to_device as to_gpu
+from twell.kernels import backward
+from twell.kernels.pipeline import PreparedBlock
+from twell.options import Options
+from twell.testing import strategies as tst
+from twell.testing.asserts import as_host
+from twell.testing.gpu import poisoned_buffers
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = 1e-2
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs() -> Iterator[None]:
-    with poisoned_buffers():
-        yield
 
 
 def to_f64(a: object) -> np.ndarray:

@@ -1,0 +1,139 @@
+"""The training path's policies on CUDA: op graphs (``op_graphs``: the same bits as
+without; one graph per layer as the dense capacity moves) and ``dense_capacity="auto"``
+following the previous call's heavy rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch_helpers import Decoder, cuda_mlp, mlp_from_problem, reference_grads, train_step  # noqa: E402
+
+from twell import workloads  # noqa: E402
+from twell.autograd import ffn_train_forward  # noqa: E402
+from twell.testing.asserts import relative_error  # noqa: E402
+from twell.torch import SparseMLP, sparsify  # noqa: E402
+
+# Through torch's ops, whose buffers come from torch's allocator.
+pytestmark = pytest.mark.unpoisoned
+
+
+def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
+    """A small decoder trained eagerly for a few steps with op_graphs on and off, on the
+    same batches: the same gradients at every step and the same parameters, bit for
+    bit."""
+    from twell import autograd
+
+    params = []
+    batches = [torch.randn(512, 256, device="cuda") for _ in range(5)]
+    replays = autograd._FORWARD_GRAPHS.replays, autograd._BACKWARD_GRAPHS.replays
+    for op_graphs in (False, True):
+        torch.manual_seed(0)
+        model = Decoder(256, 1024, layers=2).cuda()
+        sparsify(model, reduction="per_token", op_graphs=op_graphs)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        start = [p.detach().clone() for p in model.parameters()]
+        trace = []
+        for x in batches:
+            optimizer.zero_grad(set_to_none=True)
+            train_step(model, x, x / 512, 1e-3)
+            trace.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+        params.append((trace, [p.detach().clone() for p in model.parameters()]))
+        for a, b in zip(start, params[-1][1], strict=True):
+            assert not torch.equal(a, b), "a parameter did not move"
+    (trace, last), (trace_graphs, last_graphs) = params
+    for grads, grads_graphs in zip(trace, trace_graphs, strict=True):
+        for a, b in zip(grads, grads_graphs, strict=True):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
+    for a, b in zip(last, last_graphs, strict=True):
+        assert torch.equal(a, b)
+    # Same shapes and weights every step: the ops replayed their graphs.
+    assert autograd._FORWARD_GRAPHS.replays > replays[0]
+    assert autograd._BACKWARD_GRAPHS.replays > replays[1]
+
+
+def test_gpu_auto_capacity_follows_the_previous_call() -> None:
+    """dense_capacity="auto" (the default): the first call takes no capacity, the next
+    ones the capacity the previous call's heavy-row count asks for; each call gives the
+    bits of a layer built with that capacity, the gradients match the float64
+    reference, and a second run repeats every choice and every bit."""
+    from twell.options import auto_capacity
+
+    problem = workloads.heavy(1024, 256, 1024, p=0.02, frac=0.05, seed=7)
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
+    dy = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dy = dy.bfloat16()
+
+    def step(mlp: SparseMLP) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        mlp.zero_grad(set_to_none=True)
+        y = mlp(xi)
+        ((y.float() * dy).sum() + 0.5 * mlp.l1).backward()
+        return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]
+
+    runs = []
+    for _ in range(2):
+        auto = cuda_mlp(problem, torch.bfloat16, "per_token")
+        choices, outputs = [], []
+        for _ in range(3):
+            outputs.append(step(auto))
+            choices.append(auto._auto.fraction)  # what the forward chose
+        runs.append((choices, outputs))
+    choices, outputs = runs[0]
+    heavy = int(
+        ffn_train_forward(
+            x,
+            *(p.detach() for p in cuda_mlp(problem, torch.bfloat16, "per_token").parameters()),
+            256,
+            32,
+            -1,
+            0.0,
+            "per_token",
+        )[5]
+    )
+    assert heavy > 8, "the workload must have heavy rows"
+    assert choices == [0.0, auto_capacity(heavy, 1024), auto_capacity(heavy, 1024)]
+    assert choices[1] > 0.0
+    for fraction, got in zip(choices, outputs, strict=True):
+        fixed = SparseMLP.from_module(
+            mlp_from_problem(problem, torch.float32).cuda().bfloat16(), reduction="per_token",
+            dense_capacity=fraction,
+        )  # fmt: skip
+        for a, b in zip(got, step(fixed), strict=True):
+            assert torch.equal(a, b)
+    want = reference_grads(problem, problem.x.astype(np.float64), dy.double().cpu().numpy(),
+                            0.5, "per_token")  # fmt: skip
+    got = outputs[1]
+    for g, r in zip((got[1], got[2], got[3], got[4]), want, strict=True):
+        assert relative_error(g.double().cpu().numpy(), r) < 2e-2
+    assert runs[1][0] == choices
+    for a_run, b_run in zip(outputs, runs[1][1], strict=True):
+        for a, b in zip(a_run, b_run, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
+    """OpGraphs(replace=...): a graph captured at a new value of the replaced argument
+    (the dense capacity "auto" moves) drops the one captured at the old value."""
+    from twell._graphs import OpGraphs
+
+    graphs = OpGraphs(replace=frozenset({1}))
+    x = torch.randn(64, device="cuda")
+    for c in (1.0, 1.0, 2.0, 2.0, 2.0):  # a value's first call runs eagerly, then capture
+        (out,) = graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())
+        assert torch.equal(out, x * c)
+    assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
+    assert len(graphs._graphs) == 1
+    for _ in range(2):  # another shape: a graph of its own beside the first
+        (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())
+        assert torch.equal(other, x[:32] * 2.0)
+    assert len(graphs._graphs) == 2
+    for _ in range(2):  # the second shape's value moves: only its own graph is replaced
+        graphs(lambda t, c: (t * c,), (x[:32], 3.0), pinned=frozenset())
+    assert len(graphs._graphs) == 2 and graphs.captures == 4
+    assert {key[1] for key in graphs._graphs} == {2.0, 3.0}
+    graphs.clear()
+    assert not graphs._graphs and not graphs._by_rest

@@ -1,0 +1,101 @@
+"""The training path's policies, on the CPU: ``dense_capacity="auto"``
+(twell.options.auto_capacity, twell.autograd.AutoCapacity). On CUDA, with the op graphs:
+tests/gpu/test_gpu_training_policy.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch_helpers import LlamaMLP  # noqa: E402
+
+from twell.torch import SparseMLP  # noqa: E402
+
+
+def test_auto_capacity_covers_the_last_count_with_headroom() -> None:
+    from twell.options import AUTO_CAPACITIES, auto_capacity
+
+    m = 16384
+    assert auto_capacity(0, m) == 0.0
+    assert auto_capacity(1, m) == 1 / 64
+    assert auto_capacity(164, m) == 1 / 64  # heavy 1%: 256 rows hold 1.25 x 164
+    assert auto_capacity(256, m) == 1 / 16
+    assert auto_capacity(3000, m) == 1 / 4
+    assert auto_capacity(m // 2, m) == 1.0
+    assert auto_capacity(m, m) == 1.0
+    assert auto_capacity(5, 0) == 0.0
+    for count in range(0, 200, 7):  # the capacity holds the headroom, or is all of M
+        f = auto_capacity(count, 100)
+        assert f in AUTO_CAPACITIES
+        assert f == 1.0 or math.ceil(f * 100) >= 1.25 * count
+
+
+def test_auto_capacity_goes_up_at_once_and_down_after_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AutoCapacity.choose on counts fed by hand (events that have passed): each choice
+    reads the count of AUTO_LAG calls before; up at once, down only after AUTO_PATIENCE
+    calls in a row asked for less, to the most they asked."""
+    from twell.autograd import AUTO_LAG, AutoCapacity
+    from twell.options import AUTO_PATIENCE
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    class Passed:
+        def query(self) -> bool:
+            return True
+
+    auto = AutoCapacity()
+
+    def feed(count: int, m: int = 16384) -> None:
+        auto._pending.append((torch.tensor([count], dtype=torch.int32), Passed(), m))
+
+    def after(count: int, m: int = 16384) -> float:
+        """Record a call's count, then choose for the next call (which reads the count
+        recorded AUTO_LAG calls before it)."""
+        feed(count, m)
+        return auto.choose()
+
+    assert auto.choose() == 0.0  # nothing recorded yet
+    for _ in range(AUTO_LAG - 1):
+        feed(0)
+    assert after(0) == 0.0
+    assert after(3000) == 0.0  # not yet read: the count of AUTO_LAG calls before is 0
+    for _ in range(AUTO_LAG - 2):
+        after(3000)
+    assert after(5000) == 1 / 4
+    for _ in range(AUTO_LAG - 1):
+        after(100)
+    assert auto.fraction == 1.0
+    for _ in range(AUTO_PATIENCE - 1):  # these read the counts of 100
+        assert after(100) == 1.0
+    assert after(0) == 1 / 64  # the most the last AUTO_PATIENCE calls asked for
+    assert len(auto._free) >= 1  # the pinned buffers are reused
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    pending = len(auto._pending)
+    assert auto.choose() == 0.0 and auto.fraction == 1 / 64  # a capture runs without
+    assert len(auto._pending) == pending  # nothing read while capturing
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    class InFlight:
+        def query(self) -> bool:
+            return False
+
+    auto._pending.clear()
+    for _ in range(AUTO_LAG + 1):
+        auto._pending.append((torch.tensor([16384], dtype=torch.int32), InFlight(), 16384))
+    assert auto.choose() == 1 / 64 and len(auto._pending) == AUTO_LAG + 1  # never waits
+
+
+def test_auto_capacity_survives_a_deep_copy() -> None:
+    """copy.deepcopy of a model (an EMA copy, say) keeps the choice, not the CUDA state."""
+    import copy
+
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    mlp._auto.fraction = 1 / 16
+    twin = copy.deepcopy(mlp)
+    assert twin._auto is not mlp._auto and twin._auto.fraction == 1 / 16
+    assert not twin._auto._pending and not twin._auto._free
