@@ -19,8 +19,8 @@ tests)
     echo "$start start, all kernels of the common paths: $(timeout 120 python3 bench/jit_time.py)" \
       | tee -a "$OUT/gpu.txt"
   done
-  timeout 540 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/test_gpu*.py \
-    tests/test_torch*.py tests/test_kernels_compile.py tests/test_cli.py > "$OUT/tests.log" 2>&1
+  timeout 540 python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/gpu \
+    tests/test_torch.py tests/test_training_*.py tests/test_kernels_compile.py tests/test_cli.py > "$OUT/tests.log" 2>&1
   echo "pytest exit: $?" | tee -a "$OUT/tests.log"
   tail -12 "$OUT/tests.log"
   { timeout 90 python3 -m twell demo; timeout 90 python3 -m twell check; } > "$OUT/cli.log" 2>&1
