@@ -15,7 +15,9 @@ Strategies:
     :func:`corrupt_packed`     ``(packed, shape, tile, slots, kind)`` invalid buffers.
     :func:`corrupt_hybrids`    ``CorruptHybrid(matrix, kind)``: a Hybrid built through the
                                public constructors with one defect ``validate()`` rejects.
-    :func:`ffn_problems`       ``FFNProblem(x, w_gate, w_up, w_down)`` for the FFN ops.
+    :func:`ffn_problems`       ``FFNProblem(x, w_gate, w_up, w_down)`` for the FFN ops,
+                               N a multiple of their default tile (``twell.ffn(*p)``
+                               runs as drawn; ``p.tile``: a tile the ops take).
     :func:`nonfinite_ffn_problems`  FFN problems with NaN/±Inf planted in the weights
                                (preferably at units no token activates) or in ``x``.
     :func:`malformed`          an argument gone wrong: transposed, flattened, batched,
@@ -26,6 +28,11 @@ Plain helpers:
                                words under the caller's control): the second opinion on
                                :meth:`TwELL.from_dense`, and the way to build raw buffers.
     :func:`bf16_values_like`   random bf16-representable nonzero float32 values.
+
+The strategies live in :mod:`~twell.testing.strategies.matrices` (layouts, activations,
+valid formats, the packer), :mod:`~twell.testing.strategies.corruption` (invalid formats)
+and :mod:`~twell.testing.strategies.problems` (FFN problems, malformed arguments); every
+name is importable from here. They need Hypothesis (``pip install 'twell[strategies]'``).
 
 Example:
     >>> from hypothesis import given
