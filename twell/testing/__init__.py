@@ -3,7 +3,7 @@
 - :mod:`twell.testing.strategies`: activations with controlled per-tile counts, valid and
   corrupt TwELL/Hybrid objects (``corrupt_packed``, ``corrupt_hybrids``), whole FFN
   problems, also with NaN/Inf planted in the weights (``nonfinite_ffn_problems``), and
-  malformed arguments (``malformed``) (needs ``hypothesis``).
+  malformed arguments (``malformed``) (needs Hypothesis: ``pip install 'twell[strategies]'``).
 - :mod:`twell.testing.asserts`: :func:`assert_same_matrix` (validates both sides, then
   compares TwELL, Hybrid, sparse and dense matrices through decoding) and
   :func:`relative_error`.
