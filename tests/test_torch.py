@@ -107,3 +107,16 @@ def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:
     # On the CPU the sparse layers run twell's reference, whose gate values are bf16 (as
     # TwELL stores them): the dense float32 model's output within that rounding.
     assert float((after - before).norm() / before.norm()) < 1e-2
+
+
+def test_sparsify_gives_its_options_to_every_layer_and_refuses_others() -> None:
+    with pytest.raises(TypeError, match="unexpected option.*tiles"):
+        sparsify(TinyDecoder(64, 256, layers=0), tiles=128)  # refused with nothing to replace
+    model = TinyDecoder(64, 256, layers=2)
+    options = dict(tile=128, slots=16, dense_capacity=0.25, train_kernels=False,
+                   reduction="per_token", op_graphs=False)  # fmt: skip
+    assert sparsify(model, **options) == 2
+    for layer in model.layers:
+        mlp = layer["mlp"]
+        assert (mlp.options.tile, mlp.options.slots, mlp.options.dense_capacity) == (128, 16, 0.25)
+        assert (mlp.train_kernels, mlp.reduction, mlp.op_graphs) == (False, "per_token", False)

@@ -80,3 +80,33 @@ def test_training_block_is_a_prepared_block_without_the_host_check() -> None:
 
     source = inspect.getsource(_training_block)
     assert "check_weights=False" in source
+
+
+def test_settings_spell_out_in_the_order_of_the_op_schemas() -> None:
+    """One TrainSettings carries the ops' settings; its fields are the schemas' arguments
+    after the tensors, in order, and the op graphs find the dense capacity by position."""
+    import dataclasses
+
+    from twell import autograd
+    from twell.autograd import TrainSettings
+    from twell.options import Options
+
+    options = Options(64, 16, max_row_nnz=5, dense_capacity=0.25)
+    settings = TrainSettings.of(options, "per_token", graphs=True)
+    assert settings.op_args() == (64, 16, 5, 0.25, "per_token", True)
+    assert settings.launch_args() == settings.op_args()[:-1]
+    assert TrainSettings.from_op(settings.op_args()) == settings
+    assert TrainSettings.from_op(settings.launch_args()).graphs is False
+    assert settings.options() == dataclasses.replace(options, density_switch=False)
+    auto = TrainSettings.of(Options(dense_capacity="auto"), "mean")
+    assert (auto.max_row_nnz, auto.dense_capacity, auto.graphs) == (-1, 0.0, False)
+    assert auto.options().max_row_nnz is None
+    fields = [f.name for f in dataclasses.fields(TrainSettings)]
+    for op, tensors in ((torch.ops.twell.ffn_train_forward, 4),
+                        (torch.ops.twell.ffn_train_backward, 11)):  # fmt: skip
+        names = [a.name for a in op.default._schema.arguments]
+        assert names[tensors:] == fields
+        capacity = tensors + fields.index("dense_capacity")
+        graphs = autograd._BACKWARD_GRAPHS if tensors == 11 else autograd._FORWARD_GRAPHS
+        assert graphs.replace == frozenset({capacity})
+    assert autograd._OP_FORWARD_GRAPHS.replace == autograd._FORWARD_GRAPHS.replace

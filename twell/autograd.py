@@ -29,6 +29,10 @@ dw_gate, dw_up, dw_down)``: the gradients of ``<dy, y> + dl1 · l1``. ``dx`` has
 dtype, each weight gradient its weight's dtype; ``dw_gate`` is an empty tensor for the
 non-gated block. A missing ``dy`` or ``dl1`` (None) counts as zero.
 
+The arguments after the tensors (``tile`` … ``graphs``) are the ops' settings; inside
+Python they travel as one :class:`TrainSettings` (:meth:`TrainSettings.op_args` spells
+them out for an op call).
+
 ``graphs=True`` (CUDA): the op replays a CUDA graph of its launches from the second
 call with the same shapes and weights on (:class:`twell._graphs.OpGraphs`: the weights
 read in place, the other tensors copied into the graph's buffers, fresh output tensors;
@@ -63,6 +67,8 @@ count words; not differentiable).
 from __future__ import annotations
 
 import collections
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -76,10 +82,74 @@ from twell.options import AUTO_PATIENCE, Options, auto_capacity, check_geometry
 #: the next one is launched.
 AUTO_LAG = 2
 
-__all__ = ["REDUCTIONS", "ffn_train", "ffn_train_backward", "ffn_train_forward", "l0_from_packed"]
+__all__ = [
+    "REDUCTIONS", "TrainSettings", "ffn_train", "ffn_train_backward", "ffn_train_forward",
+    "l0_from_packed",
+]  # fmt: skip
 
 #: The L1 reductions (docs/ops.md): mean over M·N entries, or sum over units / M.
 REDUCTIONS = ("mean", "per_token")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainSettings:
+    """The training ops' settings: their arguments after the tensors, as one value.
+
+    The custom ops take them flat (``torch.library`` schemas want typed scalars), in the
+    order of the fields; everywhere else they travel as this object, spelled out only for
+    an op call (:meth:`op_args`) and for the CUDA implementations, whose flat arguments
+    key the op graphs (:meth:`launch_args`). Nothing is checked here: the ops check
+    their arguments (``ValueError`` naming the one at fault).
+
+    Attributes:
+        tile, slots: TwELL geometry of the hidden activation.
+        max_row_nnz: light rows' entry limit (-1: the default for N,
+            :func:`twell.options.default_max_row_nnz`).
+        dense_capacity: fraction of tokens whose heavy rows go through fixed-size cuBLAS
+            GEMMs (a number: :class:`twell.torch.SparseMLP` resolves ``"auto"`` per call).
+        reduction: the L1 term's reduction (:data:`REDUCTIONS`).
+        graphs: on CUDA, replay a CUDA graph of the op's launches (module docstring).
+    """
+
+    tile: int
+    slots: int
+    max_row_nnz: int
+    dense_capacity: float
+    reduction: str
+    graphs: bool = False
+
+    @classmethod
+    def of(cls, options: Options, reduction: str, graphs: bool = False) -> TrainSettings:
+        """The settings of a call with ``options`` (``"auto"`` capacity counts as 0)."""
+        return cls(
+            options.tile, options.slots,
+            -1 if options.max_row_nnz is None else options.max_row_nnz,
+            options.fixed_capacity, reduction, bool(graphs),
+        )  # fmt: skip
+
+    @classmethod
+    def from_op(cls, args: Sequence[Any]) -> TrainSettings:
+        """The settings from an op's arguments after its tensors (``graphs`` optional)."""
+        fields = len(dataclasses.fields(cls)) - 1
+        return cls(*args[:fields], bool(args[fields]) if len(args) > fields else False)
+
+    def op_args(self) -> tuple[int, int, int, float, str, bool]:
+        """The ops' arguments after their tensors, in the ops' order."""
+        return (*self.launch_args(), self.graphs)
+
+    def launch_args(self) -> tuple[int, int, int, float, str]:
+        """The CUDA implementations' arguments after their tensors (:func:`_forward_cuda`,
+        :func:`_backward_cuda`): the settings without ``graphs``. The op graphs key on
+        them, and find ``dense_capacity`` (the setting ``"auto"`` moves) by position."""
+        return (self.tile, self.slots, self.max_row_nnz, self.dense_capacity, self.reduction)
+
+    def options(self) -> Options:
+        """The :class:`~twell.options.Options` the kernels run with (no density switch:
+        a training step runs sparse)."""
+        return Options(
+            self.tile, self.slots, max_row_nnz=None if self.max_row_nnz < 0 else self.max_row_nnz,
+            dense_capacity=self.dense_capacity, density_switch=False,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- checks
@@ -88,12 +158,11 @@ def _check_args(
     w_gate: torch.Tensor | None,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
-    tile: int,
-    slots: int,
-    reduction: str,
+    settings: TrainSettings,
 ) -> None:
     """Shapes, geometry and reduction (``ValueError`` naming the argument)."""
-    check_geometry(tile, slots)
+    tile, reduction = settings.tile, settings.reduction
+    check_geometry(tile, settings.slots)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     if x.dim() != 2:
@@ -111,13 +180,6 @@ def _check_args(
         raise ValueError(f"w_up: N={n} is not a multiple of tile={tile}")
 
 
-def _options(tile: int, slots: int, max_row_nnz: int, dense_capacity: float) -> Options:
-    return Options(
-        tile, slots, max_row_nnz=None if max_row_nnz < 0 else max_row_nnz,
-        dense_capacity=dense_capacity, density_switch=False,
-    )  # fmt: skip
-
-
 def _unview(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a tensor that is not a view (same memory). A custom op's output that is a
     view of a buffer made inside it would refuse in-place changes under autograd."""
@@ -129,7 +191,7 @@ def _unview(t: torch.Tensor) -> torch.Tensor:
 
 def _up_width(m: int, n: int, gated: bool, options: Options) -> int:
     """Columns of the forward's ``up`` output: the backward's row capacity (gated), 0."""
-    from twell.kernels.backward import row_capacity
+    from twell.kernels.activations import row_capacity
 
     if not gated:
         return 0
@@ -157,26 +219,26 @@ def ffn_train_forward(
     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 ]:
     """``(y, l1, packed, heavy, ids, count, up)`` of the block (module docstring)."""
-    _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+    settings = TrainSettings(tile, slots, max_row_nnz, dense_capacity, reduction, graphs)
+    _check_args(x, w_gate, w_up, w_down, settings)
     if x.device.type == "cuda":
-        args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
+        args = (x, w_gate, w_up, w_down, *settings.launch_args())
         if graphs:
             return _OP_FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
         return _forward_cuda(*args)
     if x.device.type != "cpu":
         raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
-    options = _options(tile, slots, max_row_nnz, dense_capacity)
-    return _forward_cpu(x, w_gate, w_up, w_down, options, reduction)
+    return _forward_cpu(x, w_gate, w_up, w_down, settings)
 
 
 @ffn_train_forward.register_fake
-def _forward_fake(
-    x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction, graphs=False
-):
-    _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+def _forward_fake(x, w_gate, w_up, w_down, *rest):
+    settings = TrainSettings.from_op(rest)
+    _check_args(x, w_gate, w_up, w_down, settings)
     m = x.shape[0]
     n = w_up.shape[0]
-    r = _up_width(m, n, w_gate is not None, _options(tile, slots, max_row_nnz, dense_capacity))
+    tile, slots = settings.tile, settings.slots
+    r = _up_width(m, n, w_gate is not None, settings.options())
     return (
         x.new_empty(x.shape),
         x.new_empty((), dtype=torch.float32),
@@ -210,7 +272,8 @@ def ffn_train_backward(
     graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dw_gate, dw_up, dw_down)`` of ``<dy, y> + dl1 · l1`` (module docstring)."""
-    _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
+    settings = TrainSettings(tile, slots, max_row_nnz, dense_capacity, reduction, graphs)
+    _check_args(x, w_gate, w_up, w_down, settings)
     if dy is not None and tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"dy: expected the output's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     if dl1 is not None and dl1.numel() != 1:
@@ -218,8 +281,8 @@ def ffn_train_backward(
     if x.shape[0] == 0 or (dy is None and dl1 is None):
         return _zero_grads(x, w_gate, w_up, w_down)
     if x.device.type == "cuda":
-        args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, tile, slots,
-                max_row_nnz, dense_capacity, reduction)  # fmt: skip
+        args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up,
+                *settings.launch_args())  # fmt: skip
         if graphs:
             return _BACKWARD_GRAPHS(_backward_cuda, args, pinned=_BACKWARD_WEIGHTS)
         return _backward_cuda(*args)
@@ -227,25 +290,7 @@ def ffn_train_backward(
 
 
 @ffn_train_backward.register_fake
-def _backward_fake(
-    dy,
-    dl1,
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    packed,
-    heavy,
-    ids,
-    count,
-    up,
-    tile,
-    slots,
-    max_row_nnz,
-    dense_capacity,
-    reduction,
-    graphs=False,
-):
+def _backward_fake(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, *_settings):
     return (
         torch.empty_like(x),
         w_up.new_empty((0,)) if w_gate is None else torch.empty_like(w_gate),
@@ -265,11 +310,11 @@ def _zero_grads(x, w_gate, w_up, w_down):
 
 # ---------------------------------------------------------------------- autograd
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction, *rest = inputs
+    x, w_gate, w_up, w_down, *rest = inputs
     _, _, packed, heavy, ids, count, up = output
     ctx.save_for_backward(x, w_gate, w_up, w_down, packed, heavy, ids, count, up)
     ctx.mark_non_differentiable(up)
-    ctx.settings = (tile, slots, max_row_nnz, dense_capacity, reduction, bool(rest and rest[0]))
+    ctx.settings = TrainSettings.from_op(rest)
     ctx.gated = w_gate is not None
     # Unused outputs give None (not zeros): no L1 work, no host read of a zero dl1.
     ctx.set_materialize_grads(False)
@@ -283,7 +328,7 @@ def _backward(ctx: Any, dy, dl1, *_unused):
         w_gate = None
     dx, dw_gate, dw_up, dw_down = ffn_train_backward(
         None if dy is None else dy.contiguous(), dl1, x, w_gate, w_up, w_down, packed, heavy,
-        ids, count, up, *ctx.settings,
+        ids, count, up, *ctx.settings.op_args(),
     )  # fmt: skip
     needs = ctx.needs_input_grad
     return (
@@ -353,13 +398,13 @@ def _ffn_train(
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    settings = (options.tile, options.slots,
-                -1 if options.max_row_nnz is None else options.max_row_nnz,
-                options.fixed_capacity, reduction, bool(graphs))  # fmt: skip
+    settings = TrainSettings.of(options, reduction, graphs)
     if x2.is_cuda and not torch.compiler.is_compiling():
         y, l1, l0, count = _EagerTraining.apply(x2, w_gate, w_up, w_down, settings)
     else:
-        y, l1, packed, _, _, count, _ = ffn_train_forward(x2, w_gate, w_up, w_down, *settings)
+        y, l1, packed, _, _, count, _ = ffn_train_forward(
+            x2, w_gate, w_up, w_down, *settings.op_args()
+        )
         l0 = l0_from_packed(packed.detach(), options.slots)
     return y.reshape(x.shape), l1, l0, count
 
@@ -386,11 +431,10 @@ class _EagerTraining(torch.autograd.Function):
     ``l1``, ``l0`` and the gradients out, nothing else."""
 
     @staticmethod
-    def forward(ctx: Any, x, w_gate, w_up, w_down, settings):  # noqa: ANN001, ANN205
-        tile, slots, max_row_nnz, dense_capacity, reduction, graphs = settings
-        _check_args(x, w_gate, w_up, w_down, tile, slots, reduction)
-        args = (x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction)
-        if graphs:
+    def forward(ctx: Any, x, w_gate, w_up, w_down, settings: TrainSettings):  # noqa: ANN001, ANN205
+        _check_args(x, w_gate, w_up, w_down, settings)
+        args = (x, w_gate, w_up, w_down, *settings.launch_args())
+        if settings.graphs:
             outputs, lease = _FORWARD_GRAPHS(_forward_with_l0, args, _FORWARD_WEIGHTS, _LENT)
             ctx.save_for_backward(w_gate, w_up, w_down)
             ctx.lease = lease
@@ -411,15 +455,15 @@ class _EagerTraining(torch.autograd.Function):
         x, packed, heavy, ids, count, up = rest if lease is None else lease.tensors
         if dy is None and dl1 is None:
             return None, None, None, None, None
-        tile, slots, max_row_nnz, dense_capacity, reduction, graphs = ctx.settings
+        settings = ctx.settings
         if dy is not None:
             dy = dy.contiguous()
         if x.shape[0] == 0:
             grads = _zero_grads(x, w_gate, w_up, w_down)
         else:
-            args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, tile,
-                    slots, max_row_nnz, dense_capacity, reduction)  # fmt: skip
-            if graphs:
+            args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up,
+                    *settings.launch_args())  # fmt: skip
+            if settings.graphs:
                 pinned = _BACKWARD_WEIGHTS
                 if lease is not None and lease.static:  # read in the forward graph's memory
                     pinned = pinned | _BACKWARD_LENT
@@ -525,10 +569,11 @@ def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
-def _forward_cpu(x, w_gate, w_up, w_down, options, reduction):
+def _forward_cpu(x, w_gate, w_up, w_down, settings):
     from twell import reference
 
-    tile, slots = options.tile, options.slots
+    options = settings.options()
+    tile, slots, reduction = options.tile, options.slots, settings.reduction
     xf, wg, wu, wd = (_numpy(t) for t in (x, w_gate, w_up, w_down))
     m, n = x.shape[0], w_up.shape[0]
     g = reference.gate(xf, wu if wg is None else wg, tile=tile, slots=slots)
@@ -574,7 +619,8 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 
 # ---------------------------------------------------------------------- CUDA: kernels
-#: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each).
+#: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each); ``replace``
+#: is ``dense_capacity``'s position in the implementations' arguments.
 _FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
 _BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}))
 #: The forward op's own graphs (called through the dispatcher with ``graphs=True``: the
@@ -612,12 +658,15 @@ def _check_cuda(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name}: expected a tensor on {device} like x, got {t.device}")
 
 
-def _forward_cuda(x, w_gate, w_up, w_down, tile, slots, max_row_nnz, dense_capacity, reduction):
+def _forward_cuda(x, w_gate, w_up, w_down, *launch):
+    """The forward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`."""
     from twell._interop import on_gpu
 
     _check_cuda(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    settings = TrainSettings(*launch)
+    tile, slots, reduction = settings.tile, settings.slots, settings.reduction
     m, n = x.shape[0], w_up.shape[0]
-    options = _options(tile, slots, max_row_nnz, dense_capacity)
+    options = settings.options()
     if m == 0:
         return (
             torch.empty_like(x),
@@ -671,39 +720,19 @@ def _l1_coefficient(dl1: torch.Tensor | None, backward_module: Any) -> Any:
     return float(dl1)
 
 
-def _backward_cuda(
-    dy,
-    dl1,
-    x,
-    w_gate,
-    w_up,
-    w_down,
-    packed,
-    heavy,
-    ids,
-    count,
-    up,
-    tile,
-    slots,
-    max_row_nnz,
-    dense_capacity,
-    reduction,
-):
+def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, *launch):
+    """The backward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`."""
     from twell._interop import on_gpu
     from twell.kernels import backward as kernels_backward
-    from twell.kernels.backward import Activations
+    from twell.kernels.activations import Activations
 
-    ffn_backward = getattr(kernels_backward, "ffn_backward", None)
-    if ffn_backward is None:
-        raise RuntimeError(
-            "twell: the GPU backward (twell.kernels.backward.ffn_backward) is not built yet"
-        )
+    settings = TrainSettings(*launch)
     _check_cuda(dy=dy, dl1=dl1, x=x, w_gate=w_gate, w_up=w_up, w_down=w_down, packed=packed,
                 up=up)  # fmt: skip
     if dy is None:
         dy = torch.zeros_like(x)
     coeff = _l1_coefficient(dl1, kernels_backward)
-    options = _options(tile, slots, max_row_nnz, dense_capacity)
+    options = settings.options()
     arrays = {
         "x": x.contiguous(), "dy": dy.to(x.dtype).contiguous(), "w_gate": _contiguous(w_gate),
         "w_up": w_up.contiguous(), "w_down": w_down.contiguous(), "packed": packed.contiguous(),
@@ -718,8 +747,10 @@ def _backward_cuda(
         # bf16 weights get bf16 gradients straight from the kernels (half the memory of
         # fp32 ones and no second copy); others get fp32, cast below.
         bf16 = all(w is None or w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down))
-        grads = ffn_backward(block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=reduction,
-                             grad_dtype=v["w_up"].dtype if bf16 else np.float32)  # fmt: skip
+        grads = kernels_backward.ffn_backward(
+            block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=settings.reduction,
+            grad_dtype=v["w_up"].dtype if bf16 else np.float32,
+        )  # fmt: skip
         dx, dwg, dwu, dwd = (None if g is None else _unview(to_caller(g)) for g in grads)
     return (
         dx.to(x.dtype).contiguous(),

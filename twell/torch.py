@@ -56,6 +56,7 @@ and their gradients come back in fp32.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import weakref
 from typing import Any
 
@@ -324,25 +325,39 @@ def l0_per_layer(model: nn.Module) -> list[float]:
     return [float(m.l0) for m in model.modules() if isinstance(m, SparseMLP) and m.l0 is not None]
 
 
-def sparsify(
-    model: nn.Module,
-    *,
-    tile: int = DEFAULT_TILE,
-    slots: int = DEFAULT_SLOTS,
-    dense_capacity: float | str = "auto",
-    train_kernels: bool = True,
-    reduction: str = "mean",
-    op_graphs: bool | None = None,
-) -> int:
+#: The keyword arguments of :class:`SparseMLP` (what :func:`sparsify` passes on).
+_SPARSE_MLP_OPTIONS = frozenset(
+    name
+    for name, parameter in inspect.signature(SparseMLP).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def sparsify(model: nn.Module, **options: Any) -> int:
     """Replace every Llama-style ReLU MLP inside ``model`` by a :class:`SparseMLP`.
 
     Parameters are shared, not copied, and the state dict keeps its keys. MLPs with
-    another activation are left alone. The keyword arguments go to every
-    :class:`SparseMLP`.
+    another activation are left alone.
+
+    Args:
+        model: the model, changed in place.
+        **options: :class:`SparseMLP`'s keyword arguments, given to every layer:
+            ``tile`` (default 256), ``slots`` (32), ``dense_capacity`` (``"auto"``),
+            ``train_kernels`` (True), ``reduction`` (``"mean"``), ``op_graphs`` (None).
 
     Returns:
         The number of MLPs replaced.
+
+    Raises:
+        TypeError: an option :class:`SparseMLP` does not take (even when no MLP is
+            replaced).
     """
+    unknown = sorted(set(options) - _SPARSE_MLP_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"sparsify: unexpected option(s) {', '.join(unknown)}; SparseMLP takes "
+            f"{', '.join(sorted(_SPARSE_MLP_OPTIONS))}"
+        )
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -350,9 +365,5 @@ def sparsify(
         if not isinstance(child, SparseMLP) and is_relu_mlp(child)
     ]
     for parent, name, child in targets:
-        replacement = SparseMLP.from_module(
-            child, tile=tile, slots=slots, dense_capacity=dense_capacity,
-            train_kernels=train_kernels, reduction=reduction, op_graphs=op_graphs,
-        )  # fmt: skip
-        setattr(parent, name, replacement)
+        setattr(parent, name, SparseMLP.from_module(child, **options))
     return len(targets)
