@@ -1,0 +1,136 @@
+"""What the README promises, checked on the CPU: its code blocks marked
+``<!-- readme-test: run -->`` run as written (those of docs/testing.md too), its results
+tables are what ``bench/tables.py`` makes of the committed records, and the demo says why
+it runs on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "<!-- readme-test: run -->"
+BLOCK = re.compile(re.escape(MARK) + r"\s*```python\n(.*?)```", re.DOTALL)
+
+
+def marked_blocks(path: Path) -> list[str]:
+    """The Python code blocks of ``path`` that follow a :data:`MARK` line."""
+    return BLOCK.findall(path.read_text(encoding="utf-8"))
+
+
+def run_block(code: str, where: str) -> dict[str, Any]:
+    """Execute ``code`` as a module would be, then call every ``test_*`` it defines."""
+    namespace: dict[str, Any] = {"__name__": f"readme_block_{where}"}
+    exec(compile(code, where, "exec"), namespace)
+    for name, value in list(namespace.items()):
+        if name.startswith("test_") and callable(value):
+            value()
+    return namespace
+
+
+def blocks() -> list[Any]:
+    found = []
+    for path in (ROOT / "README.md", ROOT / "docs" / "testing.md"):
+        for i, code in enumerate(marked_blocks(path)):
+            found.append(pytest.param(code, f"{path.name}:{i}", id=f"{path.name}-{i}"))
+    return found
+
+
+def test_the_readme_marks_its_api_screen_and_fuzzing_example() -> None:
+    codes = marked_blocks(ROOT / "README.md")
+    assert len(codes) >= 2
+    assert any("twell.gate(" in code for code in codes)
+    assert any("strategies" in code for code in codes)
+
+
+@pytest.mark.parametrize(("code", "where"), blocks())
+def test_a_marked_block_runs_as_written(
+    code: str, where: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if "hypothesis" in code:
+        pytest.importorskip("hypothesis")
+    monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+    run_block(code, where)
+
+
+# ---------------------------------------------------------------------- results tables
+def tables() -> ModuleType:
+    """bench/tables.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generator_makes_a_table_for_every_gpu_with_records() -> None:
+    t = tables()
+    text = t.render()
+    for gpu in t.gpus():
+        assert f"`bench/results/{gpu}/`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert all(line.count(" | ") == len(t.COLUMNS) - 1 for line in rows), rows
+    h200 = t.gpu_table(t.ROOT / "h200")
+    assert h200 is not None
+    for benchmark in ("model prefill", "model train step", "model decode", "SparseMLP fwd+bwd"):
+        assert f"| {benchmark} |" in h200
+
+
+def test_the_readme_tables_are_the_generator_output() -> None:
+    t = tables()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert t.replace_block(readme, t.render()) == readme, (
+        "README.md's results tables differ from the records: run "
+        "`python bench/tables.py --write README.md`"
+    )
+
+
+def test_the_generator_reads_a_folder_of_its_own(tmp_path: Path) -> None:
+    t = tables()
+    folder = tmp_path / "h999"
+    folder.mkdir()
+    record = {"gpu": "GPU X", "benchmark": "prefill", "mode": "eager", "tokens": 64,
+              "batch": 1, "t_twell_ms": 2.0, "t_dense_ms": 3.0, "speedup": 1.5}  # fmt: skip
+    (folder / "models.json").write_text('{"records": [' + repr(record).replace("'", '"') + "]}")
+    (tmp_path / "empty").mkdir()
+    text = t.render(tmp_path)
+    assert "**GPU X**" in text
+    assert "| model prefill | eager, 64 tokens | 2.00 | 3.00 | 1.50× |" in text
+    assert "empty" not in text
+    assert t.main(["--root", str(tmp_path), "--gpu", "nothing"]) == 2
+
+
+# ---------------------------------------------------------------------- the demo
+def test_the_demo_says_why_it_runs_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import twell.__main__ as cli
+    import twell.kernels.compile
+
+    reason = "CuPy is not installed"
+    monkeypatch.setattr(twell.kernels.compile, "unavailable_reason", lambda: reason)
+    assert cli.main(["demo", "--tokens", "64"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "NumPy reference, CPU" in out
+    assert "do not run here: CuPy is not installed" in out and "twell[cuda13]" in out
+
+
+# ---------------------------------------------------------------------- no diary
+@pytest.mark.parametrize(
+    "path",
+    [ROOT / "README.md", ROOT / "bench" / "README.md"]
+    + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "history.md"),
+    ids=lambda p: p.name,
+)
+def test_the_docs_describe_the_code_not_the_work_history(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    for pattern in (r"(?i)\bsessions?\b", r"perf-log", r"\b20\d\d-\d\d-\d\d\b"):
+        found = re.search(pattern, text)
+        assert found is None, f"{path.name}: {found.group(0)!r}"
