@@ -393,7 +393,7 @@ def gpu_table(folder: Path) -> str | None:
         for label, value in (
             ("torch", v.get("torch")),
             ("CuPy", v.get("cupy")),
-            ("CUDA", _cuda(v["cuda"]) if "cuda" in v else None),
+            ("CUDA runtime", _cuda(v["cuda"]) if "cuda" in v else None),
         )
         if value
     )
