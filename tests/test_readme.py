@@ -1,13 +1,11 @@
 """What the README promises, checked on the CPU: its code blocks marked
 ``<!-- readme-test: run -->`` run as written (those of docs/testing.md too), its results
-tables are what ``bench/tables.py`` makes of the committed records, and the demo says why
+tables are what ``python -m twell results`` makes of the committed records, and the demo says why
 it runs on the CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -61,13 +59,10 @@ def test_a_marked_block_runs_as_written(
 
 # ---------------------------------------------------------------------- results tables
 def tables() -> ModuleType:
-    """bench/tables.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """twell.results, the tables' generator (``python -m twell results``)."""
+    import twell.results
+
+    return twell.results
 
 
 def test_the_generator_makes_a_table_for_every_gpu_with_records() -> None:
@@ -88,7 +83,7 @@ def test_the_readme_tables_are_the_generator_output() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert t.replace_block(readme, t.render()) == readme, (
         "README.md's results tables differ from the records: run "
-        "`python bench/tables.py --write README.md`"
+        "`python -m twell results --write README.md`"
     )
 
 

@@ -376,6 +376,13 @@ def _ffn_width(text: str) -> int:
     return value
 
 
+def results(args: argparse.Namespace) -> int:
+    """The results tables of twell.results (its own options)."""
+    from twell import results as tables
+
+    return tables.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m twell", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -396,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )  # fmt: skip
     p.set_defaults(run=bench)
+    p = commands.add_parser(
+        "results", help="the records of bench/results/ as tables (results --help)",
+        add_help=False,
+    )  # fmt: skip
+    p.set_defaults(run=results)
     p = commands.add_parser("tune", help="measure the thresholds of twell/tuning/ on this GPU")
     p.add_argument(
         "--out",
@@ -416,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the probes and their thresholds")
     p.set_defaults(run=tune)
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
+    if rest and args.command not in ("bench", "results"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest  # the benchmark parses its own options
     return args.run(args)
