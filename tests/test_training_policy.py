@@ -1,5 +1,5 @@
 """The training path's policies, on the CPU: ``dense_capacity="auto"``
-(twell.options.auto_capacity, twell.autograd.AutoCapacity). On CUDA, with the op graphs:
+(twell.options.auto_capacity, twell.capacity.AutoCapacity). On CUDA, with the op graphs:
 tests/gpu/test_gpu_training_policy.py.
 """
 
@@ -39,7 +39,7 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     """AutoCapacity.choose on counts fed by hand (events that have passed): each choice
     reads the count of AUTO_LAG calls before; up at once, down only after AUTO_PATIENCE
     calls in a row asked for less, to the most they asked."""
-    from twell.autograd import AUTO_LAG, AutoCapacity
+    from twell.capacity import AUTO_LAG, AutoCapacity
     from twell.options import AUTO_PATIENCE
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -64,7 +64,8 @@ import torch
 from torch import nn
 
 from twell import inference
-from twell.autograd import REDUCTIONS, AutoCapacity, _ffn_train
+from twell.autograd import REDUCTIONS, _ffn_train
+from twell.capacity import AutoCapacity
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
 
 __all__ = ["SparseMLP", "is_relu_mlp", "l0_per_layer", "l1_penalty", "sparsify"]
@@ -98,7 +99,7 @@ class SparseMLP(nn.Module):
         dense_capacity: ``"auto"`` (default) or a fraction of tokens whose heavy rows go
             through fixed-size cuBLAS GEMMs (see :class:`twell.SparseFFN`). ``"auto"``:
             each training call on CUDA takes the capacity that an earlier call's
-            heavy-row count asks for (:class:`twell.autograd.AutoCapacity`, read without
+            heavy-row count asks for (:class:`twell.capacity.AutoCapacity`, read without
             a host synchronisation; 0 while no heavy rows were seen), so a layer whose
             tokens are still dense early in sparsity training runs its heavy rows at
             cuBLAS speed; under ``torch.compile`` and inside a CUDA-graph capture of the

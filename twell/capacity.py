@@ -1,0 +1,94 @@
+"""``dense_capacity="auto"`` for training: each layer's capacity of heavy rows done by
+fixed-size cuBLAS GEMMs, chosen from the heavy-row counts of its earlier calls without a
+host wait (:class:`AutoCapacity`; ``twell.torch.SparseMLP``'s default)."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+
+from twell.options import AUTO_PATIENCE, auto_capacity
+
+__all__ = ["AUTO_LAG", "AutoCapacity"]
+
+#: How many calls back ``dense_capacity="auto"`` reads a layer's heavy-row count
+#: (:class:`AutoCapacity`): the call of the step before the last, long finished when
+#: the next one is launched.
+AUTO_LAG = 2
+
+
+class AutoCapacity:
+    """``dense_capacity="auto"`` for one layer's training calls on CUDA: each call's
+    capacity comes from the heavy-row count of the layer's call :data:`AUTO_LAG` calls
+    before (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 until then). A call's
+    count is copied to pinned memory behind an event as the call is launched; the choice
+    reads the copy of a call that lies a whole training step or more in the past, which
+    has long landed. The host never waits for it: a copy still in flight (the host runs
+    more than ``AUTO_LAG - 1`` steps ahead of the GPU) is read by a later call. In a
+    loop whose host stays within a step of the GPU the choice is a function of the data
+    and the calls before, the same in every run from the same start (the bits repeat);
+    a host that runs further ahead may see a count one call later. It changes time and
+    rounding, not what is computed: the capacity rows' GEMMs round their products to
+    bf16 as dense bf16 math does, twell's own tiles keep them in fp32, and no row is ever
+    dropped. It is not part of a state dict (a resumed run starts again at 0), and each
+    process of a distributed run chooses on its own data. Inside a CUDA-graph capture of
+    the caller's own the capacity is 0 and nothing is read or recorded: a captured step
+    is replayed for as long as the caller likes, and a capacity chosen while the model
+    was still dense would cost full-size GEMMs in every replay (pass a fixed
+    ``dense_capacity`` to capture one)."""
+
+    def __init__(self) -> None:
+        self.fraction = 0.0
+        self._pending: collections.deque[tuple[torch.Tensor, Any, int]] = collections.deque()
+        self._free: list[torch.Tensor] = []
+        self._lower = 0  # calls in a row that asked for less than `fraction`
+        self._lower_max = 0.0  # the most they asked for
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (copy.deepcopy of a model, pickling) keeps the choice, not the copies in
+        # flight: CUDA events and pinned buffers are not copied
+        return {"fraction": self.fraction}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.fraction = state["fraction"]
+
+    def choose(self) -> float:
+        """The capacity (a fraction of M) for the next call: up at once to what the count
+        of :data:`AUTO_LAG` calls before asks for; down only after ``AUTO_PATIENCE`` calls
+        in a row asked for less (then to the most any of them asked), so a count that
+        wavers around a level does not switch between two launch sequences (and two op
+        graphs) every step."""
+        if torch.cuda.is_current_stream_capturing():
+            return 0.0
+        pending = self._pending
+        # Recorded AUTO_LAG calls ago: normally long done. A copy still in flight (the
+        # host runs steps ahead of the GPU) is read by a later call: never waited for.
+        while len(pending) >= AUTO_LAG and pending[0][1].query():
+            host, _, m = pending.popleft()
+            self._take(auto_capacity(int(host[0]), m))
+            self._free.append(host)
+        return self.fraction
+
+    def _take(self, asked: float) -> None:
+        if asked >= self.fraction:
+            self.fraction, self._lower, self._lower_max = asked, 0, 0.0
+        else:
+            self._lower += 1
+            self._lower_max = max(self._lower_max, asked)
+            if self._lower >= AUTO_PATIENCE:
+                self.fraction, self._lower, self._lower_max = self._lower_max, 0, 0.0
+
+    def record(self, count: torch.Tensor, m: int) -> None:
+        """Start the host copy of a call's heavy-row count (``count``: int32 ``[1]`` on
+        the current stream), unless a capture is running."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        host = self._free.pop() if self._free else torch.empty((1,), dtype=torch.int32,
+                                                               pin_memory=True)  # fmt: skip
+        host.copy_(count.reshape(1), non_blocking=True)  # on count's device
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(count.device))
+        self._pending.append((host, event, m))
