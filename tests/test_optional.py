@@ -90,3 +90,9 @@ def test_the_plot_without_matplotlib_names_the_plots_extra(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'twell\[plots\]'"):
         sweeps.plot([], str(tmp_path / "sweep.png"))
+
+
+def test_twell_torch_without_torch_names_the_torch_extra(monkeypatch):
+    block(monkeypatch, "torch", "twell.torch")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'twell\[torch\]'"):
+        importlib.import_module("twell.torch")

@@ -60,13 +60,16 @@ import inspect
 import weakref
 from typing import Any
 
-import torch
-from torch import nn
+from twell._optional import optional_dependency
 
-from twell import inference
-from twell.autograd import REDUCTIONS, _ffn_train
-from twell.capacity import AutoCapacity
-from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options
+with optional_dependency("torch", "twell.torch"):
+    import torch
+    from torch import nn
+
+from twell import inference  # noqa: E402 - after torch
+from twell.autograd import REDUCTIONS, _ffn_train  # noqa: E402
+from twell.capacity import AutoCapacity  # noqa: E402
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options  # noqa: E402
 
 __all__ = ["SparseMLP", "is_relu_mlp", "l0_per_layer", "l1_penalty", "sparsify"]
 
