@@ -99,6 +99,18 @@ class TorchBuffers:
         return owner[: array.nbytes].view(torch_dtype).view(array.shape)
 
 
+def unview(tensor: Any) -> Any:
+    """A torch tensor as one that is not a view (same memory). A custom op's output that
+    is a view of a buffer made inside it would refuse in-place changes under autograd."""
+    if tensor._base is None:
+        return tensor
+    import torch
+
+    out = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+    return out.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(),
+                    tensor.stride())  # fmt: skip
+
+
 def _torch_stream(device_index: int) -> Any:
     """CuPy's handle on torch's current stream of a device (cached per stream)."""
     import cupy

@@ -74,6 +74,7 @@ import numpy as np
 import torch
 
 from twell._graphs import OpGraphs
+from twell._interop import unview as _unview
 from twell.options import Options, check_geometry
 
 __all__ = [
@@ -172,15 +173,6 @@ def _check_args(
         raise ValueError(f"w_down: expected shape ({k}, {n}), got {tuple(w_down.shape)}")
     if n % tile:
         raise ValueError(f"w_up: N={n} is not a multiple of tile={tile}")
-
-
-def _unview(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that is not a view (same memory). A custom op's output that is a
-    view of a buffer made inside it would refuse in-place changes under autograd."""
-    if t._base is None:
-        return t
-    out = torch.empty((0,), dtype=t.dtype, device=t.device)
-    return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _up_width(m: int, n: int, gated: bool, options: Options) -> int:

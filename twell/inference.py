@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from twell._interop import unview
 from twell.options import Options
 
 __all__ = ["block_for", "ffn", "forget", "op_arguments"]
@@ -264,11 +265,7 @@ def _run(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
         graphs = not _in_graph_tree(x.device)
     block = block_for(*weights, options, isolated=not graphs)
     y = block(x2, graphs)
-    if y._base is not None:  # an op's output must not be a view of a buffer made inside
-        y = torch.empty((0,), dtype=y.dtype, device=y.device).set_(
-            y.untyped_storage(), y.storage_offset(), y.size(), y.stride()
-        )
-    return y.view(x.shape)
+    return unview(y.view(x.shape))  # not a view of a buffer made inside the op
 
 
 def _reference(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
