@@ -238,8 +238,8 @@ def test_wgmma_gate_default_geometry_takes_two_ctas_per_sm() -> None:
     from twell.kernels import decode_units
 
     ut, stages = decode_units.WGMMA_UNIT_TILES, decode_units.WGMMA_STAGES
-    params = {"KDIM": 2048, "GATED": 1, "NT": 8, "UT": ut, "DC": 16, "PRE": 0, "STAGES": stages}
-    log = kc.compile_cubin(decode_units.SOURCE, params).log
+    params = {"KDIM": 2048, "GATED": 1, "NT": 8, "UT": ut, "PRE": 0, "STAGES": stages}
+    log = kc.compile_cubin(decode_units.GATE, params).log
     entry = log[log.index("Function properties for twell_units_gate_wgmma") :]
     found = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", entry)
     registers, static = int(found.group(1)), int(found.group(2))

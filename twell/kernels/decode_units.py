@@ -1,6 +1,8 @@
-"""Launcher of ``decode_units.cu``: the whole FFN block for at most :data:`MAX_ROWS`
-tokens, with the work divided among the SMs by hidden unit (each active unit's weight
-rows read once for all the tokens that use it) instead of by token.
+"""Launcher of ``decode_units_gate.cu``, ``decode_units_down.cu`` and
+``decode_units_scan.cu`` (their shared device code: ``decode_units.cuh``): the whole FFN
+block for at most :data:`MAX_ROWS` tokens, with the work divided among the SMs by hidden
+unit (each active unit's weight rows read once for all the tokens that use it) instead
+of by token.
 
 :func:`forward` writes every row of ``y`` in two launches on CuPy's current stream: the
 gate of 16 to 64 units per CTA on tensor cores with the up dot products of the kept
@@ -88,38 +90,61 @@ WGMMA_TOKENS: int = tuning.value("decode_units.WGMMA_TOKENS")
 WGMMA_UNIT_TILES = 2
 WGMMA_STAGES = 8
 
-SOURCE = declare(
-    Source(
-        "decode_units.cu",
-        parameters=("KDIM", "GATED", "NT", "UT", "DC", "PRE", "STAGES"),
-        dependent=("twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
-                   "twell_units_down_scan128"),
-        constants={
-            "UNITS": UNITS, "GATE_THREADS": GATE_THREADS, "DOWN_THREADS": DOWN_THREADS,
-            "DOWN_LANES": DOWN_LANES, "LIST": LIST,
-        },
-        examples=tuple(
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0}
-            for k in (8, 264, 2048, 4096) for g in (0, 1)
-            for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
-                                    (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
-        ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0}
-            for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
-        ) + tuple(
-            {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0}
-            for g in (0, 1)
-        ) + tuple(
-            {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
-            for nt, ut in ((32, 2), (16, 4))
-        ) + tuple(  # the wgmma gate (STAGES > 0), fused and writing pre
-            {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
-            for k, g, nt, ut, pre, st in ((2048, 1, 8, 2, 0, 8), (2048, 1, 4, 2, 0, 8),
-                                          (2048, 1, 8, 4, 0, 6), (2048, 0, 4, 1, 0, 4),
-                                          (264, 1, 1, 1, 0, 2), (4096, 1, 8, 2, 1, 8),
-                                          (8, 1, 4, 2, 0, 3))
-        ),
-    )
+#: Example configurations of the route's parameters (the compile tests build each source
+#: with the values of those it declares).
+_EXAMPLES = tuple(
+    {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": dc, "PRE": pre, "STAGES": 0}
+    for k in (8, 264, 2048, 4096) for g in (0, 1)
+    for nt, ut, dc, pre in ((1, 1, 16, 0), (2, 1, 32, 0), (4, 2, 64, 0), (8, 4, 16, 0),
+                            (8, 1, 64, 1), (2, 1, 32, 1), (32, 1, 64, 1))
+) + tuple(
+    {"KDIM": 2048, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": 0, "STAGES": 0}
+    for g in (0, 1) for nt, ut in ((4, 1), (8, 1), (8, 2), (4, 4), (1, 4))
+) + tuple(
+    {"KDIM": 2048, "GATED": g, "NT": 16, "UT": 1, "DC": 128, "PRE": 1, "STAGES": 0}
+    for g in (0, 1)
+) + tuple(
+    {"KDIM": 4096, "GATED": 1, "NT": nt, "UT": ut, "DC": 64, "PRE": 1, "STAGES": 0}
+    for nt, ut in ((32, 2), (16, 4))
+) + tuple(  # the wgmma gate (STAGES > 0), fused and writing pre
+    {"KDIM": k, "GATED": g, "NT": nt, "UT": ut, "DC": 16, "PRE": pre, "STAGES": st}
+    for k, g, nt, ut, pre, st in ((2048, 1, 8, 2, 0, 8), (2048, 1, 4, 2, 0, 8),
+                                  (2048, 1, 8, 4, 0, 6), (2048, 0, 4, 1, 0, 4),
+                                  (264, 1, 1, 1, 0, 2), (4096, 1, 8, 2, 1, 8),
+                                  (8, 1, 4, 2, 0, 3))
+)  # fmt: skip
+
+
+def _examples(parameters: tuple[str, ...]) -> tuple[dict[str, int], ...]:
+    """:data:`_EXAMPLES` restricted to ``parameters``, each configuration once."""
+    found = {tuple((p, e[p]) for p in parameters): None for e in _EXAMPLES}
+    return tuple(dict(items) for items in found)
+
+
+def _declare(name: str, parameters: tuple[str, ...], **fields: Any) -> Source:
+    """Declare a source of the route: its parameters, their examples, the shared header."""
+    return declare(Source(name, parameters=parameters, examples=_examples(parameters),
+                          headers=("decode_units.cuh",), **fields))  # fmt: skip
+
+
+# The route's sources, by job; a launch gives each the call's values of the parameters
+# it declares.
+#: The gate and the up products of the kept pairs (``twell_units_gate_up``, and
+#: ``twell_units_gate_wgmma`` where ``STAGES`` > 0).
+GATE = _declare(
+    "decode_units_gate.cu", ("KDIM", "GATED", "NT", "UT", "PRE", "STAGES"),
+    dependent=("twell_units_gate_up",),
+    constants={"UNITS": UNITS, "GATE_THREADS": GATE_THREADS},
+)  # fmt: skip
+#: The down projection by lists of token groups (``twell_units_down``).
+DOWN = _declare(
+    "decode_units_down.cu", ("KDIM", "NT", "DC"), dependent=("twell_units_down",),
+    constants={"DOWN_THREADS": DOWN_THREADS, "DOWN_LANES": DOWN_LANES, "LIST": LIST},
+)  # fmt: skip
+#: The down projection by a scan (``twell_units_down_scan64`` and ``..._scan128``).
+SCAN = _declare(
+    "decode_units_scan.cu", ("KDIM",),
+    dependent=("twell_units_down_scan64", "twell_units_down_scan128"),
 )  # fmt: skip
 
 _NULL = np.uint64(0)
@@ -171,7 +196,7 @@ def scan_threads_for(m: int, units_per_token: float | None = None) -> int:
 
 
 def down_shared_bytes(m: int, n: int, columns: int, *, down_tokens: int = DOWN_TOKENS) -> int:
-    """Dynamic shared memory of the down kernel (its layout in decode_units.cu) for a call
+    """Dynamic shared memory of the down kernel (its layout in decode_units_down.cu) for a call
     of ``m`` tokens with at most ``down_tokens`` and ``columns`` of y per CTA."""
     tokens = 8 * token_tiles(min(m, down_tokens))
     rows = min(m, tokens)
@@ -266,10 +291,10 @@ def forward(
     pre = gemm_nt(x, w_first) if gate == "cublas" else None  # cuBLAS: x read once
     if gate == "wgmma_pre":
         pre = alloc((m, n), np.uint16)
-    module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut, "DC": 16,
+    module = {"KDIM": k, "GATED": int(gated), "NT": token_tiles(m), "UT": ut,
               "PRE": int(through_pre), "STAGES": stages if wgmma else 0}  # fmt: skip
     if wgmma:  # the first kernel of the call: launched as usual
-        fn = SOURCE.kernel("twell_units_gate_wgmma", **module)
+        fn = GATE.kernel("twell_units_gate_wgmma", **module)
         smem = wgmma_shared_bytes(UNITS * ut, stages)
         if fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
@@ -287,17 +312,15 @@ def forward(
         )  # fmt: skip
         # after a gate GEMM it may start as the GEMM's last CTAs end; the first kernel of
         # the call (no pre-activation) is launched as usual
-        kernel = SOURCE.kernel("twell_units_gate_up", **module)
+        kernel = GATE.kernel("twell_units_gate_up", **module)
         launch_after(kernel, (n // (UNITS * ut),), (GATE_THREADS,), gate_args, overlap=through_pre)
     down_args = (masks.view(np.uint32), h, u16(w_down_t), u16(y), np.int32(m), np.int32(n))
-    if down == "scan":  # (in the gate's module: its parameters do not change the scan)
+    if down == "scan":
         threads = scan_threads or scan_threads_for(m, units_per_token)
-        scan = SOURCE.kernel(f"twell_units_down_scan{threads}", **module)
+        scan = SCAN.kernel(f"twell_units_down_scan{threads}", KDIM=k)
         launch_after(scan, (-(-k // 32), m), (threads,), down_args)
         return [h, masks] if pre is None else [h, masks, pre]
-    down_module = {"KDIM": k, "GATED": int(gated), "NT": nt, "UT": 1, "DC": columns, "PRE": 0,
-                   "STAGES": 0}  # fmt: skip
-    kernel = SOURCE.kernel("twell_units_down", **down_module)
+    kernel = DOWN.kernel("twell_units_down", KDIM=k, NT=nt, DC=columns)
     if kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     launch_after(kernel, (-(-k // columns), -(-m // (8 * nt))), (DOWN_THREADS,), down_args, shared)

@@ -1,20 +1,7 @@
-// decode_units.cu — the whole FFN block for a few tokens (decode, M <= 256),
-// with the work divided among the GPU's SMs by hidden unit rather than by token:
-// every weight row of an active unit is read once for all the tokens that use it.
-//
-//   gated:     y[t] = sum over n with g[t,n] kept of  r(g[t,n]) * (x[t]·w_up[n]) * w_down_t[n]
-//   non-gated: y[t] = sum over n with g[t,n] kept of  r(g[t,n]) * w_down_t[n]
-//   g[t,n] = bf16(x[t]·w_first[n])    (w_first: w_gate, or w_up when non-gated)
-//   r(v) = v for v > 0 and for NaN, 0 otherwise (relu as dense math has it)
-//
-// "Kept" is relu's rule on the bf16 bits (twell_relu_keeps) or a non-finite value: a unit
-// whose g is NaN or ±Inf always enters the sum, so a row with a non-finite pre-activation
-// gets the NaN/Inf pattern dense math gives it (relu(-Inf) * u = 0 for a finite u). There
-// are no heavy rows here: a unit list has no capacity, so a token with many active units
-// costs more weight rows, never a different path, and every row of y is written.
-//
-// Two launches (no host synchronisation, no atomics, no global scratch beyond the two
-// outputs of the first):
+// decode_units_gate.cu — the by-unit decode route's first launch (decode_units.cuh: the
+// route's sums, layouts and limits): for UT tiles of 16 hidden units per CTA, the gate of
+// every token, h[t, n] of the kept (token, unit) pairs and the kept-unit masks that the
+// down kernels read.
 //
 // twell_units_gate_up — one CTA per UT tiles of 16 units (grid N / (16 UT), 8 warps; all
 // M <= 8 NT tokens, so x is read once per CTA: UT > 1 for larger M; with TWELL_PRE the
@@ -33,65 +20,40 @@
 //     pair's slices summed in K order): h[t, n] = r(g) * (x[t]·w_up[n]);
 //     non-gated: h[t, n] = r(g);
 //  3. masks[t, b] (uint16): bit i set when unit 16b + i is kept for token t; h[t, n] is
-//     written only where the bit is set.
+//     written only where the bit is set; the kept units' w_down_t rows are prefetched
+//     into L2 for the down kernel.
 //
-// or twell_units_gate_wgmma (built where TWELL_STAGES > 0; the launcher's default from 17
+// twell_units_gate_wgmma (built where TWELL_STAGES > 0; the launcher's default from 17
 // to 64 tokens): the same CTAs and steps 2 and 3, step 1 on wgmma through a TMA ring of
-// TWELL_STAGES stages (see the kernel);
-//
-// then the down projection, by one of two kernels: twell_units_down_scan (at the end of
-// this file; one CTA per token and 32 columns, for a few tokens) or
-//
-// twell_units_down — one CTA per DC columns of y and 8 NT tokens (grid ceil(K / DC) x
-// ceil(M / (8 NT)), 8 warps; the launcher takes NT for at most 8 tokens, so a CTA's
-// serial steps stay short): the masks of its tokens into shared memory (as uint32: 32
-// units per word); each token's kept
-// units listed in ascending order (passes of LIST units when a token keeps more). The
-// work of a pass is cut into work units of (token, CHP = 8 * JW consecutive list
-// entries, 8 columns), so a token with many units spreads over many lanes: JW lanes take
-// a work unit, lane j summing entries j, j + JW, ... of it (at most 8, every load in
-// flight at once; h[t, n] * w_down_t[n, cols], fp32), then an xor butterfly over the JW
-// lanes into shared memory; one thread per (token, 8 columns) adds the work units in
-// order into its accumulator. Every row of y is written.
-//
-// Determinism: every value is summed in an order fixed by M, K, N and the data (never by
-// timing or by the grid): identical bits run to run, and on any sm_90 device (the
-// tensor-core sums follow the hardware's order). With TWELL_PRE the gate's bits are the
-// cuBLAS GEMM's, which depend on the kernel cuBLAS picks (library version, CuPy or
-// torch as the caller).
+// TWELL_STAGES stages (see the kernel).
 //
 // Floor (uniform p = 0.005, K = 2048, N = 5632, gated): the gate reads w_first once
 // (23 MB: 6.9 µs at 3.35 TB/s; a plain kernel reading them from an H100's DRAM took
 // 10.2-10.4 µs); an active unit adds 8 KB (M = 8: ~220 units, 1.8 MB).
 //
-// Layouts (row-major, bf16 as uint16 bits): x [M, K]; w_first, w_up, w_down_t [N, K];
-// y [M, K]; h float [M, N]; masks uint16 [M, N / 16]; the bf16 rows 16-byte aligned,
-// the masks' base too (the down kernel copies them in 16-byte pieces).
-// Limits: K = TWELL_KDIM, a multiple of 8 in [8, 4096]; N % 32 == 0, N <= 65536 (the
-// down kernel's lists hold 16-bit unit ids);
-// gate: 1 <= M <= 8 * TWELL_NT (NT <= 8 where a kernel computes it); the down kernel's dynamic shared memory holds its
-// partials, accumulators and lists, then min(M, 8 NT) * (N / 32) * 4 bytes of masks
-// (decode_units.down_shared_bytes).
+// Layouts: x [M, K]; w_first, w_up, w_down_t [N, K]; pre bf16 [M, N] (TWELL_PRE: read by
+// the gate/up kernel, written by the wgmma kernel); out: h float [M, N] (kept pairs only),
+// masks uint16 [M, N / 16].
+// Limits: 1 <= M <= 8 * TWELL_NT; N a multiple of 16 UT; static shared memory within
+// 48 KB (with TWELL_PRE: UT * NT <= 64); the wgmma kernel: M <= 64, its ring in dynamic
+// shared memory (decode_units.wgmma_shared_bytes).
 //
-// Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles: the
-// gate's tokens, the down kernel's tokens per CTA; 1, 2, 4 or 8, and 16 or 32 for the
-// gate with TWELL_PRE), TWELL_UT (unit tiles per gate CTA: 1, 2 or 4; with TWELL_PRE,
-// UT * NT <= 64), TWELL_DC (columns of y per down CTA, a multiple of 8), TWELL_PRE (the
-// gate read from a pre-activation instead of computed; for the wgmma kernel, written to
-// one), TWELL_STAGES (the wgmma kernel's ring; 0: no wgmma kernel in the module);
-// constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
-// TWELL_GATE_THREADS (256), TWELL_DOWN_THREADS (256), TWELL_DOWN_LANES (4), TWELL_LIST (512).
+// Compile-time parameters: TWELL_KDIM, TWELL_GATED, TWELL_NT (8-token column tiles: 1, 2,
+// 4 or 8, and 16 or 32 with TWELL_PRE), TWELL_UT (unit tiles per CTA: 1, 2 or 4),
+// TWELL_PRE (the gate read from a pre-activation instead of computed; for the wgmma
+// kernel, written to one), TWELL_STAGES (the wgmma kernel's ring; 0: no wgmma kernel in
+// the module); constants shared with the launcher (decode_units.py): TWELL_UNITS (16),
+// TWELL_GATE_THREADS (256).
 
 namespace units {
 
-constexpr int K = TWELL_KDIM;
 constexpr bool GATED = TWELL_GATED != 0;
 constexpr int NT = TWELL_NT;
 constexpr int TOKENS = 8 * NT;                    // most tokens of a launch
 constexpr bool PRE = TWELL_PRE != 0;              // the gate given (cuBLAS), not computed
-constexpr int UT = TWELL_UT;                      // m16 unit tiles per CTA of the gate kernel
-constexpr int U = TWELL_UNITS * UT;               // units per CTA of the gate kernel
-constexpr int WARPS = TWELL_GATE_THREADS / 32;    // gate kernel warps
+constexpr int UT = TWELL_UT;                      // m16 unit tiles per CTA
+constexpr int U = TWELL_UNITS * UT;               // units per CTA
+constexpr int WARPS = TWELL_GATE_THREADS / 32;    // warps of a CTA
 constexpr int WPT = WARPS / UT;                   // warps per unit tile (they split K)
 constexpr int CHUNKS = (K + 31) / 32;             // 32-wide k-chunks of a row
 constexpr int TW = TOKENS >= 32 ? TOKENS / 32 : 1;  // 32-bit words of a token mask
@@ -103,14 +65,6 @@ constexpr int UP_PAIRS = 32;                      // kept pairs per round of up 
 // 28.3-28.6 us per block with the weights in L2, level from DRAM; docs/history.md,
 // Decode); below, four already cover a CTA's typical pairs
 constexpr int UP_LOADS = NT >= 8 ? 6 : 4;
-constexpr int DTHREADS = TWELL_DOWN_THREADS;
-constexpr int DCOLS = TWELL_DC;                   // columns of y per down CTA
-constexpr int DCHUNKS = DCOLS / 8;                // 8-column pieces of a slice
-constexpr int LIST = TWELL_LIST;                  // list entries per token per pass
-constexpr int JW = TWELL_DOWN_LANES;              // lanes of a down work unit
-constexpr int PB = 8;                             // pairs per lane of a work unit
-constexpr int CHP = JW * PB;                      // pairs per work unit
-constexpr int WU_MAX = TOKENS * (LIST / CHP) * DCHUNKS;  // work units of a pass, at most
 
 static_assert(TWELL_UNITS == 16, "a unit tile is one m16 tile of mma");
 static_assert(UT == 1 || UT == 2 || UT == 4, "TWELL_UT: 1, 2 or 4 unit tiles per CTA");
@@ -118,13 +72,6 @@ static_assert(NT == 1 || NT == 2 || NT == 4 || NT == 8 || (PRE && (NT == 16 || N
               "TWELL_NT: 1, 2, 4 or 8 tiles of 8 tokens (16 or 32 with TWELL_PRE)");
 static_assert(U * TOKENS % TWELL_GATE_THREADS == 0 || U * TOKENS < TWELL_GATE_THREADS,
               "(unit, token) pairs in whole passes of the CTA");
-static_assert(K % 8 == 0 && K >= 8 && K <= 4096, "TWELL_KDIM: a multiple of 8 in [8, 4096]");
-static_assert(DCOLS % 8 == 0 && DTHREADS % 32 == 0 && 32 % JW == 0, "down kernel geometry");
-static_assert(LIST % CHP == 0, "down kernel geometry");
-
-__device__ __forceinline__ uint4 ldg16(const uint16_t* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
 
 // relu as dense math has it: NaN passes, -Inf and negatives give +0.
 __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) ? v : 0.f; }
@@ -132,8 +79,9 @@ __device__ __forceinline__ float relu_nan(float v) { return (v > 0.f || v != v) 
 }  // namespace units
 
 // Steps 2 and 3 of a gate/up CTA once the gate of its U units is known: in s_g as bf16
-// bits (STAGED: a pre-activation or the wgmma gate's accumulators were staged there) or as the warps' mma fragments in s_red (the mma gate); all TWELL_GATE_THREADS
-// threads of the CTA, whose units start at n0. s_red's room holds the pair list after.
+// bits (STAGED: a pre-activation or the wgmma gate's accumulators were staged there) or
+// as the warps' mma fragments in s_red (the mma gate); all TWELL_GATE_THREADS threads of
+// the CTA, whose units start at n0. s_red's room holds the pair list after.
 template <bool STAGED>
 __device__ __forceinline__ void units_keep_and_up(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up,
@@ -528,321 +476,3 @@ twell_units_gate_wgmma(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K],
   units_keep_and_up<true>(x, w_up, w_down_t, h, masks, M, N, n0, s_red, s_g, s_tok);
 }
 #endif
-
-// ---------------------------------------------------------------------- down
-extern "C" __global__ void __launch_bounds__(TWELL_DOWN_THREADS, 2)
-twell_units_down(const uint32_t* __restrict__ masks,     // [M_all, N / 32] (the uint16 pairs)
-                 const float* __restrict__ h,            // [M_all, N] (kept pairs)
-                 const uint16_t* __restrict__ w_down_t,  // [N, K]
-                 uint16_t* __restrict__ y,               // [M_all, K] out (every row)
-                 int M_all, int N) {
-  using namespace units;
-  twell_grid_wait();  // launched after the gate/up kernel (compile.launch_after)
-  twell_grid_release();
-  // this CTA's tokens: TOKENS of them from t0 (grid.y = ceil(M_all / TOKENS))
-  const int t0 = blockIdx.y * TOKENS;
-  const int M = min(M_all - t0, TOKENS);
-  masks += (long long)t0 * (N / 32);  // 16-byte aligned: t0 * N / 8 bytes, N % 32 == 0
-  h += (long long)t0 * N;
-  y += (long long)t0 * K;
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* s_part = reinterpret_cast<float*>(smem);                  // [WU_MAX][8]
-  float* s_acc = s_part + WU_MAX * 8;                               // [TOKENS][DCHUNKS][8]
-  uint16_t* s_list = reinterpret_cast<uint16_t*>(s_acc + TOKENS * DCHUNKS * 8);  // [TOKENS][LIST]
-  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_list + TOKENS * LIST);       // [M][words]
-  __shared__ int s_cnt[TOKENS];
-  __shared__ int s_wuoff[TOKENS + 1];
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int words = N / 32;
-  const int total = M * words;
-  // every 16-byte piece of the masks in flight at once (cp.async), the tail word by word
-  const int pieces = total / 4;
-  for (int i = tid; i < pieces; i += DTHREADS) {
-    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(s_mask + 4 * i);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(masks + 4 * i)
-                 : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-  for (int i = 4 * pieces + tid; i < total; i += DTHREADS) s_mask[i] = __ldg(masks + i);
-  for (int i = tid; i < TOKENS * DCHUNKS * 8; i += DTHREADS) s_acc[i] = 0.f;
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-  for (int t = warp; t < M; t += DTHREADS / 32) {
-    int c = 0;
-    for (int w = lane; w < words; w += 32) c += __popc(s_mask[t * words + w]);
-    c = (int)__reduce_add_sync(0xffffffffu, (unsigned)c);
-    if (lane == 0) s_cnt[t] = c;
-  }
-  __syncthreads();
-  int most = 0;
-  for (int t = 0; t < M; ++t) most = max(most, s_cnt[t]);
-
-  for (int p0 = 0; p0 < most; p0 += LIST) {
-    // token tt's kept units with list positions [p0, p0 + LIST), ascending
-    for (int tt = warp; tt < M; tt += DTHREADS / 32) {
-      int run = 0;
-      for (int w0 = 0; w0 < words && run < p0 + LIST; w0 += 32) {
-        const int w = w0 + lane;
-        const uint32_t m = w < words ? s_mask[tt * words + w] : 0u;
-        const int mine = __popc(m);
-        int incl = mine;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int o = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += o;
-        }
-        int pos = run + incl - mine;
-        if (pos + mine > p0 && pos < p0 + LIST) {
-          for (uint32_t r = m; r; r &= r - 1, ++pos)
-            if (pos >= p0 && pos < p0 + LIST)
-              s_list[tt * LIST + pos - p0] = (uint16_t)(w * 32 + __ffs(r) - 1);
-        }
-        run += __shfl_sync(0xffffffffu, incl, 31);
-      }
-    }
-    if (tid == 0) {  // work units: token-major, then chunk of CHP pairs, then 8 columns
-      int off = 0;
-      for (int t = 0; t < M; ++t) {
-        s_wuoff[t] = off;
-        const int here = min(max(s_cnt[t] - p0, 0), LIST);
-        off += (here + CHP - 1) / CHP * DCHUNKS;
-      }
-      s_wuoff[M] = off;
-    }
-    __syncthreads();
-
-    const int W = s_wuoff[M];
-    for (int w0 = 0; w0 < W; w0 += DTHREADS / JW) {
-      const int wu = w0 + tid / JW, jl = tid % JW;
-      float v[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.f;
-      if (wu < W) {
-        int t = 0;
-        while (s_wuoff[t + 1] <= wu) ++t;
-        const int r = wu - s_wuoff[t], j = r / DCHUNKS;
-        const int col = blockIdx.x * DCOLS + (r % DCHUNKS) * 8;
-        const int here = min(s_cnt[t] - p0, LIST);
-        if (col < K) {
-          const uint16_t* list = s_list + t * LIST;
-          const float* ht = h + (long long)t * N;
-          uint4 wv[PB];
-          float hv[PB];
-#pragma unroll
-          for (int i = 0; i < PB; ++i) {  // one batch: every load in flight at once
-            const int p = j * CHP + jl + i * JW;
-            if (p < here) {
-              const int n = list[p];
-              hv[i] = ht[n];
-              wv[i] = ldg16(w_down_t + (long long)n * K + col);
-            } else {
-              hv[i] = 0.f;
-              wv[i] = make_uint4(0u, 0u, 0u, 0u);
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < PB; ++i) twell_axpy8(hv[i], wv[i], v);
-        }
-      }
-#pragma unroll
-      for (int d = 1; d < JW; d <<= 1) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], d);
-      }
-      if (wu < W && jl == 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s_part[wu * 8 + i] = v[i];
-      }
-    }
-    __syncthreads();
-    // this pass's chunks into the accumulators, in chunk order
-    for (int q = tid; q < M * DCHUNKS; q += DTHREADS) {
-      const int t = q / DCHUNKS, c = q % DCHUNKS;
-      const int chunks = (s_wuoff[t + 1] - s_wuoff[t]) / DCHUNKS;
-      float* acc = s_acc + q * 8;
-      for (int j = 0; j < chunks; ++j) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += s_part[(s_wuoff[t] + j * DCHUNKS + c) * 8 + i];
-      }
-    }
-    __syncthreads();  // lists, work units and partials are rebuilt by the next pass
-  }
-  for (int q = tid; q < M * DCHUNKS; q += DTHREADS) {
-    const int t = q / DCHUNKS;
-    const int col = blockIdx.x * DCOLS + (q % DCHUNKS) * 8;
-    if (col < K) {
-      const float* a = s_acc + q * 8;
-      uint4 o;
-      o.x = twell_pack_bf16x2(a[0], a[1]);
-      o.y = twell_pack_bf16x2(a[2], a[3]);
-      o.z = twell_pack_bf16x2(a[4], a[5]);
-      o.w = twell_pack_bf16x2(a[6], a[7]);
-      *reinterpret_cast<uint4*>(y + (long long)t * K + col) = o;
-    }
-  }
-}
-
-// ---------------------------------------------------------------------- down by a scan
-// twell_units_down_scan{64,128} — the down projection for up to SCAN_TOKENS tokens
-// (the launcher's bound): one CTA of T = 64 or 128 threads per (32 columns of y, token)
-// (grid ceil(K / 32) x M). Thread i counts the kept units of its run of the token's mask
-// words ([i B, (i + 1) B), B = ceil(N / 32 / T)); a prefix sum over the CTA (a warp scan,
-// then the warps' totals) gives each thread the list position of its first one, and the
-// threads write the token's kept units into a shared list, which is then in ascending
-// unit order whatever T (passes of SLIST entries where a token keeps more). The list is
-// summed in 32 virtual slots: slot v takes positions v, v + 32, v + 64, ... in order
-// (h[t, n] * w_down_t[n, cols], fp32), and the 32 slots are added by a fixed binary tree
-// (v with v ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16). Thread 4s + q holds columns
-// [8q, 8q + 8) of the T/4 slots s, s + T/4, ... below 32 (so 1 or 2 of them); the tree's
-// first three levels are xor shuffles over lane bits 2-4, the last two go through shared
-// memory or stay in the thread. So the bits do not depend on T, which the launcher picks
-// freely: more threads spread a token with many units over more slots, fewer keep a large
-// grid (many tokens) in fewer waves.
-// Against twell_units_down: no mask staging, no per-token list building by a warp, no
-// work-unit offsets or partial sums between barriers (four barriers for a token that
-// fits one pass), and its grid grows with M where that kernel groups tokens by eight.
-// Deterministic. Limits as twell_units_down's (N % 32 == 0, N <= 65536: 16-bit ids).
-namespace units {
-constexpr int SLIST = 512;  // list entries per pass (a multiple of 32)
-
-template <int T>
-__device__ __forceinline__ void down_scan(const uint32_t* __restrict__ masks,
-                                          const float* __restrict__ h,
-                                          const uint16_t* __restrict__ w_down_t,
-                                          uint16_t* __restrict__ y, int N) {
-  constexpr int SLOTS = T / 4;      // slot threads per column group
-  constexpr int V = 32 / SLOTS;     // virtual slots per thread
-  // entries whose loads a thread has in flight (eight at 128 threads spilled at 64 registers)
-  constexpr int SE = T == 128 ? 7 : 4;
-  static_assert(T == 64 || T == 128, "64 or 128 threads");
-  constexpr int WARPS_ = T / 32;
-  static_assert(SE % V == 0 && SE * SLOTS % 32 == 0, "a round's entries map to fixed slots");
-  __shared__ uint16_t s_list[SLIST];
-  __shared__ int s_warp[WARPS_];
-  __shared__ float s_part[WARPS_][V][4][8];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int t = blockIdx.y, col0 = blockIdx.x * 32;
-  const int q = tid & 3, slot = tid >> 2;
-  const int words = N / 32;
-  const uint32_t* mrow = masks + (long long)t * words;
-  const float* ht = h + (long long)t * N;
-  const int col = col0 + 8 * q;
-  const uint16_t* wcol = w_down_t + col;
-
-  // this thread's kept units (its words: a contiguous run, so that the list, thread after
-  // thread, is in ascending unit order whatever T), then their first list position: a
-  // CTA prefix sum
-  const int per = (words + T - 1) / T;
-  const int wb = min(words, tid * per), we = min(words, wb + per);
-  int mine = 0;
-#pragma unroll 1
-  for (int w0 = wb; w0 < we; w0 += 4) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mine += w0 + i < we ? __popc(__ldg(mrow + w0 + i)) : 0;
-  }
-  const int incl = twell_warp_prefix(mine, lane);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  int first = incl - mine, total = 0;
-#pragma unroll
-  for (int w = 0; w < WARPS_; ++w) {
-    const int c = s_warp[w];
-    if (w < warp) first += c;
-    total += c;
-  }
-
-  float acc[V][8];
-#pragma unroll
-  for (int j = 0; j < V; ++j)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
-  for (int p0 = 0; p0 < total; p0 += SLIST) {
-    if (first < p0 + SLIST && first + mine > p0) {  // this thread's entries in [p0, p0 + SLIST)
-      int at = first;
-#pragma unroll 1
-      for (int w0 = wb; w0 < we; w0 += 4) {
-        uint32_t mw[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) mw[i] = w0 + i < we ? __ldg(mrow + w0 + i) : 0u;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int bits = __popc(mw[i]);
-          if (at + bits > p0 && at < p0 + SLIST) {
-            int a = at;
-            for (uint32_t r = mw[i]; r; r &= r - 1, ++a)
-              if (a >= p0 && a < p0 + SLIST)
-                s_list[a - p0] = (uint16_t)((w0 + i) * 32 + __ffs(r) - 1);
-          }
-          at += bits;
-        }
-      }
-    }
-    __syncthreads();
-    const int here = min(total - p0, SLIST);
-    // entry e of a round is position e0 + e * SLOTS: virtual slot slot + (e % V) * SLOTS
-    for (int e0 = slot; e0 < here; e0 += SE * SLOTS) {
-      uint4 wv[SE];
-      float hv[SE];
-#pragma unroll
-      for (int e = 0; e < SE; ++e) {  // every load of SE entries in flight at once
-        const int p = e0 + e * SLOTS;
-        hv[e] = 0.f;
-        wv[e] = make_uint4(0u, 0u, 0u, 0u);
-        if (p < here) {
-          const int n = s_list[p];
-          hv[e] = ht[n];
-          if (col < K) wv[e] = ldg16(wcol + (long long)n * K);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < SE; ++e) twell_axpy8(hv[e], wv[e], acc[e % V]);
-    }
-    __syncthreads();  // the list is rebuilt by the next pass
-  }
-  // tree levels 1-3 (virtual slot bits 0-2 = lane bits 2-4)
-#pragma unroll
-  for (int d = 4; d < 32; d <<= 1) {
-#pragma unroll
-    for (int j = 0; j < V; ++j)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[j][i] += __shfl_xor_sync(0xffffffffu, acc[j][i], d);
-  }
-  if (lane < 4) {
-#pragma unroll
-    for (int j = 0; j < V; ++j)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s_part[warp][j][lane][i] = acc[j][i];
-  }
-  __syncthreads();
-  // levels 4-5: virtual slot bits 3-4 = g in 0..3, held by warp g % WARPS_, slot set g / WARPS_
-  if (tid < 4 && col < K) {
-    uint32_t o[4];
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      float r[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        auto part = [&](int g) { return s_part[g % WARPS_][g / WARPS_][tid][i + c]; };
-        r[c] = (part(0) + part(1)) + (part(2) + part(3));
-      }
-      o[i / 2] = twell_pack_bf16x2(r[0], r[1]);
-    }
-    *reinterpret_cast<uint4*>(y + (long long)t * K + col) = make_uint4(o[0], o[1], o[2], o[3]);
-  }
-}
-}  // namespace units
-
-// at most 64 registers: a wave holds 32 warps per SM
-#define TWELL_DOWN_SCAN(T)                                                                 \
-  extern "C" __global__ void __launch_bounds__(T, 1024 / (T)) twell_units_down_scan##T(       \
-      const uint32_t* __restrict__ masks, const float* __restrict__ h,                    \
-      const uint16_t* __restrict__ w_down_t, uint16_t* __restrict__ y, int M, int N) {    \
-    (void)M;                                                                               \
-    twell_grid_wait();                                                                     \
-    twell_grid_release();                                                                  \
-    units::down_scan<T>(masks, h, w_down_t, y, N);                                         \
-  }
-TWELL_DOWN_SCAN(64)
-TWELL_DOWN_SCAN(128)
-#undef TWELL_DOWN_SCAN
