@@ -1,4 +1,4 @@
-"""Probe ``decode_gates``: which gate the by-unit decode route (decode_units.cu) computes for
+"""Probe ``decode_gates``: which gate the by-unit decode route (decode_units_*.cu) computes for
 how many tokens, ``decode_units.MMA_GATE_TOKENS`` and ``WGMMA_TOKENS``.
 
 The route at M tokens with each of its three gates (mma.sync in the gate/up kernel, the

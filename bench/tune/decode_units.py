@@ -1,4 +1,4 @@
-"""Probes of the by-unit decode route (decode_units.cu) against the other kernels of small
+"""Probes of the by-unit decode route (decode_units_*.cu) against the other kernels of small
 batches, ``uniform`` at K=2048, N=5632, weights from DRAM:
 
 - ``decode_rows`` (``decode_units.MAX_ROWS``): the whole block by unit against the

@@ -1,4 +1,4 @@
-"""The by-unit decode kernels (decode_units.cu) against float64 dense math (skipped
+"""The by-unit decode kernels (decode_units_*.cu) against float64 dense math (skipped
 without a GPU).
 
 Every buffer comes from ``twell.kernels.buffers.alloc``, poisoned with 0xFF bytes (NaN in

@@ -104,7 +104,7 @@ SPECS: dict[str, Spec] = {
     "decode_units.MAX_ROWS": Spec(
         "int", 0, 256, "decode_rows",
         "most tokens of an inference call of the fused path that take the by-unit decode "
-        "route (decode_units.cu) instead of the per-token kernels",
+        "route (decode_units_*.cu) instead of the per-token kernels",
     ),
     "decode_units.MMA_GATE_TOKENS": Spec(
         "int", 0, 64, "decode_gates",
