@@ -19,8 +19,9 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
 - ``light_rows_decode`` / ``light_rows_decode.cu``: the same from the pre-activation for
   few tokens (decode; ``light_rows.from_pre`` picks it), weight rows split over a
   thread-block cluster.
-- ``decode_units`` / ``decode_units_{gate,down,scan}.cu``: the whole block for at most 192 tokens, divided
-  among the SMs by hidden unit (``PreparedBlock`` takes it for decode calls).
+- ``decode_units`` / ``decode_units_{gate,down,scan}.cu``: the whole block for at most
+  192 tokens, divided among the SMs by hidden unit (``PreparedBlock`` takes it for decode
+  calls).
 - ``heavy_rows`` / ``heavy_rows.cu``: heavy rows: compaction, tensor-core dense math,
   moves to and from fixed-size cuBLAS GEMMs.
 - ``pipeline``: the prepared block's forward pass (routes, then heavy rows).
