@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from twell._graphs import GraphedBlock
+from twell._graphs import GraphedBlock, _capturing
 from twell._interop import on_gpu
 from twell._validation import check_inputs
 from twell.options import Options
@@ -35,7 +35,7 @@ def prepare_gpu(
     storage dies). Inside a CUDA-graph capture the weights are not checked on the host
     (that would synchronise): the block then runs dense math, which is right for any
     weights."""
-    capturing = library == "torch" and _torch_capturing()
+    capturing = library == "torch" and _capturing()
     from twell.kernels import PreparedBlock
 
     with on_gpu(library, weights, borrow=borrow) as (g, _):
@@ -49,12 +49,6 @@ def prepare_gpu(
         lambda x: _eager_torch(prepared, x), prepared.density, prepared._graph_scratch
     )
     return prepared, graphed
-
-
-def _torch_capturing() -> bool:
-    import torch
-
-    return torch.cuda.is_current_stream_capturing()
 
 
 def _eager_torch(prepared: Any, x: Any) -> Any:

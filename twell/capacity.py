@@ -42,7 +42,7 @@ class AutoCapacity:
     def __init__(self) -> None:
         self.fraction = 0.0
         self._pending: collections.deque[tuple[torch.Tensor, Any, int]] = collections.deque()
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (pinned buffer, event) to reuse
         self._lower = 0  # calls in a row that asked for less than `fraction`
         self._lower_max = 0.0  # the most they asked for
 
@@ -67,9 +67,9 @@ class AutoCapacity:
         # Recorded AUTO_LAG calls ago: normally long done. A copy still in flight (the
         # host runs steps ahead of the GPU) is read by a later call: never waited for.
         while len(pending) >= AUTO_LAG and pending[0][1].query():
-            host, _, m = pending.popleft()
+            host, event, m = pending.popleft()
             self._take(auto_capacity(int(host[0]), m))
-            self._free.append(host)
+            self._free.append((host, event))
         return self.fraction
 
     def _take(self, asked: float) -> None:
@@ -86,9 +86,10 @@ class AutoCapacity:
         the current stream), unless a capture is running."""
         if torch.cuda.is_current_stream_capturing():
             return
-        host = self._free.pop() if self._free else torch.empty((1,), dtype=torch.int32,
-                                                               pin_memory=True)  # fmt: skip
+        if self._free:
+            host, event = self._free.pop()
+        else:
+            host, event = torch.empty((1,), dtype=torch.int32, pin_memory=True), torch.cuda.Event()
         host.copy_(count.reshape(1), non_blocking=True)  # on count's device
-        event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(count.device))
         self._pending.append((host, event, m))
