@@ -1,4 +1,4 @@
-"""Command line: ``python -m twell {demo,check,bench,tune}``.
+"""Command line: ``python -m twell {demo,check,bench,results,tune,warmup}``.
 
 - ``demo``: the main job on an embedded default workload (``paperlike`` at the paper's
   shape, K=2048, N=5632): sparsity statistics, the packed format's size, and a check that
@@ -9,6 +9,9 @@
   prints a verdict table; exits 1 if anything fails.
 - ``bench``: the benchmark of docs/benchmark.md (needs a GPU); ``bench --sweep``: its
   batch-size and density sweeps of the public torch API.
+- ``warmup``: compiles, in parallel, the kernels a model's layer shape needs
+  (twell.warmup), into CuPy's disk cache, so that a later process's first call only
+  loads them (needs torch, and a GPU).
 - ``tune``: measures the thresholds of twell/tuning/ on this GPU and writes its file
   (from a source checkout: the probes are in bench/tune/; needs a GPU).
 """
@@ -30,7 +33,7 @@ from rich.table import Table
 import twell
 from twell import workloads
 from twell._optional import EXTRAS, install_hint
-from twell.options import DEFAULT_TILE, MAX_COLUMNS
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, MAX_COLUMNS
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import as_host, relative_error
 
@@ -342,6 +345,39 @@ def tune(args: argparse.Namespace) -> int:
     return run_probes(out=args.out, only=args.only, quick=args.quick)
 
 
+def warmup(args: argparse.Namespace) -> int:
+    """Compile a layer shape's kernels in parallel (twell.warmup)."""
+    from twell.kernels.compile import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"twell warmup needs a GPU: {reason}", file=sys.stderr)
+        return 2
+    try:
+        import torch
+
+        from twell import warmup as warm
+    except ModuleNotFoundError as error:
+        print(f"twell warmup needs {error.name} ({install_hint('torch')})", file=sys.stderr)
+        return 2
+    hidden, ffn = args.hidden, args.ffn
+    if args.model:
+        try:
+            import transformers
+        except ModuleNotFoundError:
+            print("--model needs transformers (pip install transformers)", file=sys.stderr)
+            return 2
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        hidden, ffn = config.hidden_size, config.intermediate_size
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    layer = warm.Layer(hidden, ffn, dtype, torch.device("cuda", torch.cuda.current_device()),
+                       DEFAULT_TILE, args.slots, "auto", "mean")  # fmt: skip
+    tokens = args.tokens or warm.INFERENCE_TOKENS
+    report = warm.warmup([layer], tokens=tokens, training=args.training, workers=args.workers)
+    print(report)
+    return 1 if report.failed else 0
+
+
 def _tuning_name(text: str) -> str:
     """An argparse type: a probe of bench/tune/ or a threshold of twell/tuning/."""
     from twell import tuning
@@ -427,6 +463,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--list", action="store_true", help="list the probes and their thresholds")
     p.set_defaults(run=tune)
+    p = commands.add_parser(
+        "warmup", help="compile a layer shape's kernels ahead of the first call (GPU, torch)"
+    )
+    p.add_argument("--hidden", type=_positive, default=2048, help="K (default 2048)")
+    p.add_argument("--ffn", type=_ffn_width, default=5632, help="N (default 5632)")
+    p.add_argument("--model", metavar="NAME", help="take K and N from a transformers config")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the weights' dtype")
+    p.add_argument("--slots", type=_positive, default=DEFAULT_SLOTS)
+    p.add_argument("--tokens", type=_positive, nargs="+", default=None,
+                   help="inference batch sizes (default: one per route)")  # fmt: skip
+    p.add_argument("--training", action="store_true", help="the training kernels too")
+    p.add_argument("--workers", type=_positive, default=None, help="compile threads")
+    p.set_defaults(run=warmup)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command not in ("bench", "results"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

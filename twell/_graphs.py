@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twell import _graph_nodes
+from twell.kernels.compile import planned
 
 #: Largest batch (tokens) replayed with copies of x and y when the graph cannot be
 #: re-pointed (the copies cost 4 bytes of traffic per element of x and y each call).
@@ -197,7 +198,7 @@ class GraphedBlock:
     def __call__(self, x: Any) -> Any:
         self._calls += 1
         m = x.shape[0]
-        if m == 0 or m > GRAPH_TOKENS or _capturing():
+        if m == 0 or m > GRAPH_TOKENS or _capturing() or planned():
             return self.run(x)
         if self.refresh is not None and self._calls % self.refresh == 0:
             self.measure()
@@ -548,7 +549,7 @@ class OpGraphs:
               device: Any, lend: tuple | None) -> Any:  # fmt: skip
         import torch
 
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing() or planned():
             return _eager(fn, args, lend)
         key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
         found = self._graphs.get(key)

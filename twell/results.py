@@ -467,4 +467,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.stdout.write(block)
     return 0
-

@@ -19,6 +19,9 @@ built by :func:`full_source`, for both back ends:
   device and caches the result per (device id, source, parameters) behind a lock. CuPy
   keeps its own on-disk cache keyed on the whole text (``CUPY_CACHE_DIR``), so a change
   to ``common.cuh`` or another header recompiles and a warm start does not.
+- :func:`planning` records the modules a sequence of calls would compile, without
+  compiling or launching, and :func:`compile_modules` then builds them on a thread per
+  CPU core (twell.warmup: a model's kernels ready before its first call).
 - :func:`compile_cubin` compiles with ``cuda.bindings.nvrtc`` on any machine, GPU or
   not (the CPU test proves that every source builds for sm_90a without spilling).
 
@@ -30,6 +33,7 @@ launch; the kernels that allow it are their sources' ``dependent`` ones).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.resources
@@ -37,7 +41,7 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +72,7 @@ _BUFFER_POINTER, _BUFFER_SIZE, _PARAMS_END = 1, 2, 0
 _formats: dict[tuple[type, ...], str] = {}
 
 _lock = threading.Lock()
+_module_locks: dict[tuple[int, str, tuple[tuple[str, int], ...]], threading.Lock] = {}
 _modules: dict[tuple[int, str, tuple[tuple[str, int], ...]], Any] = {}
 _kernels: dict[tuple[int, str, tuple[tuple[str, int], ...], str], Any] = {}
 #: Source.kernel's cache: (device, id(source), function, *parameter items) -> (source,
@@ -129,6 +134,10 @@ class Source:
         and one dict lookup keyed on the call as written (a launcher passes its
         parameters in a fixed order); the first call of a key checks and compiles.
         """
+        modules = getattr(_plan, "modules", None)
+        if modules is not None:
+            modules[(self.name, tuple(sorted(self.defines(params).items())))] = self
+            return _Planned(function)
         key = (_device_id(), id(self), function, *params.items())
         found = _launches.get(key)
         if found is None:
@@ -239,6 +248,8 @@ def launch_after(
             wait first), or a grid or block size is out of range.
         TypeError: an argument is neither a CuPy array nor a numpy scalar of ``_CODES``.
     """
+    if isinstance(kernel, _Planned):
+        return
     name = getattr(kernel, "name", None)
     if overlap and name not in DEPENDENT:
         raise ValueError(f"launch_after: {name} is not a dependent kernel of any Source")
@@ -370,20 +381,114 @@ def _kernel(source: Source, function: str, defines: Mapping[str, int]) -> Any:
     found = _kernels.get(key)
     if found is not None:
         return found
+    compiled = _module(source, frozen, device)
+    with _lock:
+        found = _kernels[key] = compiled.get_function(function)
+    return found
+
+
+def _module(source: Source, frozen: tuple[tuple[str, int], ...], device: int) -> Any:
+    """The compiled ``cupy.RawModule`` of ``source`` with the ``frozen`` defines on
+    ``device`` (the current one). Each module compiles under a lock of its own, so that
+    threads compile different modules at once (NVRTC releases the GIL) and one module
+    once."""
+    key = (device, source.name, frozen)
+    found = _modules.get(key)
+    if found is not None:
+        return found
     cupy = _require_cupy()
     with _lock:
-        compiled = _modules.get(key[:3])
-        if compiled is None:
+        lock = _module_locks.setdefault(key, threading.Lock())
+    with lock:
+        found = _modules.get(key)
+        if found is None:
             try:
-                compiled = cupy.RawModule(code=_text(source, defines), options=OPTIONS[:2])
-                compiled.compile()
+                found = cupy.RawModule(code=_text(source, dict(frozen)), options=OPTIONS[:2])
+                found.compile()
             except cupy.cuda.compiler.CompileException as error:
                 raise RuntimeError(
                     f"compiling twell kernel {source.name} {dict(frozen)} failed:\n{error}"
                 ) from error
-            _modules[key[:3]] = compiled
-        found = _kernels[key] = compiled.get_function(function)
+            _modules[key] = found
     return found
+
+
+# ------------------------------------------------------------------ planning
+class _Planned:
+    """What :meth:`Source.kernel` returns inside :func:`planning`: it records the module
+    the kernel lives in and launches nothing (``__call__`` and :func:`launch_after` skip
+    it; its attributes are those the launchers read or set)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.max_dynamic_shared_size_bytes = 0
+        self.kernel = _NoFunction()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _NoFunction:
+    ptr = 0
+
+
+_plan = threading.local()
+
+
+def planned() -> bool:
+    """Whether this thread is inside :func:`planning` (the call graphs then capture
+    nothing: a graph of skipped launches would replay nothing)."""
+    return getattr(_plan, "modules", None) is not None
+
+
+@contextlib.contextmanager
+def planning() -> Iterator[dict[tuple, Source]]:
+    """Inside, on this thread, :meth:`Source.kernel` compiles nothing and launches
+    nothing: it records the module each kernel would come from, into the dict this
+    yields (``(source name, defines) -> Source``; :func:`compile_modules` builds them).
+
+    The calls made inside run their host logic and their torch/cuBLAS work for real, on
+    buffers the skipped kernels never write: their outputs are garbage, and nothing they
+    build may outlive the plan (twell.warmup plans on weights of its own and drops their
+    prepared blocks).
+    """
+    if planned():
+        raise RuntimeError("planning() is already active on this thread")
+    modules: dict[tuple, Source] = {}
+    _plan.modules = modules
+    try:
+        yield modules
+    finally:
+        _plan.modules = None
+
+
+def compile_modules(
+    modules: Mapping[tuple, Source], workers: int | None = None
+) -> list[tuple[tuple, BaseException]]:
+    """Compile (or load from CuPy's disk cache) the modules of a :func:`planning` record
+    for the current device, ``workers`` threads at a time (default: one per CPU core, at
+    most 32). Returns the ``(key, error)`` of the modules that failed (a failed module
+    raises again when a call needs it)."""
+    import concurrent.futures
+
+    cupy = _require_cupy()
+    device = device_info().id
+    todo = [(key, source) for key, source in modules.items() if (device, *key) not in _modules]
+
+    def build(item: tuple[tuple, Source]) -> None:
+        (_, frozen), source = item
+        with cupy.cuda.Device(device):
+            _module(source, frozen, device)
+
+    failed: list[tuple[tuple, BaseException]] = []
+    workers = workers or min(32, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers), "twell-compile") as pool:
+        futures = {pool.submit(build, item): item[0] for item in todo}
+        for future in concurrent.futures.as_completed(futures):
+            error = future.exception()
+            if error is not None:
+                failed.append((futures[future], error))
+    return failed
 
 
 # ------------------------------------------------------------------ CPU-side NVRTC

@@ -1,0 +1,222 @@
+"""A model's kernels compiled before its first call.
+
+A fresh process compiles each kernel source the first time a call needs it (NVRTC:
+0.3–3 s per source and configuration), one after another as the calls come, so the
+first ``generate`` or training step of a model waits for all of them in a row.
+:func:`warmup` compiles them all at once instead, in three steps:
+
+1. **plan**: it runs the calls the model's layer shapes will see — inference at each
+   batch size of ``tokens``, through the sparse path and through the dense one the
+   density switch may choose, and with ``training`` a forward and backward at each
+   training size, with and without a dense capacity — inside
+   :func:`twell.kernels.compile.planning`, on stand-in layers with weights of their own:
+   the kernels are recorded, not compiled or launched;
+2. **compile**: it builds the recorded modules on a thread per CPU core (NVRTC releases
+   the GIL), into CuPy's disk cache (``CUPY_CACHE_DIR``) as well, so that a later
+   process only loads them;
+3. **run**: it makes the same calls for real, once: a kernel the plan missed (none on
+   the paths above) compiles here, and each kernel is loaded.
+
+Nothing the stand-ins build outlives the call. The kernels depend on the layer's shape
+and options (K, N, tile, slots), not on the weights' values, so warming up a model
+before loading its checkpoint works as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from twell import inference
+from twell.kernels import compile as kc
+from twell.torch import SparseMLP
+
+#: Batch sizes (tokens) planned for inference: one on each side of every threshold the
+#: routes are chosen by (decode: up to a few tokens, the by-unit route up to about 1024,
+#: then the row routes; twell.tuning holds the thresholds).
+INFERENCE_TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+#: Batch sizes planned for training (forward and backward).
+TRAINING_TOKENS = (1024, 16384)
+#: The dense capacity planned beside 0 when a layer's is ``"auto"``.
+AUTO_CAPACITY = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """What decides a layer's kernels: its shape, dtype, device and options."""
+
+    k: int
+    n: int
+    dtype: torch.dtype
+    device: torch.device
+    tile: int
+    slots: int
+    dense_capacity: float | str
+    reduction: str
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`warmup` did: layer shapes, modules planned and compiled, seconds per
+    step, and the calls or modules that failed (``(what, error)``)."""
+
+    layers: int = 0
+    planned: int = 0
+    compiled: int = 0
+    plan_s: float = 0.0
+    compile_s: float = 0.0
+    run_s: float = 0.0
+    failed: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        text = (
+            f"{self.layers} layer shape(s): {self.planned} kernel module(s) planned, "
+            f"{self.compiled} compiled here; plan {self.plan_s:.2f} s, compile "
+            f"{self.compile_s:.2f} s, first calls {self.run_s:.2f} s"
+        )
+        for what, error in self.failed:
+            text += f"\n  failed: {what}: {type(error).__name__}: {error}"
+        return text
+
+
+def layers_of(model: nn.Module) -> list[Layer]:
+    """The distinct :class:`Layer` s of the :class:`twell.torch.SparseMLP` s in ``model``."""
+    found: dict[Layer, None] = {}
+    for module in model.modules():
+        if isinstance(module, SparseMLP):
+            w = module.gate_proj.weight
+            o = module.options
+            capacity = "auto" if o.auto_capacity else o.dense_capacity
+            found[Layer(w.shape[1], w.shape[0], w.dtype, w.device, o.tile, o.slots,
+                        capacity, module.reduction)] = None  # fmt: skip
+    return list(found)
+
+
+def warmup(
+    model: nn.Module | Iterable[Layer],
+    *,
+    tokens: Sequence[int] = INFERENCE_TOKENS,
+    training: bool | None = None,
+    training_tokens: Sequence[int] = TRAINING_TOKENS,
+    workers: int | None = None,
+) -> Report:
+    """Compile the kernels that ``model``'s sparse layers (or the given :class:`Layer` s)
+    need, in parallel, before their first call (module docstring).
+
+    Args:
+        model: a model with :class:`twell.torch.SparseMLP` layers (after
+            :func:`twell.torch.sparsify`), or layer descriptions.
+        tokens: inference batch sizes (tokens per call) to plan for.
+        training: plan the training forward and backward too (None: when ``model`` is a
+            module in training mode).
+        training_tokens: training batch sizes (tokens per step and layer).
+        workers: compile threads (default: one per CPU core).
+
+    Returns:
+        A :class:`Report`. Layers on CPU need no kernels and are skipped.
+
+    Raises:
+        ValueError: a batch size below 1.
+    """
+    for name, sizes in (("tokens", tokens), ("training_tokens", training_tokens)):
+        if any(int(m) < 1 for m in sizes):
+            raise ValueError(f"{name}: expected batch sizes >= 1, got {list(sizes)}")
+    if isinstance(model, nn.Module):
+        layers = layers_of(model)
+        if training is None:
+            training = model.training
+    else:
+        layers = list(model)
+    layers = [layer for layer in layers if layer.device.type == "cuda"]
+    report = Report(layers=len(layers))
+    if not layers:
+        return report
+    calls = [
+        call
+        for layer in layers
+        for call in _calls(layer, tokens, training_tokens if training else ())
+    ]
+    start = time.perf_counter()
+    with kc.planning() as modules:
+        _make(calls, report, "plan")
+    report.planned = len(modules)
+    planned = time.perf_counter()
+    before = len(kc._modules)
+    for key, error in kc.compile_modules(modules, workers):
+        report.failed.append((f"compile {key[0]} {dict(key[1])}", error))
+    report.compiled = len(kc._modules) - before
+    compiled = time.perf_counter()
+    _make(calls, report, "run")
+    for layer in layers:
+        torch.cuda.synchronize(layer.device)
+    report.plan_s, report.compile_s = planned - start, compiled - planned
+    report.run_s = time.perf_counter() - compiled
+    return report
+
+
+def _make(calls: list[tuple[str, Any]], report: Report, step: str) -> None:
+    for what, call in calls:
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - a plan runs on garbage: reported
+            if step == "run":
+                report.failed.append((what, error))
+
+
+def _calls(layer: Layer, tokens: Sequence[int], training_tokens: Sequence[int]) -> list:
+    """``(what, call)`` pairs: each call builds its stand-in layer, runs it, and drops
+    what it built."""
+    calls: list[tuple[str, Any]] = [
+        (f"inference K={layer.k} N={layer.n} M={m}", lambda m=m: _inference(layer, m))
+        for m in tokens
+    ]
+    capacities = (0.0, AUTO_CAPACITY) if layer.dense_capacity == "auto" else (None,)
+    calls += [
+        (f"training K={layer.k} N={layer.n} M={m}", lambda m=m, c=c: _training(layer, m, c))
+        for m in training_tokens
+        for c in capacities
+    ]
+    return calls
+
+
+def _stand_in(layer: Layer, dense_capacity: float | str | None = None) -> SparseMLP:
+    def linear(rows: int, cols: int) -> nn.Linear:
+        lin = nn.Linear(cols, rows, bias=False, device=layer.device, dtype=layer.dtype)
+        nn.init.normal_(lin.weight, std=cols**-0.5)
+        return lin
+
+    capacity = layer.dense_capacity if dense_capacity is None else dense_capacity
+    return SparseMLP(
+        linear(layer.n, layer.k), linear(layer.n, layer.k), linear(layer.k, layer.n),
+        tile=layer.tile, slots=layer.slots, dense_capacity=capacity,
+        reduction=layer.reduction, op_graphs=False,
+    )  # fmt: skip
+
+
+def _inference(layer: Layer, m: int) -> None:
+    """One call through the sparse path, one through the dense path."""
+    mlp = _stand_in(layer)
+    x = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
+    try:
+        with torch.no_grad():
+            mlp(x)
+            density = mlp.prepared().prepared.density
+            if density.enabled:
+                density.estimate = float(layer.n)  # the switch's dense path
+                mlp(x)
+    finally:
+        inference.forget(*mlp._weights())
+
+
+def _training(layer: Layer, m: int, capacity: float | None) -> None:
+    """One forward and backward with the L1 term."""
+    mlp = _stand_in(layer, capacity).train()
+    x = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype, requires_grad=True)
+    dy = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
+    y = mlp(x)
+    ((y.float() * dy).sum() + mlp.l1).backward()
