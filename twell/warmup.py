@@ -9,8 +9,9 @@ first ``generate`` or training step of a model waits for all of them in a row.
    batch size of ``tokens``, through the sparse path and through the dense one the
    density switch may choose, and with ``training`` a forward and backward at each
    training size, with and without a dense capacity — inside
-   :func:`twell.kernels.compile.planning`, on stand-in layers with weights of their own:
-   the kernels are recorded, not compiled or launched;
+   :func:`twell.kernels.compile.planning`, on stand-in layers with weights of their own,
+   each call on a thread of its own: twell's kernels are recorded, not compiled or
+   launched (the CuPy kernels of twell's host code compile as they run, in parallel);
 2. **compile**: it builds the recorded modules on a thread per CPU core (NVRTC releases
    the GIL), into CuPy's disk cache (``CUPY_CACHE_DIR``) as well, so that a later
    process only loads them;
@@ -25,6 +26,7 @@ before loading its checkpoint works as well.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -63,7 +65,9 @@ class Layer:
 @dataclasses.dataclass
 class Report:
     """What :func:`warmup` did: layer shapes, modules planned and compiled, seconds per
-    step, and the calls or modules that failed (``(what, error)``)."""
+    step, the calls or modules that failed (``(what, error)``), and the calls whose plan
+    stopped early (running on garbage, its host code raised: the rest of its kernels
+    compiled in the run step)."""
 
     layers: int = 0
     planned: int = 0
@@ -72,6 +76,7 @@ class Report:
     compile_s: float = 0.0
     run_s: float = 0.0
     failed: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
+    unplanned: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         text = (
@@ -79,8 +84,9 @@ class Report:
             f"{self.compiled} compiled here; plan {self.plan_s:.2f} s, compile "
             f"{self.compile_s:.2f} s, first calls {self.run_s:.2f} s"
         )
-        for what, error in self.failed:
-            text += f"\n  failed: {what}: {type(error).__name__}: {error}"
+        for label, errors in (("failed", self.failed), ("plan stopped", self.unplanned)):
+            for what, error in errors:
+                text += f"\n  {label}: {what}: {type(error).__name__}: {error}"
         return text
 
 
@@ -142,8 +148,7 @@ def warmup(
         for call in _calls(layer, tokens, training_tokens if training else ())
     ]
     start = time.perf_counter()
-    with kc.planning() as modules:
-        _make(calls, report, "plan")
+    modules = _plan(calls, report, workers)
     report.planned = len(modules)
     planned = time.perf_counter()
     before = len(kc._modules)
@@ -151,7 +156,7 @@ def warmup(
         report.failed.append((f"compile {key[0]} {dict(key[1])}", error))
     report.compiled = len(kc._modules) - before
     compiled = time.perf_counter()
-    _make(calls, report, "run")
+    _run(calls, report)
     for layer in layers:
         torch.cuda.synchronize(layer.device)
     report.plan_s, report.compile_s = planned - start, compiled - planned
@@ -159,13 +164,35 @@ def warmup(
     return report
 
 
-def _make(calls: list[tuple[str, Any]], report: Report, step: str) -> None:
+def _plan(calls: list[tuple[str, Any]], report: Report, workers: int | None) -> dict:
+    """The modules the calls need, each call planned on a thread of its own (the CuPy
+    kernels their host code uses compile as it runs: in parallel, then)."""
+    import concurrent.futures
+
+    def plan(call: Any) -> dict:
+        with kc.planning() as modules:
+            call()
+        return modules
+
+    modules: dict = {}
+    workers = workers or min(32, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers), "twell-plan") as pool:
+        futures = {pool.submit(plan, call): what for what, call in calls}
+        for future in concurrent.futures.as_completed(futures):
+            error = future.exception()
+            if error is None:
+                modules.update(future.result())
+            else:  # the call's later kernels compile when it runs
+                report.unplanned.append((futures[future], error))
+    return modules
+
+
+def _run(calls: list[tuple[str, Any]], report: Report) -> None:
     for what, call in calls:
         try:
             call()
-        except Exception as error:  # noqa: BLE001 - a plan runs on garbage: reported
-            if step == "run":
-                report.failed.append((what, error))
+        except Exception as error:  # noqa: BLE001 - reported
+            report.failed.append((what, error))
 
 
 def _calls(layer: Layer, tokens: Sequence[int], training_tokens: Sequence[int]) -> list:
@@ -203,7 +230,7 @@ def _inference(layer: Layer, m: int) -> None:
     mlp = _stand_in(layer)
     x = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.cuda.device(layer.device):
             mlp(x)
             density = mlp.prepared().prepared.density
             if density.enabled:
@@ -218,5 +245,6 @@ def _training(layer: Layer, m: int, capacity: float | None) -> None:
     mlp = _stand_in(layer, capacity).train()
     x = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype, requires_grad=True)
     dy = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
-    y = mlp(x)
-    ((y.float() * dy).sum() + mlp.l1).backward()
+    with torch.cuda.device(layer.device):
+        y = mlp(x)
+        ((y.float() * dy).sum() + mlp.l1).backward()

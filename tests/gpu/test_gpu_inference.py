@@ -100,9 +100,10 @@ def _llama(layers: int = 2, l0: float = 12.0):  # noqa: ANN202
 def test_generate_with_the_static_cache_compiled_runs_and_stays_greedy(batch: int) -> None:
     """transformers compiles the decode step for a static cache (reduce-overhead, on
     CUDA): it must run, repeat its own tokens, and choose at every step a token that the
-    eager twell model ranks first up to rounding (inductor's fused kernels around the
-    MLPs round differently from eager ones, so an exact greedy tie may break the other
-    way; the dense twin, compiled, is held to the same bound)."""
+    eager twell model ranks first up to rounding, as the dynamic cache's tokens are
+    (inductor's fused kernels around the MLPs round differently from eager ones, so an
+    exact greedy tie may break the other way; the dense twin, compiled, is held to the
+    same bound)."""
     pytest.importorskip("transformers")
     import copy
 
@@ -121,9 +122,11 @@ def test_generate_with_the_static_cache_compiled_runs_and_stays_greedy(batch: in
         compiled = model.generate(ids, cache_implementation="static", **kwargs)
         again = model.generate(ids, cache_implementation="static", **kwargs)
         dense_compiled = dense.generate(ids, cache_implementation="static", **kwargs)
-    assert torch.equal(dynamic, eager)
     assert torch.equal(again, compiled)
-    assert llama.greedy_gap(model, eager, 16) < 2e-2  # cache or not: rounding
+    # Static or dynamic cache: the attention rounds differently, so a near tie between
+    # two tokens of this random model may break either way.
+    assert llama.greedy_gap(model, dynamic, 16) < 2e-2
+    assert llama.greedy_gap(model, eager, 16) < 2e-2
     assert llama.greedy_gap(model, compiled, 16) < 2e-2
     assert llama.greedy_gap(dense, dense_compiled, 16) < 2e-2
 

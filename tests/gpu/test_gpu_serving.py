@@ -316,8 +316,6 @@ def test_refresh_calls_measure_while_the_calls_replay_graphs(m: int) -> None:
     positive): the call graphs' refresh calls measure it, so within one refresh period
     the switch sends the calls dense, and they stay right. (Before every refresh call
     measured, one in the switch's EVERY did: 512 calls could pass.)"""
-    from twell import _graphs
-
     p = workloads.uniform(m, 256, 1024, p=0.004, seed=8)  # ~4 of 1024: sparse
     x, wg, wu, wd = tensors(p)
     block = twell.SparseFFN(wg, wu, wd)
@@ -325,7 +323,7 @@ def test_refresh_calls_measure_while_the_calls_replay_graphs(m: int) -> None:
     settled(block, x)
     assert not density.dense
     flipped = torch.neg(x)
-    for i in range(_graphs.REFRESH + 16):
+    for i in range(density.refresh_every + 16):
         y = block(flipped)
         if i % 16 == 0:
             torch.cuda.synchronize()  # let a measurement land

@@ -56,10 +56,12 @@ def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
 
 
 def test_gpu_auto_capacity_follows_the_previous_call() -> None:
-    """dense_capacity="auto" (the default): the first call takes no capacity, the next
-    ones the capacity the previous call's heavy-row count asks for; each call gives the
+    """dense_capacity="auto" (the default): the first AUTO_LAG calls take no capacity,
+    the next ones the capacity the heavy-row count AUTO_LAG calls back asks for (the
+    GPU finished that call long before); each call gives the
     bits of a layer built with that capacity, the gradients match the float64
     reference, and a second run repeats every choice and every bit."""
+    from twell.capacity import AUTO_LAG
     from twell.options import auto_capacity
 
     problem = workloads.heavy(1024, 256, 1024, p=0.02, frac=0.05, seed=7)
@@ -78,7 +80,7 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
     for _ in range(2):
         auto = cuda_mlp(problem, torch.bfloat16, "per_token")
         choices, outputs = [], []
-        for _ in range(3):
+        for _ in range(AUTO_LAG + 2):
             outputs.append(step(auto))
             choices.append(auto._auto.fraction)  # what the forward chose
         runs.append((choices, outputs))
@@ -95,8 +97,8 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
         )[5]
     )
     assert heavy > 8, "the workload must have heavy rows"
-    assert choices == [0.0, auto_capacity(heavy, 1024), auto_capacity(heavy, 1024)]
-    assert choices[1] > 0.0
+    assert choices == [0.0] * AUTO_LAG + [auto_capacity(heavy, 1024)] * 2
+    assert choices[-1] > 0.0
     for fraction, got in zip(choices, outputs, strict=True):
         fixed = SparseMLP.from_module(
             mlp_from_problem(problem, torch.float32).cuda().bfloat16(), reduction="per_token",
@@ -106,7 +108,7 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
             assert torch.equal(a, b)
     want = reference_grads(problem, problem.x.astype(np.float64), dy.double().cpu().numpy(),
                             0.5, "per_token")  # fmt: skip
-    got = outputs[1]
+    got = outputs[-1]  # with a capacity
     for g, r in zip((got[1], got[2], got[3], got[4]), want, strict=True):
         assert relative_error(g.double().cpu().numpy(), r) < 2e-2
     assert runs[1][0] == choices
