@@ -20,7 +20,7 @@ import numpy as np
 
 from twell.kernels import light_rows_decode
 from twell.kernels.buffers import u16
-from twell.kernels.compile import Source, declare, device_info, launch_after
+from twell.kernels.compile import Source, declare, device_info, launch_after, planned
 from twell.options import LIST_CAPACITY
 
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
@@ -81,11 +81,20 @@ def wide_warps(m: int, sms: int, warps_per_sm: int) -> int:
     return 1
 
 
-@functools.cache
 def _wide_warps_per_sm(function: str, k: int, tile: int, slots: int, gated: bool) -> int:
     """Resident warps of a wide kernel on one SM, as its registers allow (ptxas gives the
     one-unit kernel 64 registers at K = 1024, 128 at K = 2048, 242 at K = 4096, and the
-    two-unit one 244 at K = 2048; allocated per warp in units of 256)."""
+    two-unit one 244 at K = 2048; allocated per warp in units of 256). While a warm-up
+    plans (compile.planning) there is no compiled kernel to ask: its module is recorded
+    and the answer, a guess, is not cached."""
+    if planned():
+        SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
+        return 8
+    return _registers_allow(function, k, tile, slots, gated)
+
+
+@functools.cache
+def _registers_allow(function: str, k: int, tile: int, slots: int, gated: bool) -> int:
     kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
     per_warp = -(-kernel.num_regs * 32 // 256) * 256
     return min(64, 65536 // per_warp)
