@@ -19,8 +19,10 @@ that keep its statistics fresh).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -183,23 +185,30 @@ class DensitySwitch:
 
         if not self._measures():
             return
-        counts = _popcount8(masks.device.id)[masks.view(cupy.uint8)].sum(axis=1, dtype=cupy.float32)
-        usual = counts < 16 * masks.shape[1]
-        taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
-        per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
-        heavy = None
-        if masks.shape[0] >= self.SHARE_ROWS:
-            heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(per_row, heavy)
+        with plain_reductions():
+            table = _popcount8(masks.device.id)
+            counts = table[masks.view(cupy.uint8)].sum(axis=1, dtype=cupy.float32)
+            usual = counts < 16 * masks.shape[1]
+            taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
+            per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
+            heavy = None
+            if masks.shape[0] >= self.SHARE_ROWS:
+                heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
+            self._publish(per_row, heavy)
 
     def observe(self, packed: Any | None, pre: Any, slots: int, heavy: Any | None = None) -> None:
         """Start the estimate of this call (a few small kernels and an async copy): the
         mean from a row sample; the share of heavy rows from ``heavy``, the route's uint8
         row flags, or without them (the dense path) from every row of ``pre``."""
-        import cupy
 
         if not self._measures():
             return
+        with plain_reductions():
+            self._observe(packed, pre, slots, heavy)
+
+    def _observe(self, packed: Any | None, pre: Any, slots: int, heavy: Any | None) -> None:
+        import cupy
+
         m = pre.shape[0] if packed is None else packed.shape[0]
         rows = sample_rows(m, self.SAMPLE_ROWS)
         if packed is not None:
@@ -234,6 +243,30 @@ class DensitySwitch:
         event = cupy.cuda.Event(disable_timing=True)
         event.record()
         self._pending = (host, event)
+
+
+@contextlib.contextmanager
+def plain_reductions() -> Iterator[None]:
+    """CuPy's reductions inside run as its plain reduction kernels, not CUB's.
+
+    twell's statistics reduce small arrays (a sample of rows, M row flags, a weight's
+    finiteness once per prepared block). CUB's block-reduction kernels each take 1.4–2.2
+    s of NVRTC on their first use (on an H200 host: ten of them made up most of a cold
+    process's first calls); CuPy's plain ones under 0.1 s. The setting is CuPy's
+    process-wide list, restored on exit: a reduction another thread runs meanwhile is
+    computed the plain way too (the same result)."""
+    try:
+        from cupy._core import _accelerator
+
+        previous = _accelerator.get_reduction_accelerators()
+    except (ImportError, AttributeError):  # a CuPy without the setting: as it is
+        yield
+        return
+    _accelerator.set_reduction_accelerators([])
+    try:
+        yield
+    finally:
+        _accelerator.set_reduction_accelerators(previous)
 
 
 @functools.cache

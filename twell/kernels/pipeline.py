@@ -63,6 +63,7 @@ from twell.kernels.density import (  # noqa: F401 - the policy's names, importab
     HEAVY_DENSE,
     DensitySwitch,
     crossover,
+    plain_reductions,
     sample_rows,
 )
 from twell.kernels.pack import pack
@@ -256,7 +257,8 @@ def _device_name(device: int) -> str:
 def _all_finite(*weights: Any) -> bool:
     import cupy
 
-    return all(w is None or bool(cupy.isfinite(w).all()) for w in weights)
+    with plain_reductions():
+        return all(w is None or bool(cupy.isfinite(w).all()) for w in weights)
 
 
 def dense_block(block: PreparedBlock, x: Any, y: Any) -> list[Any]:
