@@ -41,3 +41,39 @@ def test_batch_sizes_below_one_are_refused() -> None:
 def test_the_command_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["warmup"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_planning_records_modules_launches_nothing_and_stays_on_its_thread() -> None:
+    import threading
+
+    from twell.kernels import compile as kc
+    from twell.kernels import light_rows
+
+    source = light_rows.SOURCE
+    params = dict(source.examples[0])
+    seen_elsewhere = []
+    with kc.planning() as modules:
+        kernel = source.kernel("any_function", **params)
+        kernel((1,), (32,), ())  # a launch that launches nothing
+        kc.launch_after(kernel, (1,), (32,), ())
+        assert kernel.kernel.ptr == 0 and kc.planned()
+        other = threading.Thread(target=lambda: seen_elsewhere.append(kc.planned()))
+        other.start()
+        other.join()
+        with pytest.raises(RuntimeError, match="already active"):
+            with kc.planning():
+                pass
+    assert seen_elsewhere == [False]
+    assert not kc.planned()
+    assert modules == {(source.name, tuple(sorted(source.defines(params).items()))): source}
+
+
+def test_a_plan_asks_for_no_register_count_and_caches_no_guess() -> None:
+    from twell.kernels import compile as kc
+    from twell.kernels import light_rows
+
+    cached = light_rows._registers_allow.cache_info().currsize
+    with kc.planning() as modules:
+        assert light_rows._wide_warps_per_sm("any_function", 2048, 256, 32, True) > 0
+    assert len(modules) == 1
+    assert light_rows._registers_allow.cache_info().currsize == cached
