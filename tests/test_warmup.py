@@ -3,6 +3,9 @@ refused, the command says why it cannot run."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,21 +29,79 @@ def test_layers_of_a_model_are_its_distinct_sparse_shapes() -> None:
     )  # fmt: skip
 
 
-def test_a_model_on_the_cpu_plans_nothing() -> None:
+def test_a_model_on_the_cpu_plans_nothing_and_says_so() -> None:
     report = warmup.warmup(_model())
-    assert (report.layers, report.planned, report.failed) == (0, 0, [])
-    assert "0 layer shape(s)" in str(report)
+    assert (report.layers, report.skipped, report.planned, report.failed) == (0, 1, 0, [])
+    assert "1 not on a CUDA device: skipped" in str(report)
 
 
-def test_batch_sizes_below_one_are_refused() -> None:
-    with pytest.raises(ValueError, match="tokens"):
-        warmup.warmup(_model(), tokens=(0,))
+@pytest.mark.parametrize(
+    ("tokens", "error"),
+    [((0,), ValueError), ((1.5,), TypeError), (("a",), TypeError), (1, TypeError),
+     ((True,), TypeError)],
+)  # fmt: skip
+def test_bad_batch_sizes_are_refused_naming_the_argument(tokens: object, error: type) -> None:
+    with pytest.raises(error, match="tokens"):
+        warmup.warmup(_model(), tokens=tokens)
+    with pytest.raises(error, match="training_tokens"):
+        warmup.warmup(_model(), training_tokens=tokens)
+
+
+def test_training_kernels_are_planned_when_the_weights_require_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As SparseMLP runs its training kernels: under autograd, in eval mode too."""
+    seen = []
+    monkeypatch.setattr(
+        warmup, "_calls", lambda layer, tokens, training: seen.append(training) or []
+    )
+    model = _model().eval()
+    layer = warmup.layers_of(model)[0]
+    cuda_layer = dataclasses.replace(layer, device=torch.device("cuda", 0))
+    monkeypatch.setattr(warmup, "layers_of", lambda m: [cuda_layer])
+    monkeypatch.setattr(warmup, "_plan", lambda calls, report, workers: {})
+    monkeypatch.setattr(warmup, "_run", lambda calls, report: None)
+    monkeypatch.setattr(warmup.kc, "compile_modules", lambda modules, workers: [])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    warmup.warmup(model)
+    model.requires_grad_(False)
+    warmup.warmup(model)
+    warmup.warmup(model, training=True)
+    assert seen == [warmup.TRAINING_TOKENS, (), warmup.TRAINING_TOKENS]
 
 
 @pytest.mark.skipif(unavailable_reason() is None, reason="a GPU is usable here")
 def test_the_command_says_it_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["warmup"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_the_command_reads_k_and_n_from_a_transformers_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    seen = []
+    monkeypatch.setattr(
+        warmup, "warmup", lambda layers, **kw: seen.extend(layers) or warmup.Report()
+    )
+    monkeypatch.setattr("twell.kernels.compile.unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(hidden_size=512, intermediate_size=1536).save_pretrained(llama)
+    assert main(["warmup", "--model", str(llama)]) == 0
+    assert (seen[0].k, seen[0].n) == (512, 1536)
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2Config().save_pretrained(gpt2)
+    odd = tmp_path / "odd"
+    transformers.LlamaConfig(hidden_size=512, intermediate_size=1000).save_pretrained(odd)
+    for argv, said in (
+        (["--model", str(gpt2)], "no Llama-style config"),
+        (["--model", str(tmp_path / "missing")], "no Llama-style config"),
+        (["--model", str(odd)], "N=1000"),
+        (["--model", str(llama), "--hidden", "1024"], "leave out --hidden"),
+    ):
+        assert main(["warmup", *argv]) == 2
+        assert said in capsys.readouterr().err
 
 
 def test_planning_records_modules_launches_nothing_and_stays_on_its_thread() -> None:

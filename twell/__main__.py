@@ -33,7 +33,7 @@ from rich.table import Table
 import twell
 from twell import workloads
 from twell._optional import EXTRAS, install_hint
-from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, MAX_COLUMNS
+from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, MAX_COLUMNS, MAX_K
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import as_host, relative_error
 
@@ -347,12 +347,6 @@ def tune(args: argparse.Namespace) -> int:
 
 def warmup(args: argparse.Namespace) -> int:
     """Compile a layer shape's kernels in parallel (twell.warmup)."""
-    from twell.kernels.compile import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"twell warmup needs a GPU: {reason}", file=sys.stderr)
-        return 2
     try:
         import torch
 
@@ -360,15 +354,34 @@ def warmup(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as error:
         print(f"twell warmup needs {error.name} ({install_hint('torch')})", file=sys.stderr)
         return 2
-    hidden, ffn = args.hidden, args.ffn
+    hidden, ffn = args.hidden or 2048, args.ffn or 5632
     if args.model:
+        if args.hidden or args.ffn:
+            print("--model gives K and N: leave out --hidden and --ffn", file=sys.stderr)
+            return 2
         try:
             import transformers
+
+            config = transformers.AutoConfig.from_pretrained(args.model)
+            hidden, ffn = int(config.hidden_size), int(config.intermediate_size)
         except ModuleNotFoundError:
             print("--model needs transformers (pip install transformers)", file=sys.stderr)
             return 2
-        config = transformers.AutoConfig.from_pretrained(args.model)
-        hidden, ffn = config.hidden_size, config.intermediate_size
+        except (OSError, ValueError, AttributeError) as error:
+            print(f"--model {args.model}: no Llama-style config ({error})", file=sys.stderr)
+            return 2
+        try:
+            _hidden_width(str(hidden)), _ffn_width(str(ffn))
+        except argparse.ArgumentTypeError as error:
+            print(f"--model {args.model}: K={hidden}, N={ffn}: {error}", file=sys.stderr)
+            return 2
+    from twell.kernels.compile import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        hint = f" ({install_hint('cupy')})" if "CuPy" in reason else ""
+        print(f"twell warmup needs a GPU: {reason}{hint}", file=sys.stderr)
+        return 2
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     layer = warm.Layer(hidden, ffn, dtype, torch.device("cuda", torch.cuda.current_device()),
                        DEFAULT_TILE, args.slots, "auto", "mean")  # fmt: skip
@@ -398,6 +411,14 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _hidden_width(text: str) -> int:
+    """An argparse type: K, a positive multiple of 8 up to the kernels' limit (4096)."""
+    value = _positive(text)
+    if value % 8 or value > MAX_K:
+        raise argparse.ArgumentTypeError(f"expected a multiple of 8 up to {MAX_K}, got {value}")
     return value
 
 
@@ -466,9 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser(
         "warmup", help="compile a layer shape's kernels ahead of the first call (GPU, torch)"
     )
-    p.add_argument("--hidden", type=_positive, default=2048, help="K (default 2048)")
-    p.add_argument("--ffn", type=_ffn_width, default=5632, help="N (default 5632)")
-    p.add_argument("--model", metavar="NAME", help="take K and N from a transformers config")
+    p.add_argument("--hidden", type=_hidden_width, default=None, help="K (default 2048)")
+    p.add_argument("--ffn", type=_ffn_width, default=None, help="N (default 5632)")
+    p.add_argument("--model", metavar="NAME", help="K and N from a transformers config instead")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the weights' dtype")
     p.add_argument("--slots", type=_positive, default=DEFAULT_SLOTS)
     p.add_argument("--tokens", type=_positive, nargs="+", default=None,

@@ -26,6 +26,7 @@ before loading its checkpoint works as well.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -64,12 +65,14 @@ class Layer:
 
 @dataclasses.dataclass
 class Report:
-    """What :func:`warmup` did: layer shapes, modules planned and compiled, seconds per
+    """What :func:`warmup` did: layer shapes (and those skipped, not on a CUDA device),
+    modules planned and compiled, seconds per
     step, the calls or modules that failed (``(what, error)``), and the calls whose plan
     stopped early (running on garbage, its host code raised: the rest of its kernels
     compiled in the run step)."""
 
     layers: int = 0
+    skipped: int = 0
     planned: int = 0
     compiled: int = 0
     plan_s: float = 0.0
@@ -79,8 +82,9 @@ class Report:
     unplanned: list[tuple[str, BaseException]] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
+        skipped = f" ({self.skipped} not on a CUDA device: skipped)" if self.skipped else ""
         text = (
-            f"{self.layers} layer shape(s): {self.planned} kernel module(s) planned, "
+            f"{self.layers} layer shape(s){skipped}: {self.planned} kernel module(s) planned, "
             f"{self.compiled} compiled here; plan {self.plan_s:.2f} s, compile "
             f"{self.compile_s:.2f} s, first calls {self.run_s:.2f} s"
         )
@@ -118,28 +122,35 @@ def warmup(
         model: a model with :class:`twell.torch.SparseMLP` layers (after
             :func:`twell.torch.sparsify`), or layer descriptions.
         tokens: inference batch sizes (tokens per call) to plan for.
-        training: plan the training forward and backward too (None: when ``model`` is a
-            module in training mode).
+        training: plan the training forward and backward too (None: when a sparse
+            layer's weights require gradients, which is when ``SparseMLP`` runs its
+            training kernels for a forward under autograd, train or eval mode alike;
+            layer descriptions: no).
         training_tokens: training batch sizes (tokens per step and layer).
         workers: compile threads (default: one per CPU core).
 
     Returns:
-        A :class:`Report`. Layers on CPU need no kernels and are skipped.
+        A :class:`Report`. Layers that are not on a CUDA device (CPU, ``meta``) need or
+        get no kernels: they are counted as skipped. The layers' weights may hold
+        anything: move the model to the GPU, warm up, then load its checkpoint.
 
     Raises:
+        TypeError: ``tokens`` or ``training_tokens`` is not a sequence of integers.
         ValueError: a batch size below 1.
     """
-    for name, sizes in (("tokens", tokens), ("training_tokens", training_tokens)):
-        if any(int(m) < 1 for m in sizes):
-            raise ValueError(f"{name}: expected batch sizes >= 1, got {list(sizes)}")
+    tokens, training_tokens = _sizes("tokens", tokens), _sizes("training_tokens", training_tokens)
     if isinstance(model, nn.Module):
         layers = layers_of(model)
         if training is None:
-            training = model.training
+            training = any(
+                p.requires_grad for m in model.modules() if isinstance(m, SparseMLP)
+                for p in m.parameters()
+            )  # fmt: skip
     else:
         layers = list(model)
-    layers = [layer for layer in layers if layer.device.type == "cuda"]
-    report = Report(layers=len(layers))
+    on_gpu = [layer for layer in layers if layer.device.type == "cuda"]
+    report = Report(layers=len(on_gpu), skipped=len(layers) - len(on_gpu))
+    layers = on_gpu
     if not layers:
         return report
     calls = [
@@ -162,6 +173,18 @@ def warmup(
     report.plan_s, report.compile_s = planned - start, compiled - planned
     report.run_s = time.perf_counter() - compiled
     return report
+
+
+def _sizes(name: str, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Batch sizes checked: a sequence of integers >= 1."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"{name}: expected a sequence of batch sizes, got {sizes!r}")
+    for m in sizes:
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+            raise TypeError(f"{name}: expected integer batch sizes, got {m!r}")
+    if any(m < 1 for m in sizes):
+        raise ValueError(f"{name}: expected batch sizes >= 1, got {list(sizes)}")
+    return tuple(int(m) for m in sizes)
 
 
 def _plan(calls: list[tuple[str, Any]], report: Report, workers: int | None) -> dict:
