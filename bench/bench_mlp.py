@@ -196,8 +196,12 @@ def main() -> int:
     parser.add_argument("--K", type=int, default=2048)
     parser.add_argument("--N", type=int, default=5632)
     parser.add_argument("--workloads", nargs="+", default=["uniform", "heavy", "nan"])
-    parser.add_argument("--modes", nargs="+", choices=MODES,
-                        default=["eager", "eager_plain", "eager_graphs", "ops", "compiled"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=["eager", "eager_plain", "eager_graphs", "ops", "compiled"],
+    )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -217,8 +221,16 @@ def main() -> int:
                 rec["gpu"] = report["gpu"]
                 report["records"].append(rec)
                 write_json(out, report)
-                keys = ("speedup", "speedup_per_call", "back_to_back_ms_twell",
-                        "back_to_back_ms_dense", "host_us", "host_us_dense", "rel_err", "l0")
+                keys = (
+                    "speedup",
+                    "speedup_per_call",
+                    "back_to_back_ms_twell",
+                    "back_to_back_ms_dense",
+                    "host_us",
+                    "host_us_dense",
+                    "rel_err",
+                    "l0",
+                )
                 print(workload, m, mode, {k: rec.get(k) for k in keys}, rec.get("error", ""),
                       flush=True)  # fmt: skip
     bad = [r for r in report["records"] if "error" not in r and not r["rel_err"] < 2e-2]

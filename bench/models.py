@@ -118,8 +118,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     info = {
         "calibration_s": time.perf_counter() - start,
         "l0_per_layer": llama.l0_per_layer(model, held_out),
-        "heavy_share_per_layer": llama.heavy_share(model, held_out,
-                                                   default_max_row_nnz(args.ffn)),  # fmt: skip
+        "heavy_share_per_layer": llama.heavy_share(
+            model, held_out, default_max_row_nnz(args.ffn)
+        ),  # fmt: skip
     }
     info["l0_mean"] = statistics.fmean(info["l0_per_layer"])
     dense = copy.deepcopy(model)
