@@ -177,8 +177,10 @@ def forget(w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor
 
 
 def _sweep() -> None:
-    for key in [k for k, found in _blocks.items() if not all(b.alive() for b in found.values())]:
-        del _blocks[key]
+    # list(): a copy taken at once, as another thread may be adding a block meanwhile
+    for key, found in list(_blocks.items()):
+        if not all(b.alive() for b in list(found.values())):
+            _blocks.pop(key, None)
 
 
 def _in_graph_tree(device: torch.device) -> bool:
