@@ -138,3 +138,34 @@ def test_a_plan_asks_for_no_register_count_and_caches_no_guess() -> None:
         assert light_rows._wide_warps_per_sm("any_function", 2048, 256, 32, True) > 0
     assert len(modules) == 1
     assert light_rows._registers_allow.cache_info().currsize == cached
+
+
+def test_a_planned_training_step_runs_on_the_planning_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The training forward and backward are planned on the planning thread itself: a
+    backward run by autograd's device thread would be outside the plan and launch its
+    kernels for real."""
+    import contextlib
+    import threading
+
+    from twell import autograd
+    from twell.kernels import compile as kc
+
+    seen = []
+
+    def record(name: str, outputs: int):  # noqa: ANN202
+        def run(*args: object) -> tuple:
+            seen.append((name, kc.planned(), threading.get_ident()))
+            return (None,) * outputs
+
+        return run
+
+    monkeypatch.setattr(autograd, "_forward_cuda", record("forward", 7))
+    monkeypatch.setattr(autograd, "_backward_cuda", record("backward", 4))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    layer = warmup.layers_of(_model())[0]
+    with kc.planning():
+        warmup._training(layer, 8, 0.05)
+    me = threading.get_ident()
+    assert seen == [("forward", True, me), ("backward", True, me)]

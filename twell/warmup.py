@@ -264,10 +264,18 @@ def _inference(layer: Layer, m: int) -> None:
 
 
 def _training(layer: Layer, m: int, capacity: float | None) -> None:
-    """One forward and backward with the L1 term."""
-    mlp = _stand_in(layer, capacity).train()
-    x = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype, requires_grad=True)
-    dy = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
-    with torch.cuda.device(layer.device):
-        y = mlp(x)
-        ((y.float() * dy).sum() + mlp.l1).backward()
+    """One training forward and backward with the L1 term, through the training ops'
+    CUDA implementations called on this thread: autograd would run the backward on its
+    own device thread, outside the plan, and launch its kernels for real on buffers the
+    planned forward never wrote."""
+    from twell.autograd import TrainSettings, _backward_cuda, _forward_cuda
+
+    mlp = _stand_in(layer, capacity)  # a fixed capacity (_calls plans "auto" as two)
+    settings = TrainSettings.of(mlp.options, layer.reduction).launch_args()
+    weights = mlp._weights()
+    with torch.no_grad(), torch.cuda.device(layer.device):
+        x = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
+        dy = torch.randn(m, layer.k, device=layer.device, dtype=layer.dtype)
+        dl1 = torch.ones((), device=layer.device, dtype=torch.float32)
+        _, _, *saved = _forward_cuda(x, *weights, *settings)
+        _backward_cuda(dy, dl1, x, *weights, *saved, *settings)
