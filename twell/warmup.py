@@ -11,7 +11,9 @@ first ``generate`` or training step of a model waits for all of them in a row.
    training size, with and without a dense capacity — inside
    :func:`twell.kernels.compile.planning`, on stand-in layers with weights of their own,
    each call on a thread of its own: twell's kernels are recorded, not compiled or
-   launched (the CuPy kernels of twell's host code compile as they run, in parallel);
+   launched (the CuPy kernels of twell's host code compile as they run, in parallel; a
+   training step calls the ops' implementations on that thread, not through autograd,
+   whose backward would run on a thread outside the plan);
 2. **compile**: it builds the recorded modules on a thread per CPU core (NVRTC releases
    the GIL), into CuPy's disk cache (``CUPY_CACHE_DIR``) as well, so that a later
    process only loads them;
@@ -19,8 +21,8 @@ first ``generate`` or training step of a model waits for all of them in a row.
    the paths above) compiles here, and each kernel is loaded.
 
 Nothing the stand-ins build outlives the call. The kernels depend on the layer's shape
-and options (K, N, tile, slots), not on the weights' values, so warming up a model
-before loading its checkpoint works as well.
+and options (K, N, tile, slots), not on the weights' values, so a model whose layers
+are on the GPU can be warmed up before its checkpoint is loaded.
 """
 
 from __future__ import annotations
