@@ -191,3 +191,56 @@ def test_the_decision_reads_landed_statistics_only_when_asked() -> None:
     s._pending = (np.array([float(N), 0.0], np.float32), _Landed())
     assert s.decision(256, False) == (False, 0.0)  # a capture: the statistics in force
     assert s.decision(256, True) == (True, 0.0)  # taken in
+
+
+def test_plain_reductions_overlapping_on_two_threads_restore_cupys_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CuPy's accelerator list is process-wide: blocks that overlap on two threads (a
+    warm-up plans on several) leave it empty while any is open and as it was after the
+    last one closes, whatever order they close in."""
+    import sys
+    import threading
+    import types
+
+    from twell.kernels.density import plain_reductions
+
+    state = {"list": ["cub"]}
+    accelerator = types.SimpleNamespace(
+        get_reduction_accelerators=lambda: list(state["list"]),
+        set_reduction_accelerators=lambda names: state.update(list=list(names)),
+    )
+    core = types.ModuleType("cupy._core")
+    core._accelerator = accelerator
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setitem(sys.modules, "cupy._core", core)
+    monkeypatch.setitem(sys.modules, "cupy._core._accelerator", accelerator)
+    for first_out in ("a", "b"):
+        entered, leave = threading.Event(), {"a": threading.Event(), "b": threading.Event()}
+        inside = []
+
+        def block(
+            name: str, entered: threading.Event = entered, leave: dict = leave,
+            inside: list = inside,
+        ) -> None:  # fmt: skip
+            with plain_reductions():
+                inside.append(list(state["list"]))
+                if name == "a":
+                    entered.set()
+                leave[name].wait(5)
+
+        a = threading.Thread(target=block, args=("a",))
+        a.start()
+        entered.wait(5)
+        b = threading.Thread(target=block, args=("b",))
+        b.start()
+        while len(inside) < 2:
+            threading.Event().wait(0.01)
+        second_out = "b" if first_out == "a" else "a"
+        leave[first_out].set()
+        (a if first_out == "a" else b).join(5)
+        assert state["list"] == []  # the other block is still open
+        leave[second_out].set()
+        a.join(5)
+        b.join(5)
+        assert inside == [[], []] and state["list"] == ["cub"]

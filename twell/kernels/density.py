@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -245,6 +246,11 @@ class DensitySwitch:
         self._pending = (host, event)
 
 
+_plain = threading.Lock()
+_plain_depth = 0  # plain_reductions blocks open, over all threads
+_plain_saved: Any = None  # CuPy's list before the first of them
+
+
 @contextlib.contextmanager
 def plain_reductions() -> Iterator[None]:
     """CuPy's reductions inside run as its plain reduction kernels, not CUB's.
@@ -253,20 +259,31 @@ def plain_reductions() -> Iterator[None]:
     finiteness once per prepared block). CUB's block-reduction kernels each take 1.4–2.2
     s of NVRTC on their first use (on an H200 host: ten of them made up most of a cold
     process's first calls); CuPy's plain ones under 0.1 s. The setting is CuPy's
-    process-wide list, restored on exit: a reduction another thread runs meanwhile is
-    computed the plain way too (the same result)."""
+    process-wide list: the first block to open (on any thread) saves and empties it, the
+    last to close restores it, so blocks that overlap on several threads leave it as it
+    was; a reduction another thread runs meanwhile is computed the plain way too (the
+    same result)."""
+    global _plain_depth, _plain_saved
     try:
         from cupy._core import _accelerator
 
-        previous = _accelerator.get_reduction_accelerators()
+        get, put = _accelerator.get_reduction_accelerators, _accelerator.set_reduction_accelerators
     except (ImportError, AttributeError):  # a CuPy without the setting: as it is
         yield
         return
-    _accelerator.set_reduction_accelerators([])
+    with _plain:
+        if _plain_depth == 0:
+            _plain_saved = get()
+            put([])
+        _plain_depth += 1
     try:
         yield
     finally:
-        _accelerator.set_reduction_accelerators(previous)
+        with _plain:
+            _plain_depth -= 1
+            if _plain_depth == 0:
+                put(_plain_saved)
+                _plain_saved = None
 
 
 @functools.cache
