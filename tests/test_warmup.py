@@ -169,3 +169,13 @@ def test_a_planned_training_step_runs_on_the_planning_thread(
         warmup._training(layer, 8, 0.05)
     me = threading.get_ident()
     assert seen == [("forward", True, me), ("backward", True, me)]
+
+
+def test_calls_are_labelled_apart_and_follow_train_kernels() -> None:
+    layer = warmup.layers_of(_model())[0]
+    calls = warmup._calls(layer, (1, 64), (512,))
+    labels = [what for what, _, _ in calls]
+    assert len(set(labels)) == len(labels) == 4  # 2 inference, 2 training capacities
+    assert {device for _, device, _ in calls} == {layer.device}
+    dense = dataclasses.replace(layer, train_kernels=False)
+    assert [what for what, _, _ in warmup._calls(dense, (1, 64), (512,))] == labels[:2]

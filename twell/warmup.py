@@ -63,6 +63,7 @@ class Layer:
     slots: int
     dense_capacity: float | str
     reduction: str
+    train_kernels: bool = True
 
 
 @dataclasses.dataclass
@@ -105,7 +106,7 @@ def layers_of(model: nn.Module) -> list[Layer]:
             o = module.options
             capacity = "auto" if o.auto_capacity else o.dense_capacity
             found[Layer(w.shape[1], w.shape[0], w.dtype, w.device, o.tile, o.slots,
-                        capacity, module.reduction)] = None  # fmt: skip
+                        capacity, module.reduction, module.train_kernels)] = None  # fmt: skip
     return list(found)
 
 
@@ -145,8 +146,8 @@ def warmup(
         layers = layers_of(model)
         if training is None:
             training = any(
-                p.requires_grad for m in model.modules() if isinstance(m, SparseMLP)
-                for p in m.parameters()
+                p.requires_grad for m in model.modules()
+                if isinstance(m, SparseMLP) and m.train_kernels for p in m.parameters()
             )  # fmt: skip
     else:
         layers = list(model)
@@ -161,12 +162,12 @@ def warmup(
         for call in _calls(layer, tokens, training_tokens if training else ())
     ]
     start = time.perf_counter()
-    modules = _plan(calls, report, workers)
-    report.planned = len(modules)
+    by_device = _plan(calls, report, workers)
+    report.planned = sum(len(modules) for modules in by_device.values())
     planned = time.perf_counter()
     before = len(kc._modules)
-    for key, error in kc.compile_modules(modules, workers):
-        report.failed.append((f"compile {key[0]} {dict(key[1])}", error))
+    for device, modules in by_device.items():
+        _compile(device, modules, workers, report)
     report.compiled = len(kc._modules) - before
     compiled = time.perf_counter()
     _run(calls, report)
@@ -189,9 +190,9 @@ def _sizes(name: str, sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(m) for m in sizes)
 
 
-def _plan(calls: list[tuple[str, Any]], report: Report, workers: int | None) -> dict:
-    """The modules the calls need, each call planned on a thread of its own (the CuPy
-    kernels their host code uses compile as it runs: in parallel, then)."""
+def _plan(calls: list[tuple[str, Any, Any]], report: Report, workers: int | None) -> dict:
+    """The modules the calls need, by device, each call planned on a thread of its own
+    (the CuPy kernels their host code uses compile as it runs: in parallel, then)."""
     import concurrent.futures
 
     def plan(call: Any) -> dict:
@@ -199,21 +200,35 @@ def _plan(calls: list[tuple[str, Any]], report: Report, workers: int | None) -> 
             call()
         return modules
 
-    modules: dict = {}
+    by_device: dict[Any, dict] = {}
     workers = workers or min(32, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers), "twell-plan") as pool:
-        futures = {pool.submit(plan, call): what for what, call in calls}
+        futures = {pool.submit(plan, call): (what, device) for what, device, call in calls}
         for future in concurrent.futures.as_completed(futures):
+            what, device = futures[future]
             error = future.exception()
             if error is None:
-                modules.update(future.result())
+                by_device.setdefault(device, {}).update(future.result())
             else:  # the call's later kernels compile when it runs
-                report.unplanned.append((futures[future], error))
-    return modules
+                report.unplanned.append((what, error))
+    return by_device
 
 
-def _run(calls: list[tuple[str, Any]], report: Report) -> None:
-    for what, call in calls:
+def _compile(device: torch.device, modules: dict, workers: int | None, report: Report) -> None:
+    """The planned modules of one device, built on that device."""
+    import cupy
+
+    try:
+        with cupy.cuda.Device(device.index if device.index is not None else 0):
+            failed = kc.compile_modules(modules, workers)
+    except Exception as error:  # noqa: BLE001 - e.g. not a Hopper GPU: the run says more
+        failed = [(("every module", ()), error)]
+    for key, error in failed:
+        report.failed.append((f"compile on {device}: {key[0]} {dict(key[1])}", error))
+
+
+def _run(calls: list[tuple[str, Any, Any]], report: Report) -> None:
+    for what, _, call in calls:
         try:
             call()
         except Exception as error:  # noqa: BLE001 - reported
@@ -221,18 +236,21 @@ def _run(calls: list[tuple[str, Any]], report: Report) -> None:
 
 
 def _calls(layer: Layer, tokens: Sequence[int], training_tokens: Sequence[int]) -> list:
-    """``(what, call)`` pairs: each call builds its stand-in layer, runs it, and drops
+    """``(what, device, call)``: each call builds its stand-in layer, runs it, and drops
     what it built."""
-    calls: list[tuple[str, Any]] = [
-        (f"inference K={layer.k} N={layer.n} M={m}", lambda m=m: _inference(layer, m))
-        for m in tokens
+    where = f"K={layer.k} N={layer.n} on {layer.device}"
+    calls: list[tuple[str, Any, Any]] = [
+        (f"inference {where} M={m}", layer.device, lambda m=m: _inference(layer, m)) for m in tokens
     ]
+    if not layer.train_kernels:  # its training forwards run dense torch math
+        return calls
     capacities = (0.0, AUTO_CAPACITY) if layer.dense_capacity == "auto" else (None,)
     calls += [
-        (f"training K={layer.k} N={layer.n} M={m}", lambda m=m, c=c: _training(layer, m, c))
+        (f"training {where} M={m} capacity={layer.dense_capacity if c is None else c}",
+         layer.device, lambda m=m, c=c: _training(layer, m, c))
         for m in training_tokens
         for c in capacities
-    ]
+    ]  # fmt: skip
     return calls
 
 
