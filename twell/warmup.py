@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -69,10 +68,9 @@ class Layer:
 @dataclasses.dataclass
 class Report:
     """What :func:`warmup` did: layer shapes (and those skipped, not on a CUDA device),
-    modules planned and compiled, seconds per
-    step, the calls or modules that failed (``(what, error)``), and the calls whose plan
-    stopped early (running on garbage, its host code raised: the rest of its kernels
-    compiled in the run step)."""
+    modules planned and compiled, seconds per step, the calls or modules that failed
+    (``(what, error)``), and the calls whose plan stopped early (running on garbage, its
+    host code raised: the rest of its kernels compiled in the run step)."""
 
     layers: int = 0
     skipped: int = 0
@@ -201,7 +199,7 @@ def _plan(calls: list[tuple[str, Any, Any]], report: Report, workers: int | None
         return modules
 
     by_device: dict[Any, dict] = {}
-    workers = workers or min(32, os.cpu_count() or 1)
+    workers = workers or kc.WORKERS
     with concurrent.futures.ThreadPoolExecutor(max(1, workers), "twell-plan") as pool:
         futures = {pool.submit(plan, call): (what, device) for what, device, call in calls}
         for future in concurrent.futures.as_completed(futures):

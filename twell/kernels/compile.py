@@ -433,6 +433,8 @@ class _NoFunction:
 
 
 _plan = threading.local()
+#: Threads that plan or compile at once by default: one per CPU core, at most 32.
+WORKERS = min(32, os.cpu_count() or 1)
 
 
 def planned() -> bool:
@@ -466,9 +468,9 @@ def compile_modules(
     modules: Mapping[tuple, Source], workers: int | None = None
 ) -> list[tuple[tuple, BaseException]]:
     """Compile (or load from CuPy's disk cache) the modules of a :func:`planning` record
-    for the current device, ``workers`` threads at a time (default: one per CPU core, at
-    most 32). Returns the ``(key, error)`` of the modules that failed (a failed module
-    raises again when a call needs it)."""
+    for the current device, ``workers`` threads at a time (default :data:`WORKERS`).
+    Returns the ``(key, error)`` of the modules that failed (a failed module raises again
+    when a call needs it)."""
     import concurrent.futures
 
     cupy = _require_cupy()
@@ -481,7 +483,7 @@ def compile_modules(
             _module(source, frozen, device)
 
     failed: list[tuple[tuple, BaseException]] = []
-    workers = workers or min(32, os.cpu_count() or 1)
+    workers = workers or WORKERS
     with concurrent.futures.ThreadPoolExecutor(max(1, workers), "twell-compile") as pool:
         futures = {pool.submit(build, item): item[0] for item in todo}
         for future in concurrent.futures.as_completed(futures):
