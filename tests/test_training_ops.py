@@ -89,6 +89,7 @@ def test_settings_spell_out_in_the_order_of_the_op_schemas() -> None:
 
     from twell import autograd
     from twell.autograd import TrainSettings
+    from twell.capacity import AUTO, for_weights
     from twell.options import Options
 
     options = Options(64, 16, max_row_nnz=5, dense_capacity=0.25)
@@ -99,8 +100,14 @@ def test_settings_spell_out_in_the_order_of_the_op_schemas() -> None:
     assert TrainSettings.from_op(settings.launch_args()).graphs is False
     assert settings.options() == dataclasses.replace(options, density_switch=False)
     auto = TrainSettings.of(Options(dense_capacity="auto"), "mean")
-    assert (auto.max_row_nnz, auto.dense_capacity, auto.graphs) == (-1, 0.0, False)
-    assert auto.options().max_row_nnz is None
+    assert (auto.max_row_nnz, auto.dense_capacity, auto.graphs) == (-1, AUTO, False)
+    assert auto.options().max_row_nnz is None and auto.options().auto_capacity
+    w_up = torch.zeros(8, 4)  # the backward's view: the capacity in force (a CPU test)
+    assert settings.resolved(w_up, choose=False) == (settings, None)
+    for_weights(w_up).fraction = 0.25
+    resolved, layer = auto.resolved(w_up, choose=False)
+    assert layer is for_weights(w_up) and resolved.dense_capacity == 0.25
+    assert resolved == dataclasses.replace(auto, dense_capacity=0.25)
     fields = [f.name for f in dataclasses.fields(TrainSettings)]
     for op, tensors in ((torch.ops.twell.ffn_train_forward, 4),
                         (torch.ops.twell.ffn_train_backward, 11)):  # fmt: skip

@@ -99,3 +99,25 @@ def test_auto_capacity_survives_a_deep_copy() -> None:
     twin = copy.deepcopy(mlp)
     assert twin._auto is not mlp._auto and twin._auto.fraction == 1 / 16
     assert not twin._auto._pending and not twin._auto._free
+
+
+def test_for_weights_keeps_one_auto_capacity_per_live_weight_storage() -> None:
+    """The compiled ops' "auto": one AutoCapacity per layer (its w_up), also where
+    layers are views of one flat buffer, dropped once the storage is gone."""
+    import gc
+
+    from twell import capacity
+
+    w = torch.zeros(16, 8)
+    other = torch.zeros(16, 8)
+    auto = capacity.for_weights(w)
+    assert capacity.for_weights(w) is auto and capacity.for_weights(w.view(16, 8)) is auto
+    assert capacity.for_weights(other) is not auto
+    assert capacity.for_weights(w[8:]) is not capacity.for_weights(w[:8])
+    kept = capacity.for_weights(other)
+    del w, auto
+    gc.collect()
+    new = torch.zeros(4, 4)
+    capacity.for_weights(new)  # a new layer sweeps the entries of dead storages
+    assert not any(ref.expired() for ref, _ in capacity._by_weights.values())
+    assert capacity.for_weights(other) is kept

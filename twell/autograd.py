@@ -75,6 +75,7 @@ import torch
 
 from twell._graphs import OpGraphs
 from twell._interop import unview as _unview
+from twell.capacity import AUTO, for_weights
 from twell.options import Options, check_geometry
 
 __all__ = [
@@ -101,7 +102,9 @@ class TrainSettings:
         max_row_nnz: light rows' entry limit (-1: the default for N,
             :func:`twell.options.default_max_row_nnz`).
         dense_capacity: fraction of tokens whose heavy rows go through fixed-size cuBLAS
-            GEMMs (a number: :class:`twell.torch.SparseMLP` resolves ``"auto"`` per call).
+            GEMMs, or :data:`twell.capacity.AUTO` for ``"auto"`` (eager calls of
+            :class:`twell.torch.SparseMLP` resolve ``"auto"`` to a fraction before the
+            op; from compiled code the CUDA implementations resolve it).
         reduction: the L1 term's reduction (:data:`REDUCTIONS`).
         graphs: on CUDA, replay a CUDA graph of the op's launches (module docstring).
     """
@@ -115,12 +118,25 @@ class TrainSettings:
 
     @classmethod
     def of(cls, options: Options, reduction: str, graphs: bool = False) -> TrainSettings:
-        """The settings of a call with ``options`` (``"auto"`` capacity counts as 0)."""
+        """The settings of a call with ``options`` (``"auto"``: :data:`AUTO`)."""
+        capacity = AUTO if options.auto_capacity else options.fixed_capacity
         return cls(
             options.tile, options.slots,
             -1 if options.max_row_nnz is None else options.max_row_nnz,
-            options.fixed_capacity, reduction, bool(graphs),
+            capacity, reduction, bool(graphs),
         )  # fmt: skip
+
+    def resolved(self, w_up: torch.Tensor, choose: bool) -> tuple[TrainSettings, Any]:
+        """These settings with :data:`AUTO` replaced by the layer's capacity
+        (:func:`twell.capacity.for_weights`), and the layer's AutoCapacity (None for a
+        fixed capacity). ``choose``: the forward's choice (:meth:`AutoCapacity.choose`,
+        which the forward then records its count for), else the one in force (the
+        backward's)."""
+        if self.dense_capacity != AUTO:
+            return self, None
+        auto = for_weights(w_up)
+        fraction = auto.choose() if choose else auto.fraction
+        return dataclasses.replace(self, dense_capacity=fraction), auto
 
     @classmethod
     def from_op(cls, args: Sequence[Any]) -> TrainSettings:
@@ -141,9 +157,10 @@ class TrainSettings:
     def options(self) -> Options:
         """The :class:`~twell.options.Options` the kernels run with (no density switch:
         a training step runs sparse)."""
+        capacity = "auto" if self.dense_capacity == AUTO else self.dense_capacity
         return Options(
             self.tile, self.slots, max_row_nnz=None if self.max_row_nnz < 0 else self.max_row_nnz,
-            dense_capacity=self.dense_capacity, density_switch=False,
+            dense_capacity=capacity, density_switch=False,
         )  # fmt: skip
 
 
@@ -208,10 +225,15 @@ def ffn_train_forward(
     settings = TrainSettings(tile, slots, max_row_nnz, dense_capacity, reduction, graphs)
     _check_args(x, w_gate, w_up, w_down, settings)
     if x.device.type == "cuda":
+        settings, auto = settings.resolved(w_up, choose=True)
         args = (x, w_gate, w_up, w_down, *settings.launch_args())
         if graphs:
-            return _OP_FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
-        return _forward_cuda(*args)
+            outputs = _OP_FORWARD_GRAPHS(_forward_cuda, args, pinned=_FORWARD_WEIGHTS)
+        else:
+            outputs = _forward_cuda(*args)
+        if auto is not None:
+            auto.record(outputs[5], x.shape[0])
+        return outputs
     if x.device.type != "cpu":
         raise TypeError(f"x: expected a CPU or CUDA tensor, got one on {x.device}")
     return _forward_cpu(x, w_gate, w_up, w_down, settings)
@@ -267,6 +289,7 @@ def ffn_train_backward(
     if x.shape[0] == 0 or (dy is None and dl1 is None):
         return _zero_grads(x, w_gate, w_up, w_down)
     if x.device.type == "cuda":
+        settings = settings.resolved(w_up, choose=False)[0]
         args = (dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up,
                 *settings.launch_args())  # fmt: skip
         if graphs:

@@ -1,6 +1,12 @@
 """``dense_capacity="auto"`` for training: each layer's capacity of heavy rows done by
 fixed-size cuBLAS GEMMs, chosen from the heavy-row counts of its earlier calls without a
-host wait (:class:`AutoCapacity`; ``twell.torch.SparseMLP``'s default)."""
+host wait (:class:`AutoCapacity`; ``twell.torch.SparseMLP``'s default).
+
+Eager calls take the capacity from the ``SparseMLP``'s own :class:`AutoCapacity`. Code
+that ``torch.compile`` traced reaches the training ops with :data:`AUTO` instead (the
+choice cannot be traced: it moves from call to call); the ops' CUDA implementations then
+take it from :func:`for_weights`, one :class:`AutoCapacity` per layer, found by its
+``w_up``'s storage."""
 
 from __future__ import annotations
 
@@ -11,12 +17,14 @@ import torch
 
 from twell.options import AUTO_PATIENCE, auto_capacity
 
-__all__ = ["AUTO_LAG", "AutoCapacity"]
+__all__ = ["AUTO", "AUTO_LAG", "AutoCapacity", "for_weights"]
 
 #: How many calls back ``dense_capacity="auto"`` reads a layer's heavy-row count
 #: (:class:`AutoCapacity`): the call of the step before the last, long finished when
 #: the next one is launched.
 AUTO_LAG = 2
+#: ``dense_capacity`` as the training ops take ``"auto"`` (their schema wants a float).
+AUTO = -1.0
 
 
 class AutoCapacity:
@@ -93,3 +101,26 @@ class AutoCapacity:
         host.copy_(count.reshape(1), non_blocking=True)  # on count's device
         event.record(torch.cuda.current_stream(count.device))
         self._pending.append((host, event, m))
+
+
+#: w_up's (storage, address, shape) -> (a weak reference to the storage, the AutoCapacity)
+_by_weights: dict[tuple, tuple[Any, AutoCapacity]] = {}
+
+
+def for_weights(w_up: torch.Tensor) -> AutoCapacity:
+    """The :class:`AutoCapacity` of the layer whose ``w_up`` this is, for the training
+    ops called with :data:`AUTO` (module docstring): one per weight (its storage, where
+    in it, its shape: layers that are views of one flat buffer get one each), kept while
+    the storage lives (a weak reference, as twell.inference's registry keeps blocks)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storage = w_up.untyped_storage()
+    key = (storage._cdata, w_up.data_ptr(), tuple(w_up.shape))
+    found = _by_weights.get(key)
+    if found is not None and not found[0].expired():
+        return found[1]
+    for dead in [k for k, (ref, _) in _by_weights.items() if ref.expired()]:
+        del _by_weights[dead]
+    auto = AutoCapacity()
+    _by_weights[key] = (StorageWeakRef(storage), auto)
+    return auto

@@ -105,8 +105,9 @@ class SparseMLP(nn.Module):
             heavy-row count asks for (:class:`twell.capacity.AutoCapacity`, read without
             a host synchronisation; 0 while no heavy rows were seen), so a layer whose
             tokens are still dense early in sparsity training runs its heavy rows at
-            cuBLAS speed; under ``torch.compile`` and inside a CUDA-graph capture of the
-            caller's own it means 0. Inference takes :class:`twell.SparseFFN`'s
+            cuBLAS speed; inside a CUDA-graph capture of the caller's own it means 0, and
+            under ``torch.compile`` the ops choose it the same way from the layer's
+            :func:`twell.capacity.for_weights`. Inference takes :class:`twell.SparseFFN`'s
             ``"auto"`` (from the density switch's heavy-row share). The bits then depend
             on the choices (reruns from the same start repeat them).
         train_kernels: run forwards that record gradients through twell's training ops

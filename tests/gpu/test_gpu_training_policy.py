@@ -117,6 +117,41 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
             assert torch.equal(a, b)
 
 
+def test_gpu_compiled_training_takes_its_layers_auto_capacity() -> None:
+    """Under torch.compile, dense_capacity="auto" comes from the layer's AutoCapacity
+    that the ops keep per w_up (twell.capacity.for_weights): after AUTO_LAG steps of a
+    workload with heavy rows it is above 0, and the compiled step gives the bits of an
+    eager layer built with that capacity."""
+    from twell import capacity
+
+    problem = workloads.heavy(1024, 256, 1024, p=0.02, frac=0.05, seed=7)
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
+    dy = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dy = dy.bfloat16()
+
+    def step(mlp: SparseMLP, run: object) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        mlp.zero_grad(set_to_none=True)
+        y = run(xi)
+        ((y.float() * dy).sum() + 0.5 * mlp.l1).backward()
+        return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]
+
+    torch._dynamo.reset()
+    mlp = cuda_mlp(problem, torch.bfloat16, "per_token")
+    compiled = torch.compile(mlp, fullgraph=True)
+    fractions, outputs = [], []
+    for _ in range(capacity.AUTO_LAG + 2):
+        outputs.append(step(mlp, compiled))
+        torch.cuda.synchronize()
+        fractions.append(capacity.for_weights(mlp.up_proj.weight).fraction)
+    assert fractions[0] == 0.0 and fractions[-1] > 0.0
+    fixed = cuda_mlp(problem, torch.bfloat16, "per_token")
+    fixed = SparseMLP(fixed.gate_proj, fixed.up_proj, fixed.down_proj, reduction="per_token",
+                      dense_capacity=fractions[-1])  # fmt: skip
+    for a, b in zip(outputs[-1], step(fixed, fixed), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
     """OpGraphs(replace=...): a graph captured at a new value of the replaced argument
     (the dense capacity "auto" moves) drops the one captured at the old value."""
