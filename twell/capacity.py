@@ -119,8 +119,8 @@ def for_weights(w_up: torch.Tensor) -> AutoCapacity:
     found = _by_weights.get(key)
     if found is not None and not found[0].expired():
         return found[1]
-    for dead in [k for k, (ref, _) in _by_weights.items() if ref.expired()]:
-        del _by_weights[dead]
+    for dead in [k for k, (ref, _) in list(_by_weights.items()) if ref.expired()]:
+        _by_weights.pop(dead, None)
     auto = AutoCapacity()
     _by_weights[key] = (StorageWeakRef(storage), auto)
     return auto
