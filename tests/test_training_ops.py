@@ -17,9 +17,14 @@ from twell.torch import SparseMLP  # noqa: E402
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_opcheck_forward_and_backward(dtype: torch.dtype, gated: bool) -> None:
+    from twell.capacity import AUTO
+
     x, w_gate, w_up, w_down = op_args(dtype, gated)
     settings = (64, 16, -1, 0.0)
     torch.library.opcheck(ffn_train_forward, (x, w_gate, w_up, w_down, *settings, "mean"))
+    # "auto", as compiled code passes it (the reference takes no capacity)
+    auto = (64, 16, -1, AUTO)
+    torch.library.opcheck(ffn_train_forward, (x, w_gate, w_up, w_down, *auto, "mean"))
     with torch.no_grad():
         y, l1, packed, heavy, ids, count, up = ffn_train_forward(
             x, w_gate, w_up, w_down, *settings, "per_token"
