@@ -25,8 +25,15 @@ Benchmarks (``--benchmarks``), each twell against dense:
   equal the eager twell model's; also the dynamic cache, eagerly.
 - ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
-  compiled at ``--compiled-train-tokens``; the first step's loss against dense's
-  (``loss_rel_diff``) and the peak memory ratio.
+  compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
+  graphs captured, capacities settled); the first step's loss against dense's
+  (``loss_rel_diff``), the peak memory ratio, the L0 per layer during the timed steps
+  (``l0_timed``), and for eager steps the MLPs' share of the dense step (its MLPs
+  replaced by zeros), the MLPs' own forward + backward speedup on the model's
+  activations and the cap they set. AdamW runs at ``--lr`` (default 0: every step
+  does all of its work, and the weights, hence the calibrated sparsity, stay put; on
+  random tokens a nonzero rate makes the units dense within a few steps, and twell then
+  runs every row through its dense path).
 
 Records (one per line of the README's table) go to ``bench/results/<gpu>/models.json``
 (``--out``) with the fields of docs/benchmark.md: ``benchmark``, ``model``, ``mode``,
@@ -257,7 +264,8 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
     import torch
 
     from twell import autograd
-    from twell.torch import l1_penalty
+    from twell.testing.llama import mlp_share_cap
+    from twell.torch import SparseMLP, l1_penalty
 
     plans = [("eager", t) for t in args.train_tokens]
     plans += [("compiled", t) for t in args.compiled_train_tokens]
@@ -265,12 +273,12 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
         seq = min(1024, t)
         batch = t // seq
         rec: dict[str, Any] = {"benchmark": "train_step", "mode": mode, "tokens": t,
-                               "batch": batch}  # fmt: skip
+                               "batch": batch, "lr": args.lr}  # fmt: skip
         losses = {}
         for name, base in (("twell", model), ("dense", dense)):
             m = copy.deepcopy(base).train()
             run_model = torch.compile(m) if mode == "compiled" else m
-            optimizer = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+            optimizer = torch.optim.AdamW(m.parameters(), lr=args.lr, fused=True)
             ids = tokens(m, batch, seq)
 
             def step(i: int, m: Any = m, run_model: Any = run_model, opt: Any = optimizer,
@@ -285,22 +293,83 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
                 return out.loss
 
             losses[name] = float(step(0).detach())
+            for i in range(args.train_warmup):  # op graphs captured, capacities settled
+                step(i + 1)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_memory = torch.cuda.memory_allocated()
             graphs = (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS)
             before = [(g.captures, g.replays) for g in graphs]
-            rec[f"t_{name}_ms"] = timed(step, 5, warmup=2, rounds=3)
+            rec[f"t_{name}_ms"] = timed(step, 5, warmup=0, rounds=3)
             if name == "twell":  # op graphs captured / replayed over the timed steps
                 rec["op_graphs"] = [(g.captures - c, g.replays - r)
                                     for g, (c, r) in zip(graphs, before, strict=True)]  # fmt: skip
+                mlps = [x for x in m.modules() if isinstance(x, SparseMLP)]
+                # the sparsity the timed steps ran at (a nonzero lr on random tokens makes
+                # the calibrated units dense within a few steps)
+                rec["l0_timed"] = [round(float(x.l0), 1) for x in mlps if x.l0 is not None]
+                rec["capacity_per_layer"] = [x._auto.fraction if x._auto else None
+                                             for x in mlps]  # fmt: skip
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
+            if mode == "eager" and name == "dense":
+                rec.update(train_mlp_share(m, step, rec["t_dense_ms"]))
             del m, run_model, optimizer
             torch.cuda.empty_cache()
         rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
         rec["loss_rel_diff"] = abs(losses["twell"] - losses["dense"]) / abs(losses["dense"])
         rec["peak_mem_ratio"] = rec["peak_extra_gb_twell"] / max(rec["peak_extra_gb_dense"], 1e-9)
+        if "mlp_share" in rec:
+            rec["mlp_speedup"] = mlp_speedup(model, dense, t, seq)
+            rec["cap"] = mlp_share_cap(rec["mlp_share"], rec["mlp_speedup"])
         emit(rec)
+
+
+def train_mlp_share(dense: Any, step: Callable[[int], Any], t_dense_ms: float) -> dict[str, Any]:
+    """The MLPs' share of the dense model's training step: the step timed with every MLP
+    replaced by zeros (no MLP forward, backward or weight update)."""
+    import torch
+
+    layers = dense.model.layers
+    saved = [layer.mlp.forward for layer in layers]
+    for layer in layers:
+        layer.mlp.forward = torch.zeros_like
+    try:
+        step(0)
+        t_without = timed(step, 5, warmup=1, rounds=3)
+    finally:
+        for layer, forward in zip(layers, saved, strict=True):
+            layer.mlp.forward = forward
+    return {"mlp_share": max(0.0, 1.0 - t_without / t_dense_ms)}
+
+
+def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
+    """Dense over twell time of every layer's MLP forward + backward (back to back) on
+    that layer's own input in the dense model at ``t`` tokens (the gradients of a random
+    upstream gradient)."""
+    import torch
+
+    ids = tokens(dense, t // seq, seq, sets=1)[0]
+    inputs: list[Any] = []
+    handles = [layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
+               for layer in dense.model.layers]  # fmt: skip
+    with torch.no_grad():
+        dense(input_ids=ids, use_cache=False, logits_to_keep=1)
+    for handle in handles:
+        handle.remove()
+    total = {}
+    for name, net in (("dense", dense), ("twell", model)):
+        mlps = [copy.deepcopy(layer.mlp).train() for layer in net.model.layers]
+        xs = [x.clone().requires_grad_() for x in inputs]
+        dy = torch.randn_like(inputs[0])
+
+        def run(i: int, mlps: list = mlps, xs: list = xs, dy: Any = dy) -> None:
+            for mlp, x in zip(mlps, xs, strict=True):
+                mlp(x).backward(dy)
+                for p in mlp.parameters():
+                    p.grad = None
+
+        total[name] = timed(run, 5, warmup=5)
+    return total["dense"] / total["twell"]
 
 
 BENCHMARKS = {"prefill": prefill, "train_step": train_step, "decode": decode}
@@ -344,6 +413,8 @@ def main() -> int:
     p.add_argument("--train-tokens", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--compiled-train-tokens", type=int, nargs="*", default=[4096])
     p.add_argument("--l1", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=0.0)
+    p.add_argument("--train-warmup", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()

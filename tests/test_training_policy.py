@@ -1,6 +1,6 @@
 """The training path's policies, on the CPU: ``dense_capacity="auto"``
-(twell.options.auto_capacity, twell.capacity.AutoCapacity). On CUDA, with the op graphs:
-tests/gpu/test_gpu_training_policy.py.
+(twell.options.auto_capacity, twell.capacity.train_capacity and AutoCapacity). On CUDA,
+with the op graphs: tests/gpu/test_gpu_training_policy.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,24 @@ def test_auto_capacity_covers_the_last_count_with_headroom() -> None:
         f = auto_capacity(count, 100)
         assert f in AUTO_CAPACITIES
         assert f == 1.0 or math.ceil(f * 100) >= 1.25 * count
+
+
+def test_train_capacity_holds_the_headroom_in_steps_of_1_64() -> None:
+    from twell.capacity import STEP, train_capacity
+
+    m = 4096
+    assert train_capacity(0, m) == 0.0 and train_capacity(5, 0) == 0.0
+    assert train_capacity(1, m) == 1 / 64
+    assert train_capacity(235, m) == 5 / 64  # 6% heavy: 320 rows, not a quarter of M
+    assert train_capacity(m, m) == 1.0
+    for m in (1, 3, 100, 3000, 4096, 16384):
+        for count in range(0, m + 1, max(1, m // 97)):
+            f = train_capacity(count, m)
+            assert f == 0.0 if count == 0 else 0.0 < f <= 1.0
+            assert (f / STEP).is_integer()
+            assert f == 1.0 or math.ceil(f * m) >= 1.25 * count
+            if count and f > STEP:  # the smallest such step
+                assert (f - STEP) * m < 1.25 * count
 
 
 def test_auto_capacity_goes_up_at_once_and_down_after_patience(
@@ -66,12 +84,12 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     assert after(3000) == 0.0  # not yet read: the count of AUTO_LAG calls before is 0
     for _ in range(AUTO_LAG - 2):
         after(3000)
-    assert after(5000) == 1 / 4
+    assert after(5000) == 15 / 64  # ceil(1.25 * 3000 / 256) steps of M / 64
     for _ in range(AUTO_LAG - 1):
         after(100)
-    assert auto.fraction == 1.0
+    assert auto.fraction == 25 / 64
     for _ in range(AUTO_PATIENCE - 1):  # these read the counts of 100
-        assert after(100) == 1.0
+        assert after(100) == 25 / 64
     assert after(0) == 1 / 64  # the most the last AUTO_PATIENCE calls asked for
     assert len(auto._free) >= 1  # the pinned buffers are reused
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

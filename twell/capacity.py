@@ -11,13 +11,14 @@ take it from :func:`for_weights`, one :class:`AutoCapacity` per layer, found by 
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 import torch
 
-from twell.options import AUTO_PATIENCE, auto_capacity
+from twell.options import AUTO_HEADROOM, AUTO_PATIENCE
 
-__all__ = ["AUTO", "AUTO_LAG", "AutoCapacity", "for_weights"]
+__all__ = ["AUTO", "AUTO_LAG", "STEP", "AutoCapacity", "for_weights", "train_capacity"]
 
 #: How many calls back ``dense_capacity="auto"`` reads a layer's heavy-row count
 #: (:class:`AutoCapacity`): the call of the step before the last, long finished when
@@ -25,12 +26,31 @@ __all__ = ["AUTO", "AUTO_LAG", "AutoCapacity", "for_weights"]
 AUTO_LAG = 2
 #: ``dense_capacity`` as the training ops take ``"auto"`` (their schema wants a float).
 AUTO = -1.0
+#: Training capacities are multiples of this fraction of M (:func:`train_capacity`).
+STEP = 1 / 64
+
+
+def train_capacity(count: int, m: int) -> float:
+    """The capacity ``"auto"`` gives an ``m``-token training call after a call with
+    ``count`` heavy rows: the smallest multiple of :data:`STEP` whose fixed-size GEMMs hold
+    ``AUTO_HEADROOM * count`` rows (at most 1.0; 0.0 with no heavy rows).
+
+    Every capacity row costs a dense row's forward and backward whether a heavy row fills
+    it or not, so the steps are finer than inference's ladder
+    (:data:`twell.options.AUTO_CAPACITIES`, whose estimates waver from call to call):
+    with 6% of tokens heavy the ladder's next rung is a quarter of the batch, a step of
+    1/64 stops at 8/64. :class:`AutoCapacity` moves up at once and down only after
+    ``AUTO_PATIENCE`` calls, so a layer settles on one capacity (one op graph)."""
+    if count <= 0 or m <= 0:
+        return 0.0
+    steps = math.ceil(AUTO_HEADROOM * count / (STEP * m))
+    return min(1.0, max(1, steps) * STEP)
 
 
 class AutoCapacity:
     """``dense_capacity="auto"`` for one layer's training calls on CUDA: each call's
     capacity comes from the heavy-row count of the layer's call :data:`AUTO_LAG` calls
-    before (:func:`twell.options.auto_capacity`, :meth:`choose`; 0 until then). A call's
+    before (:func:`train_capacity`, :meth:`choose`; 0 until then). A call's
     count is copied to pinned memory behind an event as the call is launched; the choice
     reads the copy of a call that lies a whole training step or more in the past, which
     has long landed. The host never waits for it: a copy still in flight (the host runs
@@ -76,7 +96,7 @@ class AutoCapacity:
         # host runs steps ahead of the GPU) is read by a later call: never waited for.
         while len(pending) >= AUTO_LAG and pending[0][1].query():
             host, event, m = pending.popleft()
-            self._take(auto_capacity(int(host[0]), m))
+            self._take(train_capacity(int(host[0]), m))
             self._free.append((host, event))
         return self.fraction
 

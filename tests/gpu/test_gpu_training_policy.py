@@ -61,8 +61,7 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
     GPU finished that call long before); each call gives the
     bits of a layer built with that capacity, the gradients match the float64
     reference, and a second run repeats every choice and every bit."""
-    from twell.capacity import AUTO_LAG
-    from twell.options import auto_capacity
+    from twell.capacity import AUTO_LAG, train_capacity
 
     problem = workloads.heavy(1024, 256, 1024, p=0.02, frac=0.05, seed=7)
     x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
@@ -97,7 +96,7 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
         )[5]
     )
     assert heavy > 8, "the workload must have heavy rows"
-    assert choices == [0.0] * AUTO_LAG + [auto_capacity(heavy, 1024)] * 2
+    assert choices == [0.0] * AUTO_LAG + [train_capacity(heavy, 1024)] * 2
     assert choices[-1] > 0.0
     for fraction, got in zip(choices, outputs, strict=True):
         fixed = SparseMLP.from_module(
