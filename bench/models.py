@@ -137,6 +137,19 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     return model, dense, info
 
 
+def run_sparsity(dense: Any, ids: Any) -> dict[str, Any]:
+    """The sparsity a benchmark's own tokens give (the calibration's held-out tokens are
+    512-token sequences; activations move with the length): the mean L0 over the layers
+    and the mean share of tokens over the row limit (dense math on the dense twin)."""
+    from twell.options import default_max_row_nnz
+    from twell.testing import llama
+
+    n = dense.config.intermediate_size
+    l0 = llama.l0_per_layer(dense, ids)
+    heavy = llama.heavy_share(dense, ids, default_max_row_nnz(n))
+    return {"l0_run": statistics.fmean(l0), "heavy_share_run": statistics.fmean(heavy)}
+
+
 def tokens(model: Any, batch: int, length: int, sets: int = 2) -> list[Any]:
     from twell.testing import llama
 
@@ -156,6 +169,7 @@ def prefill(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) ->
         for t in lengths:
             ids = tokens(model, 1, t)
             rec: dict[str, Any] = {"benchmark": "prefill", "mode": mode, "tokens": t, "batch": 1}
+            rec.update(run_sparsity(dense, ids[0]))
             outs, fns = {}, {}
             for name, m in runners.items():
 
@@ -274,6 +288,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
         batch = t // seq
         rec: dict[str, Any] = {"benchmark": "train_step", "mode": mode, "tokens": t,
                                "batch": batch, "lr": args.lr}  # fmt: skip
+        rec.update(run_sparsity(dense, tokens(dense, batch, seq, sets=1)[0]))
         losses = {}
         for name, base in (("twell", model), ("dense", dense)):
             m = copy.deepcopy(base).train()
@@ -307,7 +322,8 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
                 mlps = [x for x in m.modules() if isinstance(x, SparseMLP)]
                 # the sparsity the timed steps ran at (a nonzero lr on random tokens makes
                 # the calibrated units dense within a few steps)
-                rec["l0_timed"] = [round(float(x.l0), 1) for x in mlps if x.l0 is not None]
+                l0 = [float(x.l0) for x in mlps if x.l0 is not None]
+                rec["l0_timed"] = statistics.fmean(l0) if l0 else None
                 rec["capacity_per_layer"] = [x._auto.fraction if x._auto else None
                                              for x in mlps]  # fmt: skip
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
@@ -393,6 +409,32 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _record_key(rec: dict[str, Any]) -> tuple:
+    return tuple(rec.get(k) for k in ("model", "benchmark", "mode", "tokens", "batch"))
+
+
+def load_report(path: Any, name: str) -> dict[str, Any]:
+    """The records file at ``path`` (a new one if absent): this run replaces the records
+    of the same model and configuration and keeps the others (other models, other
+    token counts), with each model's calibration under ``models``."""
+    import json
+    from pathlib import Path
+
+    fresh = {"gpu": gpu_name(), **versions(), "models": {}, "records": []}
+    path = Path(path)
+    if not path.exists():
+        return fresh
+    old = json.loads(path.read_text())
+    if not isinstance(old, dict) or old.get("gpu") != fresh["gpu"]:
+        return fresh
+    fresh["models"] = dict(old.get("models") or {})
+    if "calibration" in old and old.get("model"):  # a file of one model
+        fresh["models"].setdefault(old["model"], old["calibration"])
+    fresh["records"] = list(old.get("records") or [])
+    fresh["models"].pop(name, None)
+    return fresh
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
@@ -423,15 +465,16 @@ def main() -> int:
 
     out = args.out or record_path("models")
     name = f"llama-relu-{args.layers}L-{args.hidden}x{args.ffn}"
-    report: dict[str, Any] = {"gpu": gpu_name(), **versions(), "model": name, "records": []}
+    report = load_report(out, name)
     model, dense, info = build(args)
-    report["calibration"] = info
+    report["models"][name] = info
     print(f"== {name}: L0 per layer {[round(v, 1) for v in info['l0_per_layer']]}", flush=True)
     failures = 0
 
     def emit(rec: dict[str, Any]) -> None:
         rec = {"gpu": report["gpu"], "model": name, **rec, "l0": info["l0_mean"]}
-        report["records"].append(rec)
+        key = _record_key(rec)
+        report["records"] = [r for r in report["records"] if _record_key(r) != key] + [rec]
         write_json(out, report)
         shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()
                  if k not in ("gpu", "model")}  # fmt: skip

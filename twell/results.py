@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable, Iterator
@@ -93,12 +94,22 @@ _MODEL_BENCHMARKS = {
 _MODEL_MODES = {"eager": "eager", "compiled": "compiled", "static_cache": "static cache (compiled)"}
 
 
+def _layers(model: str) -> int:
+    """The layer count in a model name like ``llama-relu-38L-2048x5632`` (0 if none)."""
+    match = re.search(r"-(\d+)L-", model)
+    return int(match.group(1)) if match else 0
+
+
 def models_rows(folder: Path) -> Iterator[Row]:
-    """``models.json``: a whole Llama model against its dense twin."""
-    data = _load(folder, "models")
-    for r in _records(data):
+    """``models.json``: whole Llama models against their dense twins (by model, in the
+    order of their records; the layer count leads the case when there are several)."""
+    records = _records(_load(folder, "models"))
+    names = list(dict.fromkeys(str(r.get("model", "")) for r in records))
+    names.sort(key=_layers)
+    for r in sorted(records, key=lambda r: names.index(str(r.get("model", "")))):
         bench, mode = r.get("benchmark"), r.get("mode")
         notes = []
+        lead = f"{_layers(str(r.get('model', '')))} layers, " if len(names) > 1 else ""
         if bench == "decode":
             cache = "static cache, compiled" if mode == "static_cache" else "dynamic cache, eager"
             case = f"{cache}, batch {r['batch']}, {r['tokens']} new tokens"
@@ -112,6 +123,9 @@ def models_rows(folder: Path) -> Iterator[Row]:
         else:
             per = f" ({r['batch']} × {r['tokens'] // r['batch']})" if r.get("batch", 1) > 1 else ""
             case = f"{_MODEL_MODES.get(mode, mode)}, {r['tokens']} tokens{per}"
+        case = lead + case
+        if "l0_run" in r:
+            notes.append(f"L0 {r['l0_run']:.0f}, {r.get('heavy_share_run', 0):.1%} of rows heavy")
         if "energy_ratio" in r:
             notes.append(f"energy per token {_x(r['energy_ratio'])}")
         if "mlp_share" in r and "cap" in r:
@@ -132,13 +146,16 @@ def _model_title(folder: Path) -> str | None:
     data = _load(folder, "models")
     if not isinstance(data, dict):
         return None
-    records = _records(data)
-    l0 = (data.get("calibration") or {}).get("l0_mean") or (
-        records[0].get("l0") if records else None
-    )
-    model = data.get("model", "")
-    text = f"`{model}`" if model else "the model"
-    return text + (f", mean L0 {l0:.0f}" if l0 else "")
+    models = dict(data.get("models") or {})
+    if data.get("model"):  # a file of one model
+        models.setdefault(data["model"], data.get("calibration") or {})
+    if not models:
+        return None
+    parts = []
+    for name in sorted(models, key=_layers):
+        l0 = (models[name] or {}).get("l0_mean")
+        parts.append(f"`{name}`" + (f" (calibrated mean L0 {l0:.0f})" if l0 else ""))
+    return ", ".join(parts)
 
 
 _MLP_WORKLOADS = {"uniform": "uniform", "heavy": "heavy 1% ×3", "nan": "two NaN rows"}
