@@ -8,12 +8,14 @@ ReLU MLPs at the paper's shape, its MLPs calibrated to the paper's sparsity, thr
 
 The model: hidden 2048, FFN 5632, 16 heads (8 KV heads), vocabulary 32000, bf16;
 ``twell.testing.llama.calibrate`` sets its gate thresholds for a mean L0 of ``--l0``
-(default 29 of 5632, the paper's 1.5B model) on random tokens, again before each
-benchmark on sequences of the length it runs (``--calibration-tokens`` in all): the
-MLP inputs move with the sequence length, and thresholds set on 512-token sequences
-leave a 16k-token prefill with an L0 near 1. Each record has the L0 and heavy-row share
-of its own tokens (``l0_run``, ``heavy_share_run``); the report has the per-layer L0 on
-held-out 512-token sequences. The dense twin is a copy of the calibrated model before
+(default 29 of 5632, the paper's 1.5B model) on random tokens, and again before each
+benchmark: a prefill on its own sequences, a training step and decode on random
+sequences of their length (``--calibration-tokens`` in all). The MLP inputs move with
+the sequence length and, for long sequences, from one sequence to another: thresholds
+set on 512-token sequences leave a 16k-token prefill at an L0 of 1.4, and thresholds set
+on other 16k-token sequences at 90. Each record has the L0 and heavy-row share of its
+own tokens (``l0_run``, ``heavy_share_run``); the report has the per-layer L0 on held-out
+512-token sequences. The dense twin is a copy of the calibrated model before
 ``sparsify``.
 
 Benchmarks (``--benchmarks``), each twell against dense:
@@ -141,23 +143,24 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     return model, dense, info
 
 
-def at_length(args: argparse.Namespace, model: Any, dense: Any, length: int) -> None:
-    """Calibrate the dense twin (and copy its weights into the twell model) on random
-    sequences of ``length`` tokens, ``args.calibration_tokens`` in all (one sequence at
-    least): a threshold set on 512-token sequences leaves a 16k-token sequence's MLPs
-    with an L0 near 1, as attention over a long context moves their inputs. A no-op when
-    the models already are at that length."""
+def calibrated(args: argparse.Namespace, model: Any, dense: Any, ids: list[Any] | None,
+               length: int) -> None:  # fmt: skip
+    """Calibrate the dense twin for the next benchmark and copy its weights into the
+    twell model: on the benchmark's own token ids when given (a few long sequences: the
+    MLP inputs of one long random sequence differ from another's, so thresholds set on
+    others leave it anywhere from an L0 near 1 to hundreds), else on random sequences of
+    ``length`` tokens, ``args.calibration_tokens`` in all."""
     import torch
 
     from twell.testing import llama
 
-    if getattr(dense, "_calibrated_length", None) == length:
-        return
-    sequences = max(1, args.calibration_tokens // length)
-    llama.calibrate(dense, l0=args.l0, sequences=sequences, length=length)
+    if ids is None:
+        sequences = max(1, args.calibration_tokens // length)
+        llama.calibrate(dense, l0=args.l0, sequences=sequences, length=length)
+    else:
+        llama.calibrate(dense, l0=args.l0, ids=torch.cat(ids))
     with torch.no_grad():
         model.load_state_dict(dense.state_dict())
-    dense._calibrated_length = length
     torch.cuda.empty_cache()
 
 
@@ -192,7 +195,7 @@ def prefill(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) ->
             runners = {k: torch.compile(m) for k, m in runners.items()}
         for t in lengths:
             ids = tokens(model, 1, t)
-            at_length(args, model, dense, t)
+            calibrated(args, model, dense, ids, t)
             rec: dict[str, Any] = {"benchmark": "prefill", "mode": mode, "tokens": t, "batch": 1}
             rec.update(run_sparsity(dense, ids[0]))
             outs, fns = {}, {}
@@ -266,7 +269,7 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
 
     from twell.testing.llama import greedy_gap
 
-    at_length(args, model, dense, args.prompt + args.new_tokens)
+    calibrated(args, model, dense, None, args.prompt + args.new_tokens)
     for batch in args.batches:
         ids = tokens(model, batch, args.prompt, sets=1)[0]
         for cache, mode in (("static", "static_cache"), ("dynamic", "eager")):
@@ -314,7 +317,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
         batch = t // seq
         rec: dict[str, Any] = {"benchmark": "train_step", "mode": mode, "tokens": t,
                                "batch": batch, "lr": args.lr}  # fmt: skip
-        at_length(args, model, dense, seq)
+        calibrated(args, model, dense, None, seq)
         rec.update(run_sparsity(dense, tokens(dense, batch, seq, sets=1)[0]))
         losses = {}
         for name, base in (("twell", model), ("dense", dense)):

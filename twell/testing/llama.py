@@ -118,11 +118,15 @@ def calibrate(
     sigma: float = 1.0,
     seed: int = 0,
     chunk: int = 8,
+    ids: Any = None,
 ) -> None:
     """Set the gate thresholds of every MLP of a :func:`relu_llama` model (in place, in
     layer order) so that each unit fires on its share of ``sequences × length``
-    calibration tokens (:func:`target_shares`, mean ``l0`` units per token). Call it on a
-    dense model, before :func:`twell.torch.sparsify`."""
+    calibration tokens (:func:`target_shares`, mean ``l0`` units per token), or of the
+    token ids ``ids [sequences, length]`` when given (long sequences differ from each
+    other: a threshold set on one moves another's L0 by a large factor, so a benchmark
+    of a few long sequences calibrates on its own). Call it on a dense model, before
+    :func:`twell.torch.sparsify` (or copy its state dict into the sparse model after)."""
     import torch
 
     d = CONSTANT_DIM
@@ -131,7 +135,8 @@ def calibrate(
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight[d, :] = 0.0
             layer.mlp.down_proj.weight[d, :] = 0.0
-    ids = random_tokens(model, sequences, length, seed)
+    if ids is None:
+        ids = random_tokens(model, sequences, length, seed)
     for index, mlp in enumerate(_mlps(model)):
         x = _mlp_inputs(model, index, ids, chunk)  # [T, K], x[:, d] > 0
         w = mlp.gate_proj.weight
