@@ -428,13 +428,15 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in records if "speedup" in r]
-    labels = [f"{r['benchmark']}\n{r['mode']}\n{r['tokens']}×{r['batch']}" for r in done]
+    layers = [str(r.get("model", "")).split("-")[2:3] for r in done]
+    labels = [f"{r['benchmark']}\n{r['mode']}\n{r['tokens']}×{r['batch']}\n{''.join(n)}"
+              for r, n in zip(done, layers, strict=True)]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(done)), 4))
     ax.bar(range(len(done)), [r["speedup"] for r in done])
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(done)), labels, fontsize=7)
     ax.set_ylabel("speedup over dense")
-    ax.set_title(f"{records[0].get('model', '')} on {records[0].get('gpu', '')}", fontsize=9)
+    ax.set_title(f"Llama ReLU models on {records[0].get('gpu', '')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

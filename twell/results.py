@@ -101,12 +101,18 @@ def _layers(model: str) -> int:
 
 
 def models_rows(folder: Path) -> Iterator[Row]:
-    """``models.json``: whole Llama models against their dense twins (by model, in the
-    order of their records; the layer count leads the case when there are several)."""
+    """``models.json``: whole Llama models against their dense twins (by model, then
+    prefill, training, decode; the layer count leads the case when there are several)."""
     records = _records(_load(folder, "models"))
     names = list(dict.fromkeys(str(r.get("model", "")) for r in records))
     names.sort(key=_layers)
-    for r in sorted(records, key=lambda r: names.index(str(r.get("model", "")))):
+    order = list(_MODEL_BENCHMARKS)
+
+    def place(r: dict[str, Any]) -> tuple[int, int]:
+        bench = r.get("benchmark")
+        return names.index(str(r.get("model", ""))), order.index(bench) if bench in order else 99
+
+    for r in sorted(records, key=place):
         bench, mode = r.get("benchmark"), r.get("mode")
         notes = []
         lead = f"{_layers(str(r.get('model', '')))} layers, " if len(names) > 1 else ""
