@@ -102,6 +102,59 @@ def test_the_generator_reads_a_folder_of_its_own(tmp_path: Path) -> None:
     assert t.main(["--root", str(tmp_path), "--gpu", "nothing"]) == 2
 
 
+def test_the_models_table_orders_several_models_and_names_their_layers(tmp_path: Path) -> None:
+    import json
+
+    t = tables()
+    folder = tmp_path / "h999"
+    folder.mkdir()
+
+    def record(model: str, benchmark: str, tokens: int, **extra: object) -> dict:
+        return {"gpu": "GPU X", "model": model, "benchmark": benchmark, "mode": "eager",
+                "tokens": tokens, "batch": 1, "t_twell_ms": 2.0, "t_dense_ms": 3.0,
+                "speedup": 1.5, **extra}  # fmt: skip
+
+    big, small = "llama-relu-38L-2048x5632", "llama-relu-8L-2048x5632"
+    records = [record(small, "decode", 64), record(big, "prefill", 16384),
+               record(small, "prefill", 2048, l0_run=29.4, heavy_share_run=0.031),
+               {"gpu": "GPU X", "speedup": 1.0}]  # fmt: skip
+    report = {"models": {small: {"l0_mean": 37.4}, big: {"l0_mean": 46.7}}, "records": records}
+    (folder / "models.json").write_text(json.dumps(report))
+    rows = [line for line in t.gpu_table(folder).splitlines() if line.startswith("| model")]
+    assert rows[0].startswith("| model prefill | 8 layers, eager, 2048 tokens |")
+    assert "L0 29, 3.1% of rows heavy" in rows[0]
+    assert rows[1].startswith("| model decode | 8 layers,")
+    assert rows[2].startswith("| model prefill | 38 layers, eager, 16384 tokens |")
+    assert "`llama-relu-8L-2048x5632` (calibrated mean L0 37), `llama-relu-38L" in (
+        t.gpu_table(folder)
+    )
+
+
+def test_a_model_benchmark_run_replaces_its_own_records_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/models.py's records file: a run of one model keeps the other model's
+    records and its calibration, and replaces records of the same configuration."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_models", ROOT / "bench" / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    monkeypatch.setattr(models, "gpu_name", lambda: "GPU X")
+    path = tmp_path / "models.json"
+    assert models.load_report(path, "a")["records"] == []
+    old = {"gpu": "GPU X", "model": "b", "calibration": {"l0_mean": 30.0},
+           "records": [{"model": "b", "benchmark": "prefill", "tokens": 1},
+                       {"model": "a", "benchmark": "prefill", "tokens": 1}]}  # fmt: skip
+    path.write_text(json.dumps(old))
+    report = models.load_report(path, "a")
+    assert report["models"] == {"b": {"l0_mean": 30.0}}  # a's calibration comes anew
+    assert len(report["records"]) == 2  # replaced record by record as the run emits
+    path.write_text(json.dumps(dict(old, gpu="GPU Y")))
+    assert models.load_report(path, "a")["records"] == []  # another GPU's file: not mixed
+
+
 # ---------------------------------------------------------------------- the demo
 def test_the_demo_says_why_it_runs_on_the_cpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -103,7 +103,8 @@ def _layers(model: str) -> int:
 def models_rows(folder: Path) -> Iterator[Row]:
     """``models.json``: whole Llama models against their dense twins (by model, then
     prefill, training, decode; the layer count leads the case when there are several)."""
-    records = _records(_load(folder, "models"))
+    records = [r for r in _records(_load(folder, "models"))
+               if isinstance(r, dict) and "benchmark" in r and "tokens" in r]  # fmt: skip
     names = list(dict.fromkeys(str(r.get("model", "")) for r in records))
     names.sort(key=_layers)
     order = list(_MODEL_BENCHMARKS)
