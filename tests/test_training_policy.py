@@ -108,6 +108,39 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     assert auto.choose() == 1 / 64 and len(auto._pending) == AUTO_LAG + 1  # never waits
 
 
+def test_a_call_with_most_rows_dense_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer whose rows mostly overflow the row limit runs slower than dense: the first
+    such count read warns (DenseRowsWarning), once per process."""
+    import warnings
+
+    from twell import capacity
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(capacity, "_warned", [False])
+
+    class Passed:
+        def query(self) -> bool:
+            return True
+
+    auto = capacity.AutoCapacity()
+
+    def read(count: int, m: int = 4096) -> None:
+        for _ in range(capacity.AUTO_LAG):
+            auto._pending.append((torch.tensor([count], dtype=torch.int32), Passed(), m))
+        auto.choose()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read(2048)  # half of the rows: no warning
+    with pytest.warns(capacity.DenseRowsWarning, match="2049 of a training call's 4096"):
+        read(2049)
+    assert auto.fraction == capacity.train_capacity(2049, 4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read(4096)  # once per process
+        capacity.AutoCapacity()._take(1.0)
+
+
 def test_auto_capacity_survives_a_deep_copy() -> None:
     """copy.deepcopy of a model (an EMA copy, say) keeps the choice, not the CUDA state."""
     import copy

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 from typing import Any
 
 import torch
 
 from twell.options import AUTO_HEADROOM, AUTO_PATIENCE
 
-__all__ = ["AUTO", "AUTO_LAG", "STEP", "AutoCapacity", "for_weights", "train_capacity"]
+__all__ = [
+    "AUTO", "AUTO_LAG", "DENSE_SHARE", "STEP", "AutoCapacity", "DenseRowsWarning",
+    "for_weights", "train_capacity",
+]  # fmt: skip
 
 #: How many calls back ``dense_capacity="auto"`` reads a layer's heavy-row count
 #: (:class:`AutoCapacity`): the call of the step before the last, long finished when
@@ -28,6 +32,18 @@ AUTO_LAG = 2
 AUTO = -1.0
 #: Training capacities are multiples of this fraction of M (:func:`train_capacity`).
 STEP = 1 / 64
+#: A training call with more than this share of its rows over the row limit warns, once
+#: per process (:class:`DenseRowsWarning`).
+DENSE_SHARE = 0.5
+
+
+class DenseRowsWarning(RuntimeWarning):
+    """Most rows of a training call were over the row limit: they ran as dense rows, and
+    the layer cost more than dense math would. Twell pays while the model stays sparse
+    (a training run that loses its sparsity shows it in ``twell.torch.l0_per_layer``)."""
+
+
+_warned = [False]
 
 
 def train_capacity(count: int, m: int) -> float:
@@ -96,8 +112,19 @@ class AutoCapacity:
         # host runs steps ahead of the GPU) is read by a later call: never waited for.
         while len(pending) >= AUTO_LAG and pending[0][1].query():
             host, event, m = pending.popleft()
-            self._take(train_capacity(int(host[0]), m))
+            count = int(host[0])
+            self._take(train_capacity(count, m))
             self._free.append((host, event))
+            if count > DENSE_SHARE * m and not _warned[0]:
+                _warned[0] = True
+                warnings.warn(
+                    f"twell: {count} of a training call's {m} rows had more active units "
+                    "than the row limit and ran as dense rows; while most rows do, a "
+                    "SparseMLP is slower than dense math (twell.torch.l0_per_layer(model) "
+                    "shows each layer's mean active units; shown once per process)",
+                    DenseRowsWarning,
+                    stacklevel=2,
+                )
         return self.fraction
 
     def _take(self, asked: float) -> None:
