@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import scipy.sparse
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from twell import Hybrid, TwELL
 from twell.testing import (
+    assert_matches_dense,
     assert_relative_error,
     assert_same_matrix,
     assert_same_nonfinite,
@@ -119,6 +121,55 @@ def test_as_host_takes_torch_bfloat16_tensors():
     host = as_host(values)
     assert host.dtype == bfloat16
     np.testing.assert_array_equal(host.astype(np.float32), values.float().numpy())
+
+
+# ------------------------------------------------------------------ assert_matches_dense
+@given(tst.nonfinite_ffn_problems(places=("x", "w_gate", "w_up", "w_down")))
+def test_assert_matches_dense_passes_the_reference_ops_with_nan_and_inf(p):
+    import twell
+
+    y = twell.ffn(p.x, p.w_gate, p.w_up, p.w_down, tile=p.tile)
+    assert assert_matches_dense(y, p.x, p.w_gate, p.w_up, p.w_down) <= 2**-8
+
+
+@given(tst.ffn_problems(tile=32, rows=st.integers(2, 8)))
+def test_assert_matches_dense_sees_a_dropped_row_or_unit(p):
+    import twell
+    from twell.reference.forward import ffn_dense
+
+    y = twell.ffn(*p, tile=p.tile)
+    assert_matches_dense(y, *p)
+    want = ffn_dense(*p)
+    rows = np.flatnonzero(np.abs(want).max(axis=1) > 0)
+    if rows.size:
+        dropped = np.array(y, copy=True)
+        dropped[rows[0]] = 0.0  # a row a sparse path forgot
+        with pytest.raises(AssertionError, match=f"row {rows[0]}"):
+            assert_matches_dense(dropped, *p)
+    nan = np.array(y, copy=True)
+    nan[0, 0] = np.nan
+    with pytest.raises(AssertionError, match="NaN positions differ"):
+        assert_matches_dense(nan, *p)
+    with pytest.raises(AssertionError, match="shapes differ"):
+        assert_matches_dense(y[1:], *p)
+
+
+def test_assert_matches_dense_allows_rounding_not_a_lost_unit() -> None:
+    """One row, two units whose terms nearly cancel: bf16 rounding of h is allowed even
+    where it is large against the sum; losing a unit is not."""
+    x = np.array([[1.0]])
+    w_up = np.array([[1.0], [1.0]])
+    w_down = np.array([[1.0, -1.0 + 2**-7]])  # y = 2^-7 from terms of magnitude ~1
+    exact = x @ w_up.T @ w_down.T
+    assert_matches_dense(exact * (1 + 0.5), x, None, w_up, w_down)  # 0.4% of the terms
+    with pytest.raises(AssertionError):
+        assert_relative_error(exact * 1.5, exact)  # against the sum: 50%
+    with pytest.raises(AssertionError, match="row 0"):
+        assert_matches_dense(np.array([[1.0]]), x, None, w_up, w_down)  # the second unit lost
+    zero = np.zeros((1, 1))
+    assert assert_matches_dense(zero, np.zeros((1, 1)), None, w_up, w_down) == 0.0
+    with pytest.raises(AssertionError, match="no nonzero term"):
+        assert_matches_dense(zero + 1e-30, np.zeros((1, 1)), None, w_up, w_down)
 
 
 # ------------------------------------------------------------------ robustness strategies

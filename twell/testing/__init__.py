@@ -5,7 +5,9 @@
   problems, also with NaN/Inf planted in the weights (``nonfinite_ffn_problems``), and
   malformed arguments (``malformed``) (needs Hypothesis: ``pip install 'twell[strategies]'``).
 - :mod:`twell.testing.asserts`: :func:`assert_same_matrix` (validates both sides, then
-  compares TwELL, Hybrid, sparse and dense matrices through decoding) and
+  compares TwELL, Hybrid, sparse and dense matrices through decoding),
+  :func:`assert_matches_dense` (an FFN block's output against dense float64 math, each
+  element to within a tolerance of its summed terms' magnitude) and
   :func:`relative_error`.
 - :mod:`twell.testing.profiles`: the ``dev``/``ci``/``deep`` Hypothesis profiles and
   :func:`~twell.testing.profiles.load_profile`.
@@ -18,6 +20,7 @@ imported from their modules.
 
 from twell.testing.asserts import (
     as_host,
+    assert_matches_dense,
     assert_relative_error,
     assert_same_matrix,
     assert_same_nonfinite,
@@ -27,6 +30,7 @@ from twell.testing.asserts import (
 
 __all__ = [
     "as_host",
+    "assert_matches_dense",
     "assert_relative_error",
     "assert_same_matrix",
     "assert_same_nonfinite",

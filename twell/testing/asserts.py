@@ -36,6 +36,7 @@ __all__ = [
     "relative_error",
     "assert_relative_error",
     "assert_same_nonfinite",
+    "assert_matches_dense",
 ]
 
 
@@ -191,3 +192,54 @@ def assert_relative_error(y: Any, y_ref: Any, tol: float = 1e-2) -> float:
     if not error <= tol:
         raise AssertionError(f"relative error {error:.3e} exceeds {tol:.1e}")
     return error
+
+
+def assert_matches_dense(
+    y: Any, x: Any, w_gate: Any | None, w_up: Any, w_down: Any, tol: float = 1e-2
+) -> float:
+    """Assert that ``y`` is the FFN block of ``x`` as dense float64 math computes it
+    (:func:`twell.reference.forward.ffn_dense`), row by row, to within ``tol`` of the
+    magnitude of the terms summed into the row; return the largest such error.
+
+    A row's outputs ``y[i, k] = Σ_n h[i, n] · w_down[k, n]`` sum terms that can cancel:
+    bf16 rounding of ``h`` (what the kernels and the reference ops do) leaves an error
+    small against the terms but not always against their sum, which is what
+    :func:`assert_relative_error` measures. Here row ``i``'s error ``‖y_i − y_ref,i‖`` is
+    measured against ``‖Σ_n |h[i, n]| |w_down[:, n]|‖`` (``h`` in float64): rounding stays
+    far under 1% of it, while a dropped row or a wrong unit does not. Non-finite values
+    must sit where dense math puts them (checked first); the norms are over the finite
+    ones. A row whose terms are all 0 must be exactly 0.
+    """
+    from twell.reference.forward import ffn_dense
+
+    expected = ffn_dense(x, w_gate, w_up, w_down)
+    got = as_host(y)
+    if got.shape != expected.shape:
+        raise AssertionError(f"shapes differ: {got.shape} != {expected.shape}")
+    assert_same_nonfinite(got, expected)
+    k = expected.shape[-1] if expected.ndim else 1
+    xf = as_host(x).astype(np.float64).reshape(-1, as_host(x).shape[-1])
+    with np.errstate(all="ignore"):
+        up = xf @ as_host(w_up).astype(np.float64).T
+        if w_gate is None:
+            h = np.maximum(up, 0.0)
+        else:
+            h = np.maximum(xf @ as_host(w_gate).astype(np.float64).T, 0.0) * up
+        scale = np.abs(h) @ np.abs(as_host(w_down).astype(np.float64)).T
+        a = got.astype(np.float64).reshape(-1, k)
+        b = expected.reshape(-1, k)
+        finite = np.isfinite(b) & np.isfinite(scale)
+        difference = np.where(finite, a - b, 0.0)
+        bound = np.linalg.norm(np.where(finite, scale, 0.0), axis=1)
+        error = np.linalg.norm(difference, axis=1)
+    exact = bound == 0.0
+    if np.any(error[exact] != 0.0):
+        raise AssertionError(f"row {int(np.argmax(exact & (error != 0)))}: no nonzero term, not 0")
+    ratios = error[~exact] / bound[~exact]
+    worst = float(np.max(ratios, initial=0.0))
+    if not worst <= tol:
+        row = int(np.flatnonzero(~exact)[np.argmax(ratios)])
+        raise AssertionError(
+            f"row {row}: error {worst:.3e} of its summed terms' magnitude exceeds {tol:.1e}"
+        )
+    return worst
