@@ -13,9 +13,10 @@ benchmark: a prefill on its own sequences, a training step and decode on random
 sequences of their length (``--calibration-tokens`` in all). The MLP inputs move with
 the sequence length and, for long sequences, from one sequence to another: thresholds
 set on 512-token sequences leave a 16k-token prefill at an L0 of 1.4, and thresholds set
-on other 16k-token sequences at 90. Each record has the L0 and heavy-row share of its
-own tokens (``l0_run``, ``heavy_share_run``); the report has the per-layer L0 on held-out
-512-token sequences. The dense twin is a copy of the calibrated model before
+on other 16k-token sequences at 90. Prefill and training records have the L0 and
+heavy-row share of their own tokens (``l0_run``, ``heavy_share_run``); the report has,
+per model, the per-layer L0 on held-out 512-token sequences after the first
+calibration. The dense twin is a copy of the calibrated model before
 ``sparsify``.
 
 Benchmarks (``--benchmarks``), each twell against dense:
@@ -33,8 +34,8 @@ Benchmarks (``--benchmarks``), each twell against dense:
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
   graphs captured, capacities settled); the first step's loss against dense's
-  (``loss_rel_diff``), the peak memory ratio, the L0 per layer during the timed steps
-  (``l0_timed``), and for eager steps the MLPs' share of the dense step (its MLPs
+  (``loss_rel_diff``), the peak memory ratio, the mean L0 of the layers in the last
+  timed step (``l0_timed``), and for eager steps the MLPs' share of the dense step (its MLPs
   replaced by zeros), the MLPs' own forward + backward speedup on the model's
   activations and the cap they set. AdamW runs at ``--lr`` (default 0: every step
   does all of its work, and the weights, hence the calibrated sparsity, stay put; on
@@ -343,18 +344,20 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_memory = torch.cuda.memory_allocated()
-            graphs = (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS)
+            # the forward's graphs of eager calls and of compiled ones, the backward's
+            graphs = (autograd._FORWARD_GRAPHS, autograd._OP_FORWARD_GRAPHS,
+                      autograd._BACKWARD_GRAPHS)  # fmt: skip
             before = [(g.captures, g.replays) for g in graphs]
             rec[f"t_{name}_ms"] = timed(step, 5, warmup=0, rounds=3)
             if name == "twell":  # op graphs captured / replayed over the timed steps
                 rec["op_graphs"] = [(g.captures - c, g.replays - r)
                                     for g, (c, r) in zip(graphs, before, strict=True)]  # fmt: skip
                 mlps = [x for x in m.modules() if isinstance(x, SparseMLP)]
-                # the sparsity the timed steps ran at (a nonzero lr on random tokens makes
-                # the calibrated units dense within a few steps)
+                # the sparsity the last timed step ran at (a nonzero lr on random tokens
+                # makes the calibrated units dense within a few steps)
                 l0 = [float(x.l0) for x in mlps if x.l0 is not None]
                 rec["l0_timed"] = statistics.fmean(l0) if l0 else None
-                rec["capacity_per_layer"] = [x._auto.fraction if x._auto else None
+                rec["capacity_per_layer"] = [layer_capacity(x, mode == "compiled")
                                              for x in mlps]  # fmt: skip
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
             if mode == "eager" and name == "dense":
@@ -368,6 +371,17 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             rec["mlp_speedup"] = mlp_speedup(model, dense, t, seq)
             rec["cap"] = mlp_share_cap(rec["mlp_share"], rec["mlp_speedup"])
         emit(rec)
+
+
+def layer_capacity(mlp: Any, compiled: bool) -> float | None:
+    """The dense capacity a layer's training calls take now: its own ``"auto"`` choice
+    in eager calls, the one the ops keep per layer for compiled ones
+    (``twell.capacity.for_weights``); None for a fixed capacity."""
+    from twell import capacity
+
+    if mlp._auto is None:
+        return None
+    return capacity.for_weights(mlp.up_proj.weight).fraction if compiled else mlp._auto.fraction
 
 
 def train_mlp_share(dense: Any, step: Callable[[int], Any], t_dense_ms: float) -> dict[str, Any]:
@@ -446,9 +460,12 @@ def _record_key(rec: dict[str, Any]) -> tuple:
 
 
 def load_report(path: Any, name: str) -> dict[str, Any]:
-    """The records file at ``path`` (a new one if absent): this run replaces the records
-    of the same model and configuration and keeps the others (other models, other
-    token counts), with each model's calibration under ``models``."""
+    """The records file at ``path`` (a new one if absent), for a run of model ``name``:
+    each record the run emits replaces the one of the same model and configuration
+    (benchmark, mode, tokens, batch) in place (:func:`replace_record`); the others stay,
+    each with the versions it was measured with, and so do the models' build reports
+    (``models``) and the file's other keys. A file of another GPU is a ``ValueError``
+    (pass ``--out``)."""
     import json
     from pathlib import Path
 
@@ -458,13 +475,30 @@ def load_report(path: Any, name: str) -> dict[str, Any]:
         return fresh
     old = json.loads(path.read_text())
     if not isinstance(old, dict) or old.get("gpu") != fresh["gpu"]:
-        return fresh
-    fresh["models"] = dict(old.get("models") or {})
+        found = old.get("gpu") if isinstance(old, dict) else type(old).__name__
+        raise ValueError(f"{path}: records of {found}, not of {fresh['gpu']}; pass --out")
+    report = {**old, **{k: v for k, v in fresh.items() if k not in ("models", "records")}}
+    report["models"] = dict(old.get("models") or {})
     if "calibration" in old and old.get("model"):  # a file of one model
-        fresh["models"].setdefault(old["model"], old["calibration"])
-    fresh["records"] = list(old.get("records") or [])
-    fresh["models"].pop(name, None)
-    return fresh
+        report["models"].setdefault(old["model"], old["calibration"])
+    for key in ("calibration", "model", "errors"):
+        report.pop(key, None)
+    stamp = {k: old[k] for k in ("cupy", "cuda", "torch") if k in old}
+    report["records"] = [{**stamp, **r} for r in old.get("records") or []]
+    report["models"].pop(name, None)
+    return report
+
+
+def replace_record(records: list[dict[str, Any]], rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """``records`` with ``rec`` in the place of the one of its configuration (appended
+    when there is none)."""
+    key = _record_key(rec)
+    places = [i for i, r in enumerate(records) if _record_key(r) == key]
+    if not places:
+        return [*records, rec]
+    kept = [r for i, r in enumerate(records) if i not in places[1:]]
+    kept[places[0]] = rec
+    return kept
 
 
 def main() -> int:
@@ -505,9 +539,8 @@ def main() -> int:
     failures = 0
 
     def emit(rec: dict[str, Any]) -> None:
-        rec = {"gpu": report["gpu"], "model": name, **rec, "l0": info["l0_mean"]}
-        key = _record_key(rec)
-        report["records"] = [r for r in report["records"] if _record_key(r) != key] + [rec]
+        rec = {"gpu": report["gpu"], "model": name, **versions(), **rec}
+        report["records"] = replace_record(report["records"], rec)
         write_json(out, report)
         shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()
                  if k not in ("gpu", "model")}  # fmt: skip

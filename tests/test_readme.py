@@ -125,7 +125,7 @@ def test_the_models_table_orders_several_models_and_names_their_layers(tmp_path:
     assert "L0 29, 3.1% of rows heavy" in rows[0]
     assert rows[1].startswith("| model decode | 8 layers,")
     assert rows[2].startswith("| model prefill | 38 layers, eager, 16384 tokens |")
-    assert "`llama-relu-8L-2048x5632` (calibrated mean L0 37), `llama-relu-38L" in (
+    assert "Model rows: `llama-relu-8L-2048x5632`, `llama-relu-38L-2048x5632`." in (
         t.gpu_table(folder)
     )
 
@@ -133,8 +133,9 @@ def test_the_models_table_orders_several_models_and_names_their_layers(tmp_path:
 def test_a_model_benchmark_run_replaces_its_own_records_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bench/models.py's records file: a run of one model keeps the other model's
-    records and its calibration, and replaces records of the same configuration."""
+    """bench/models.py's records file: a run keeps other models' records and build
+    reports and the file's other keys, stamps old records with their versions, replaces
+    a record of the same configuration in place, and refuses another GPU's file."""
     import importlib.util
     import json
 
@@ -142,17 +143,26 @@ def test_a_model_benchmark_run_replaces_its_own_records_only(
     models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(models)
     monkeypatch.setattr(models, "gpu_name", lambda: "GPU X")
+    monkeypatch.setattr(models, "versions", lambda: {"torch": "new"})
     path = tmp_path / "models.json"
     assert models.load_report(path, "a")["records"] == []
-    old = {"gpu": "GPU X", "model": "b", "calibration": {"l0_mean": 30.0},
-           "records": [{"model": "b", "benchmark": "prefill", "tokens": 1},
-                       {"model": "a", "benchmark": "prefill", "tokens": 1}]}  # fmt: skip
+    one = {"model": "b", "benchmark": "prefill", "tokens": 1}
+    two = {"model": "a", "benchmark": "prefill", "tokens": 1}
+    old = {"gpu": "GPU X", "torch": "old", "model": "b", "calibration": {"l0_mean": 30.0},
+           "commands": ["python bench/models.py"], "records": [one, two]}  # fmt: skip
     path.write_text(json.dumps(old))
     report = models.load_report(path, "a")
-    assert report["models"] == {"b": {"l0_mean": 30.0}}  # a's calibration comes anew
-    assert len(report["records"]) == 2  # replaced record by record as the run emits
+    assert report["models"] == {"b": {"l0_mean": 30.0}}  # a's build report comes anew
+    assert report["commands"] == old["commands"] and report["torch"] == "new"
+    assert [r["torch"] for r in report["records"]] == ["old", "old"]
+    new = dict(two, t_twell_ms=1.0)
+    records = models.replace_record(report["records"], new)
+    assert records[1] is new and len(records) == 2  # in place
+    other = dict(two, tokens=2)
+    assert models.replace_record(records, other)[-1] is other
     path.write_text(json.dumps(dict(old, gpu="GPU Y")))
-    assert models.load_report(path, "a")["records"] == []  # another GPU's file: not mixed
+    with pytest.raises(ValueError, match="GPU Y"):
+        models.load_report(path, "a")
 
 
 # ---------------------------------------------------------------------- the demo

@@ -378,13 +378,13 @@ def ffn_train(
     weights on (:class:`twell._graphs.OpGraphs`: its memory and stream rules apply).
 
     Raises:
-        ValueError: ``options.dense_capacity`` is ``"auto"`` (the ops take a fraction;
-            :class:`twell.torch.SparseMLP` resolves ``"auto"`` per call).
+        ValueError: ``options.dense_capacity`` is ``"auto"`` (it follows a layer's
+            earlier calls, which :class:`twell.torch.SparseMLP` keeps; pass a fraction).
     """
     if options.auto_capacity:
         raise ValueError(
-            "ffn_train: dense_capacity='auto' is resolved by twell.torch.SparseMLP; "
-            "the training ops take a fraction"
+            "ffn_train: dense_capacity='auto' follows a layer's earlier calls, which "
+            "twell.torch.SparseMLP keeps; pass a fraction here"
         )
     return _ffn_train(x, w_gate, w_up, w_down, options, reduction, graphs)[:3]
 

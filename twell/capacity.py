@@ -48,14 +48,15 @@ _warned = [False]
 
 def train_capacity(count: int, m: int) -> float:
     """The capacity ``"auto"`` gives an ``m``-token training call after a call with
-    ``count`` heavy rows: the smallest multiple of :data:`STEP` whose fixed-size GEMMs hold
-    ``AUTO_HEADROOM * count`` rows (at most 1.0; 0.0 with no heavy rows).
+    ``count`` heavy rows: the smallest multiple ``f`` of :data:`STEP` with ``f * m`` at
+    least ``AUTO_HEADROOM * count`` (at most 1.0; 0.0 with no heavy rows). Its GEMMs take
+    ``ceil(f * m)`` rows, which hold that many.
 
     Every capacity row costs a dense row's forward and backward whether a heavy row fills
     it or not, so the steps are finer than inference's ladder
     (:data:`twell.options.AUTO_CAPACITIES`, whose estimates waver from call to call):
-    with 6% of tokens heavy the ladder's next rung is a quarter of the batch, a step of
-    1/64 stops at 8/64. :class:`AutoCapacity` moves up at once and down only after
+    with 6% of tokens heavy the ladder's next rung is a quarter of the batch, the steps
+    stop at 5/64. :class:`AutoCapacity` moves up at once and down only after
     ``AUTO_PATIENCE`` calls, so a layer settles on one capacity (one op graph)."""
     if count <= 0 or m <= 0:
         return 0.0
@@ -162,7 +163,9 @@ def for_weights(w_up: torch.Tensor) -> AutoCapacity:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     storage = w_up.untyped_storage()
-    key = (storage._cdata, w_up.data_ptr(), tuple(w_up.shape))
+    # where in the storage, not the address: a storage resized in place (FSDP2 frees
+    # and gathers its parameters so) keeps its layer
+    key = (storage._cdata, w_up.storage_offset(), tuple(w_up.shape))
     found = _by_weights.get(key)
     if found is not None and not found[0].expired():
         return found[1]

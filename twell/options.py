@@ -116,8 +116,10 @@ class Options:
             in the forward and in the training backward alike. ``"auto"`` (the default
             of :class:`twell.SparseFFN`, not of this class): an inference block sizes it
             per call from the heavy rows its density switch measured
-            (:func:`auto_capacity`; 0 with the switch off); the training ops refuse it
-            (:class:`twell.torch.SparseMLP` resolves its own).
+            (:func:`auto_capacity`; 0 with the switch off); training needs a layer's
+            history of calls (:class:`twell.torch.SparseMLP` keeps one,
+            :class:`twell.capacity.AutoCapacity`), so ``twell.autograd.ffn_train``
+            refuses it.
         density_switch: run the whole batch in dense math when earlier calls saw more
             active units per row than the sparse path pays for (docs/design.md).
     """

@@ -107,6 +107,13 @@ def models_rows(folder: Path) -> Iterator[Row]:
                if isinstance(r, dict) and "benchmark" in r and "tokens" in r]  # fmt: skip
     names = list(dict.fromkeys(str(r.get("model", "")) for r in records))
     names.sort(key=_layers)
+    layers = [_layers(n) for n in names]
+    # several models: each row leads with its model's layer count, or its name where
+    # the counts do not tell the models apart
+    labels = {
+        n: (f"{count} layers, " if count and layers.count(count) == 1 else f"{n or 'model'}, ")
+        for n, count in zip(names, layers, strict=True)
+    }
     order = list(_MODEL_BENCHMARKS)
 
     def place(r: dict[str, Any]) -> tuple[int, int]:
@@ -116,7 +123,7 @@ def models_rows(folder: Path) -> Iterator[Row]:
     for r in sorted(records, key=place):
         bench, mode = r.get("benchmark"), r.get("mode")
         notes = []
-        lead = f"{_layers(str(r.get('model', '')))} layers, " if len(names) > 1 else ""
+        lead = labels[str(r.get("model", ""))] if len(names) > 1 else ""
         if bench == "decode":
             cache = "static cache, compiled" if mode == "static_cache" else "dynamic cache, eager"
             case = f"{cache}, batch {r['batch']}, {r['tokens']} new tokens"
@@ -158,11 +165,7 @@ def _model_title(folder: Path) -> str | None:
         models.setdefault(data["model"], data.get("calibration") or {})
     if not models:
         return None
-    parts = []
-    for name in sorted(models, key=_layers):
-        l0 = (models[name] or {}).get("l0_mean")
-        parts.append(f"`{name}`" + (f" (calibrated mean L0 {l0:.0f})" if l0 else ""))
-    return ", ".join(parts)
+    return ", ".join(f"`{name}`" for name in sorted(models, key=_layers))
 
 
 _MLP_WORKLOADS = {"uniform": "uniform", "heavy": "heavy 1% ×3", "nan": "two NaN rows"}
