@@ -13,8 +13,8 @@ benchmark: a prefill on its own sequences, a training step and decode on random
 sequences of their length (``--calibration-tokens`` in all). The MLP inputs move with
 the sequence length and, for long sequences, from one sequence to another: thresholds
 set on 512-token sequences leave a 16k-token prefill at an L0 of 1.4, and thresholds set
-on other 16k-token sequences at 90. Prefill and training records have the L0 and
-heavy-row share of their own tokens (``l0_run``, ``heavy_share_run``); the report has,
+on other 16k-token sequences at 90. Records have the L0 and heavy-row share of their
+own tokens (``l0_run``, ``heavy_share_run``; decode: of the prompts); the report has,
 per model, the per-layer L0 on held-out 512-token sequences after the first
 calibration. The dense twin is a copy of the calibrated model before
 ``sparsify``.
@@ -276,6 +276,7 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
         for cache, mode in (("static", "static_cache"), ("dynamic", "eager")):
             rec: dict[str, Any] = {"benchmark": "decode", "mode": mode, "tokens": args.new_tokens,
                                    "batch": batch, "prompt": args.prompt}  # fmt: skip
+            rec.update(run_sparsity(dense, ids))  # of the prompt
             for name, m in (("twell", model), ("dense", dense)):
                 kwargs: dict[str, Any] = {"max_new_tokens": args.new_tokens, "do_sample": False,
                                           "min_new_tokens": args.new_tokens}  # fmt: skip
