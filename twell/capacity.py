@@ -151,7 +151,7 @@ class AutoCapacity:
         self._pending.append((host, event, m))
 
 
-#: w_up's (storage, address, shape) -> (a weak reference to the storage, the AutoCapacity)
+#: w_up's (storage, offset in it, shape) -> (a weak reference to the storage, its AutoCapacity)
 _by_weights: dict[tuple, tuple[Any, AutoCapacity]] = {}
 
 
