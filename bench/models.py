@@ -52,12 +52,13 @@ apply, ``energy_ratio``, ``tokens_match``, ``loss_rel_diff``, ``peak_mem_ratio``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from twell.timing import gpu_name, record_path, versions, write_json
@@ -129,12 +130,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     start = time.perf_counter()
     llama.calibrate(model, l0=args.l0, sequences=args.calibration_sequences, length=512)
     held_out = llama.random_tokens(model, 8, 512, seed=1234)
+    l0, heavy = llama.activity(model, held_out, default_max_row_nnz(args.ffn))
     info = {
         "calibration_s": time.perf_counter() - start,
-        "l0_per_layer": llama.l0_per_layer(model, held_out),
-        "heavy_share_per_layer": llama.heavy_share(
-            model, held_out, default_max_row_nnz(args.ffn)
-        ),  # fmt: skip
+        "l0_per_layer": l0,
+        "heavy_share_per_layer": heavy,
     }
     info["l0_mean"] = statistics.fmean(info["l0_per_layer"])
     dense = copy.deepcopy(model)
@@ -173,8 +173,7 @@ def run_sparsity(dense: Any, ids: Any) -> dict[str, Any]:
     from twell.testing import llama
 
     n = dense.config.intermediate_size
-    l0 = llama.l0_per_layer(dense, ids)
-    heavy = llama.heavy_share(dense, ids, default_max_row_nnz(n))
+    l0, heavy = llama.activity(dense, ids, default_max_row_nnz(n))
     return {"l0_run": statistics.fmean(l0), "heavy_share_run": statistics.fmean(heavy)}
 
 
@@ -224,6 +223,23 @@ def prefill(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) ->
             emit(rec)
 
 
+@contextlib.contextmanager
+def without_mlps(dense: Any) -> Iterator[None]:
+    """Every MLP of ``dense`` returns zeros inside the block (no MLP work, forward or
+    backward): what the rest of the model costs."""
+    import torch
+
+    layers = dense.model.layers
+    saved = [layer.mlp.forward for layer in layers]
+    for layer in layers:
+        layer.mlp.forward = torch.zeros_like
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, saved, strict=True):
+            layer.mlp.forward = forward
+
+
 def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, Any]:
     """The MLPs' share of the dense model's prefill (their forward replaced by zeros),
     the MLP speedup of layer 0 on its real input, and the whole-model cap they set."""
@@ -232,19 +248,13 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
     from twell.testing.llama import mlp_share_cap
 
     layers = dense.model.layers
-    saved = [layer.mlp.forward for layer in layers]
-    for layer in layers:
-        layer.mlp.forward = torch.zeros_like
-    try:
 
-        def fn(i: int) -> Any:
-            with torch.no_grad():
-                return dense(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+    def fn(i: int) -> Any:
+        with torch.no_grad():
+            return dense(input_ids=ids, use_cache=False, logits_to_keep=1).logits
 
+    with without_mlps(dense):
         t_without = timed(fn, 3)
-    finally:
-        for layer, forward in zip(layers, saved, strict=True):
-            layer.mlp.forward = forward
     captured: list[Any] = []
     handle = layers[0].mlp.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
     with torch.no_grad():
@@ -388,18 +398,9 @@ def layer_capacity(mlp: Any, compiled: bool) -> float | None:
 def train_mlp_share(dense: Any, step: Callable[[int], Any], t_dense_ms: float) -> dict[str, Any]:
     """The MLPs' share of the dense model's training step: the step timed with every MLP
     replaced by zeros (no MLP forward, backward or weight update)."""
-    import torch
-
-    layers = dense.model.layers
-    saved = [layer.mlp.forward for layer in layers]
-    for layer in layers:
-        layer.mlp.forward = torch.zeros_like
-    try:
+    with without_mlps(dense):
         step(0)
         t_without = timed(step, 5, warmup=1, rounds=3)
-    finally:
-        for layer, forward in zip(layers, saved, strict=True):
-            layer.mlp.forward = forward
     return {"mlp_share": max(0.0, 1.0 - t_without / t_dense_ms)}
 
 

@@ -162,32 +162,51 @@ def calibrate(
             del ratio
 
 
-def l0_per_layer(model: Any, ids: Any, chunk: int = 8) -> list[float]:
-    """Mean active units per token of each MLP on ``ids`` (dense math on the MLP inputs:
-    works before and after ``sparsify``)."""
+def activity(model: Any, ids: Any, limit: int, chunk: int = 8) -> tuple[list[float], list[float]]:
+    """Of each MLP on ``ids``, in one forward pass: the mean active units per token and
+    the share of tokens with more than ``limit`` of them (the rows twell sends to dense
+    math). Dense math on the MLP inputs: works before and after ``sparsify``."""
     import torch
 
-    out = []
-    for index, mlp in enumerate(_mlps(model)):
-        x = _mlp_inputs(model, index, ids, chunk)
+    mlps = _mlps(model)
+    active = [0] * len(mlps)
+    heavy = [0] * len(mlps)
+    tokens = [0] * len(mlps)
+
+    def hook(index: int) -> Any:
+        w = mlps[index].gate_proj.weight
+
+        def count(module: Any, args: tuple) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1])
+            per_token = ((x.to(w.dtype) @ w.T) > 0).sum(dim=1)
+            active[index] += int(per_token.sum())
+            heavy[index] += int((per_token > limit).sum())
+            tokens[index] += x.shape[0]
+
+        return count
+
+    handles = [mlp.register_forward_pre_hook(hook(i)) for i, mlp in enumerate(mlps)]
+    try:
         with torch.no_grad():
-            pre = x.to(mlp.gate_proj.weight.dtype) @ mlp.gate_proj.weight.T
-            out.append(float((pre > 0).sum(dtype=torch.float64)) / max(1, x.shape[0]))
-    return out
+            for start in range(0, ids.shape[0], chunk):
+                model.model(input_ids=ids[start : start + chunk], use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (
+        [a / max(1, t) for a, t in zip(active, tokens, strict=True)],
+        [h / max(1, t) for h, t in zip(heavy, tokens, strict=True)],
+    )
+
+
+def l0_per_layer(model: Any, ids: Any, chunk: int = 8) -> list[float]:
+    """Mean active units per token of each MLP on ``ids`` (:func:`activity`)."""
+    return activity(model, ids, 0, chunk)[0]
 
 
 def heavy_share(model: Any, ids: Any, limit: int, chunk: int = 8) -> list[float]:
-    """Share of tokens of each MLP with more than ``limit`` active units (the rows twell
-    sends to dense math)."""
-    import torch
-
-    out = []
-    for index, mlp in enumerate(_mlps(model)):
-        x = _mlp_inputs(model, index, ids, chunk)
-        with torch.no_grad():
-            pre = x.to(mlp.gate_proj.weight.dtype) @ mlp.gate_proj.weight.T
-            out.append(float(((pre > 0).sum(dim=1) > limit).double().mean()))
-    return out
+    """Share of tokens of each MLP with more than ``limit`` active units (:func:`activity`)."""
+    return activity(model, ids, limit, chunk)[1]
 
 
 def greedy_gap(model: Any, sequences: Any, prompt: int) -> float:
