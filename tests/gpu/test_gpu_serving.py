@@ -79,8 +79,8 @@ def test_call_graphs_read_x_in_place_and_give_eager_bits(m: int, dtype: torch.dt
     """A SparseFFN call on torch tensors launches the block's own graph, re-pointed at
     the call's x and at a fresh y, or for a small batch with copies (twell._graphs): the
     eager call's bits for inputs at new addresses, and no call's output changed by a
-    later call. Above COPY_TOKENS tokens the graph is captured the second time the shape
-    comes."""
+    later call. Above COPY_TOKENS tokens (or once torch's graph trees have run) the graph
+    is captured the second time the shape comes."""
     from twell import _graphs
 
     p = heavy_problem(m)  # heavy rows, NaN and Inf in x
@@ -88,7 +88,11 @@ def test_call_graphs_read_x_in_place_and_give_eager_bits(m: int, dtype: torch.dt
     block = twell.SparseFFN(wg, wu, wd, density_switch=False)
     xs = shuffled_inputs(p, 3, dtype)
     outs = [block(xs[0])]
-    assert block._graphed.captures == (0 if m > _graphs.COPY_TOKENS else 1)
+    # the first call captures a small batch's graph, unless torch's graph trees have freed
+    # their cuBLAS workspaces in this process (_graphs._cublas_epoch): the shape must then
+    # come back within one epoch first
+    first = 0 if m > _graphs.COPY_TOKENS or _graphs._cublas_epoch[0] else 1
+    assert block._graphed.captures == first
     outs += [block(x) for x in xs[1:] + xs]
     torch.cuda.synchronize()
     for x, y in zip(xs + xs, outs, strict=True):
