@@ -276,6 +276,81 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
 
 
 # ---------------------------------------------------------------------- decode
+def _decode_step(model: Any, token: Any, position: Any, cache: Any) -> Any:
+    """One greedy decode step on a static cache: the next token of each sequence."""
+    logits = model(input_ids=token, past_key_values=cache, cache_position=position,
+                   use_cache=True).logits  # fmt: skip
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+class StepDecoder:
+    """Greedy decode the way serving loops run a static cache (gpt-fast's pattern): the
+    prompt's prefill eagerly, then one compiled forward per token (``fullgraph``; torch's
+    CUDA graphs in ``mode="reduce-overhead"``), each token chosen on the device and fed to
+    the next step, the host waiting only at the end. ``generate`` adds its own Python per
+    token (logits processors, stopping criteria, a host read of ``unfinished_sequences``),
+    which on a small model outweighs the step's GPU time on both sides."""
+
+    def __init__(self, model: Any, ids: Any, new_tokens: int, backend: str = "inductor",
+                 mode: str | None = "reduce-overhead") -> None:  # fmt: skip
+        import torch
+        from transformers import StaticCache
+
+        self.model, self.ids, self.new_tokens = model, ids, new_tokens
+        batch, prompt = ids.shape
+        self.cache = StaticCache(config=model.config, max_cache_len=prompt + new_tokens)
+        self.positions = torch.arange(prompt + new_tokens, device=ids.device)
+        self.out = torch.empty(batch, new_tokens, dtype=ids.dtype, device=ids.device)
+        options = {"mode": mode} if mode else {}
+        torch._dynamo.reset()  # a fresh cache of compiled steps per model and batch
+        self.step = torch.compile(_decode_step, backend=backend, fullgraph=True, **options)
+
+    def prefill(self) -> Any:
+        """The cache emptied and filled with the prompt; the first new token."""
+        import torch
+
+        self.cache.reset()
+        prompt = self.ids.shape[1]
+        with torch.no_grad():
+            token = _decode_step(self.model, self.ids, self.positions[:prompt], self.cache)
+        self.out[:, :1].copy_(token)
+        return self.out[:, :1].clone()
+
+    def steps(self, token: Any) -> Any:
+        """The other ``new_tokens - 1`` tokens after ``token`` (no host synchronisation)."""
+        import torch
+
+        prompt = self.ids.shape[1]
+        with torch.no_grad():
+            for i in range(1, self.new_tokens):
+                torch.compiler.cudagraph_mark_step_begin()
+                position = self.positions[prompt + i - 1 : prompt + i]
+                token = self.step(self.model, token, position, self.cache)
+                self.out[:, i : i + 1].copy_(token)
+                token = self.out[:, i : i + 1].clone()  # not the graph's own output buffer
+        return self.out
+
+    def generate(self) -> Any:
+        """Prompt and new tokens, ``[batch, prompt + new_tokens]``."""
+        import torch
+
+        return torch.cat([self.ids, self.steps(self.prefill())], dim=1)
+
+    def time_steps(self, warmup: int = 2, rounds: int = 3) -> float:
+        """Median over ``rounds`` of the decode steps' wall time (prefill excluded), ms."""
+        for _ in range(warmup):  # compiles, then records the CUDA graph
+            self.generate()
+        times = []
+        for _ in range(rounds):
+            token = self.prefill()
+            _sync()
+            start = time.perf_counter()
+            self.steps(token)
+            _sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+
 def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
     import torch
 
@@ -284,14 +359,27 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
     calibrated(args, model, dense, None, args.prompt + args.new_tokens)
     for batch in args.batches:
         ids = tokens(model, batch, args.prompt, sets=1)[0]
-        for cache, mode in (("static", "static_cache"), ("dynamic", "eager")):
+        sparsity = run_sparsity(dense, ids)  # of the prompt
+        for mode in args.decode_modes:
             rec: dict[str, Any] = {"benchmark": "decode", "mode": mode, "tokens": args.new_tokens,
-                                   "batch": batch, "prompt": args.prompt}  # fmt: skip
-            rec.update(run_sparsity(dense, ids))  # of the prompt
+                                   "batch": batch, "prompt": args.prompt, **sparsity}  # fmt: skip
             for name, m in (("twell", model), ("dense", dense)):
+                suffix = "" if name == "twell" else "_dense"
+                if mode == "compiled_steps":
+                    decoder = StepDecoder(m, ids, args.new_tokens)
+                    out = decoder.generate()
+                    steps = args.new_tokens - 1
+                    ms = decoder.time_steps()
+                    rec["steps"] = steps
+                    rec[f"t_{name}_ms"] = ms
+                    rec[f"ms_per_step_{name}"] = ms / steps
+                    rec[f"tokens_per_s_{name}"] = batch * steps / (ms / 1e3)
+                    rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
+                    del decoder
+                    continue
                 kwargs: dict[str, Any] = {"max_new_tokens": args.new_tokens, "do_sample": False,
                                           "min_new_tokens": args.new_tokens}  # fmt: skip
-                if cache == "static":
+                if mode == "static_cache":
                     kwargs["cache_implementation"] = "static"
 
                 def run(i: int, m: Any = m, kwargs: dict = kwargs, ids: Any = ids) -> Any:
@@ -299,13 +387,12 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                         return m.generate(ids, **kwargs)
 
                 out = run(0)  # compiles (static cache)
-                if cache == "static":
+                if mode == "static_cache":
                     eager_kwargs = dict(kwargs, disable_compile=True)
                     with torch.no_grad():
                         reference = m.generate(ids, **eager_kwargs)
                     # greedy tokens of the compiled model against the eager one's, and how
                     # far from eager-greedy its choices are (twell.testing.llama.greedy_gap)
-                    suffix = "" if name == "twell" else "_dense"
                     rec["tokens_match" + suffix] = bool(torch.equal(out, reference))
                     rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
                 ms = timed(run, 1, warmup=1, rounds=3)
@@ -435,6 +522,7 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
     return total["dense"] / total["twell"]
 
 
+DECODE_MODES = ("compiled_steps", "static_cache", "eager")
 BENCHMARKS = {"prefill": prefill, "train_step": train_step, "decode": decode}
 
 
@@ -522,6 +610,7 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--decode-modes", nargs="+", default=list(DECODE_MODES), choices=DECODE_MODES)
     p.add_argument("--train-tokens", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--compiled-train-tokens", type=int, nargs="*", default=[4096])
     p.add_argument("--l1", type=float, default=1e-4)

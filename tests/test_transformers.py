@@ -138,3 +138,22 @@ def test_calibrated_llama_is_as_sparse_as_asked() -> None:
         sparsify(model)
         sparse = model(held_out).logits
     assert float((sparse - dense).norm() / dense.norm()) < 1e-2
+
+
+def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
+    """bench/models.py's compiled step loop (a static cache, one fullgraph-compiled step
+    per token, tokens chosen on the device) gives generate's greedy tokens, twice."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "models.py"
+    spec = importlib.util.spec_from_file_location("bench_models", path)
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    model = tiny_llama()
+    sparsify(model)
+    ids = _prompt()
+    expected = _generate(model, ids, cache_implementation="static")
+    decoder = models.StepDecoder(model, ids, 5, backend="aot_eager", mode=None)
+    assert torch.equal(decoder.generate(), expected)
+    assert torch.equal(decoder.generate(), expected)

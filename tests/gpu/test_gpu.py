@@ -585,3 +585,22 @@ def test_public_ops_reject_widths_the_kernels_cannot_take(k: int) -> None:
         twell.ffn(x, w, w, w.T.copy())
     with pytest.raises(ValueError, match="w_gate: the GPU kernels need K"):
         twell.SparseFFN(w, w, w.T.copy())
+
+
+@pytest.mark.parametrize("shape", [(2048, 5632), (5632, 2048), (64, 64), (72, 200), (8, 8),
+                                   (1, 1), (33, 70), (130, 66), (4096, 14336)])  # fmt: skip
+@pytest.mark.parametrize("offset", [0, 4])
+def test_transpose_gives_every_element(shape: tuple, offset: int) -> None:
+    """convert.transpose (the 16-byte kernel where rows and columns are multiples of 8 and
+    the array is 16-byte aligned, the 2-byte one otherwise: ``offset`` elements in)
+    against NumPy's transpose, bit for bit; the output is poisoned first."""
+    from twell.kernels.convert import transpose
+
+    rows, cols = shape
+    bits = np.random.default_rng(rows * cols).integers(0, 1 << 16, rows * cols + offset)
+    flat = cp.asarray(bits.astype(np.uint16)).view(BF16)
+    matrix = flat[offset:].reshape(rows, cols)
+    out = transpose(matrix)
+    expected = bits[offset:].astype(np.uint16).reshape(rows, cols).T
+    assert out.shape == (cols, rows) and out.flags.c_contiguous
+    assert np.array_equal(cp.asnumpy(out.view(cp.uint16)), expected)

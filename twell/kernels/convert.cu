@@ -20,6 +20,39 @@ extern "C" __global__ void twell_transpose_u16(const uint16_t* __restrict__ in,
   }
 }
 
+// The same for rows and cols multiples of 8 and 16-byte aligned arrays: 64x64 tiles, 256
+// threads, 16-byte loads and stores (eight threads move one 128-byte row segment). The
+// tile's 16-byte chunks are swizzled (chunk q of row r sits at q ^ (r / 8)) so that the
+// column reads of the second half hit 16 different banks per warp.
+extern "C" __global__ void __launch_bounds__(256)
+    twell_transpose_u16x8(const uint4* __restrict__ in, uint4* __restrict__ out, int rows,
+                          int cols) {
+  __shared__ __align__(16) uint16_t tile[64 * 64];
+  const int c0 = blockIdx.x * 64, r0 = blockIdx.y * 64;
+  const int lane8 = threadIdx.x & 7, line = threadIdx.x >> 3;  // 32 lines of 8 threads
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = line + 32 * i, gr = r0 + r, gc = c0 + lane8 * 8;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (gr < rows && gc < cols) v = in[((long long)gr * cols + gc) >> 3];
+    *reinterpret_cast<uint4*>(&tile[r * 64 + ((lane8 ^ (r >> 3)) << 3)]) = v;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = line + 32 * i, gc = c0 + c, gr = r0 + lane8 * 8;
+    if (gc >= cols || gr >= rows) continue;
+    const int at = (((c >> 3) ^ lane8) << 3) + (c & 7);  // rows lane8*8 .. +7 share r >> 3
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = lane8 * 8 + 2 * k;
+      w[k] = (uint32_t)tile[r * 64 + at] | ((uint32_t)tile[(r + 1) * 64 + at] << 16);
+    }
+    out[((long long)gc * rows + gr) >> 3] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 #define CONVERT(NAME, IN_T, OUT_T, EXPR)                                                    \
   extern "C" __global__ void NAME(const IN_T* __restrict__ in, OUT_T* __restrict__ out,     \
                                   long long n) {                                            \
