@@ -26,10 +26,16 @@ Benchmarks (``--benchmarks``), each twell against dense:
   ``--compiled-tokens``; energy per token from NVML (``nvidia-ml-py``) where the driver
   reports it; the MLPs' share of the dense model's time (the MLPs replaced by zeros)
   and the whole-model cap it sets (Amdahl, with the MLP speedup measured in the run).
-- ``decode``: ``generate`` with transformers' static cache (which compiles the decode
-  step, ``mode="reduce-overhead"``) at ``--batches``, ``--prompt`` tokens in,
-  ``--new-tokens`` out, greedy; tokens/s, and whether the compiled twell model's tokens
-  equal the eager twell model's; also the dynamic cache, eagerly.
+- ``decode`` (``--decode-modes``), at ``--batches``, ``--prompt`` tokens in,
+  ``--new-tokens`` out, greedy: ``compiled_steps``, the decode loop of serving code on a
+  static cache (:class:`StepDecoder`: one ``fullgraph`` step per token in torch's CUDA
+  graphs, tokens chosen on the device; the time of the steps after the prompt, and the
+  MLPs' share of the dense step, its MLPs replaced by zeros, with the speedup the model
+  would have if they cost nothing, ``cap_free_mlps``); ``static_cache``, ``generate``
+  with transformers' static cache (which compiles the decode step,
+  ``mode="reduce-overhead"``), and whether the compiled twell model's tokens equal the
+  eager twell model's; ``eager``, ``generate`` with the dynamic cache. ``generate`` adds
+  a few milliseconds of Python per token on either side.
 - ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
@@ -376,6 +382,11 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                     rec[f"tokens_per_s_{name}"] = batch * steps / (ms / 1e3)
                     rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
                     del decoder
+                    if name == "dense":  # the step with every MLP's work taken out
+                        with without_mlps(m):
+                            rest = StepDecoder(m, ids, args.new_tokens).time_steps()
+                        rec["mlp_share"] = 1.0 - rest / ms
+                        rec["cap_free_mlps"] = ms / rest
                     continue
                 kwargs: dict[str, Any] = {"max_new_tokens": args.new_tokens, "do_sample": False,
                                           "min_new_tokens": args.new_tokens}  # fmt: skip
@@ -395,7 +406,7 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                     # far from eager-greedy its choices are (twell.testing.llama.greedy_gap)
                     rec["tokens_match" + suffix] = bool(torch.equal(out, reference))
                     rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
-                ms = timed(run, 1, warmup=1, rounds=3)
+                ms = timed(run, 1, warmup=1, rounds=5)  # host-bound: a wide spread
                 rec[f"t_{name}_ms"] = ms
                 rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
             rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]

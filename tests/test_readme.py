@@ -130,6 +130,31 @@ def test_the_models_table_orders_several_models_and_names_their_layers(tmp_path:
     )
 
 
+def test_decode_rows_go_by_batch_then_mode_and_name_the_step_loop(tmp_path: Path) -> None:
+    import json
+
+    t = tables()
+    folder = tmp_path / "h999"
+    folder.mkdir()
+
+    def record(mode: str, batch: int, **extra: object) -> dict:
+        return {"gpu": "GPU X", "model": "m", "benchmark": "decode", "mode": mode,
+                "tokens": 64, "batch": batch, "t_twell_ms": 2.0, "t_dense_ms": 3.0,
+                "speedup": 1.5, **extra}  # fmt: skip
+
+    steps = {"steps": 63, "ms_per_step_twell": 0.6, "ms_per_step_dense": 0.8,
+             "mlp_share": 0.4, "cap_free_mlps": 1.667}  # fmt: skip
+    records = [record("eager", 1), record("static_cache", 8), record("compiled_steps", 8, **steps),
+               record("compiled_steps", 1, **steps)]  # fmt: skip
+    (folder / "models.json").write_text(json.dumps({"records": records}))
+    rows = [line for line in t.gpu_table(folder).splitlines() if line.startswith("| model")]
+    assert rows[0].startswith("| model decode | compiled step loop, static cache, batch 1, 63 ")
+    assert "0.600 ms a step (dense 0.800); MLPs 40% of the dense step, at most 1.67×" in rows[0]
+    assert rows[1].startswith("| model decode | generate, dynamic cache, eager, batch 1, 64 new")
+    assert rows[2].startswith("| model decode | compiled step loop, static cache, batch 8")
+    assert rows[3].startswith("| model decode | generate, static cache, compiled, batch 8")
+
+
 def test_a_model_benchmark_run_replaces_its_own_records_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -91,6 +91,11 @@ _MODEL_BENCHMARKS = {
     "train_step": "model train step",
     "decode": "model decode",
 }
+_DECODE_MODES = {
+    "compiled_steps": "compiled step loop, static cache",
+    "static_cache": "generate, static cache, compiled",
+    "eager": "generate, dynamic cache, eager",
+}
 _MODEL_MODES = {"eager": "eager", "compiled": "compiled", "static_cache": "static cache (compiled)"}
 
 
@@ -116,17 +121,29 @@ def models_rows(folder: Path) -> Iterator[Row]:
     }
     order = list(_MODEL_BENCHMARKS)
 
-    def place(r: dict[str, Any]) -> tuple[int, int]:
-        bench = r.get("benchmark")
-        return names.index(str(r.get("model", ""))), order.index(bench) if bench in order else 99
+    modes = list(_DECODE_MODES)
+
+    def place(r: dict[str, Any]) -> tuple[int, int, int, int]:
+        bench, mode = r.get("benchmark"), r.get("mode")
+        decode = (r.get("batch", 0), modes.index(mode) if mode in modes else 99)
+        return (names.index(str(r.get("model", ""))), order.index(bench) if bench in order else 99,
+                *(decode if bench == "decode" else (0, 0)))  # fmt: skip
 
     for r in sorted(records, key=place):
         bench, mode = r.get("benchmark"), r.get("mode")
         notes = []
         lead = labels[str(r.get("model", ""))] if len(names) > 1 else ""
         if bench == "decode":
-            cache = "static cache, compiled" if mode == "static_cache" else "dynamic cache, eager"
-            case = f"{cache}, batch {r['batch']}, {r['tokens']} new tokens"
+            case = f"{_DECODE_MODES.get(mode, mode)}, batch {r['batch']}"
+            if "steps" in r:
+                case += f", {r['steps']} steps"
+                notes.append(f"{r['ms_per_step_twell']:.3f} ms a step "
+                             f"(dense {r['ms_per_step_dense']:.3f})")  # fmt: skip
+            else:
+                case += f", {r['tokens']} new tokens"
+            if "cap_free_mlps" in r:
+                notes.append(f"MLPs {r['mlp_share']:.0%} of the dense step, at most "
+                             f"{_x(r['cap_free_mlps'])} if they cost nothing")  # fmt: skip
             if "tokens_match" in r:
                 same = "same" if r["tokens_match"] else "not the same"
                 notes.append(f"greedy tokens {same} as eager twell's")
