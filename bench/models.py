@@ -35,7 +35,7 @@ Benchmarks (``--benchmarks``), each twell against dense:
   with transformers' static cache (which compiles the decode step,
   ``mode="reduce-overhead"``), and whether the compiled twell model's tokens equal the
   eager twell model's; ``eager``, ``generate`` with the dynamic cache. ``generate`` adds
-  a few milliseconds of Python per token on either side.
+  1–2 ms of Python per token on either side.
 - ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
@@ -308,7 +308,11 @@ class StepDecoder:
         self.positions = torch.arange(prompt + new_tokens, device=ids.device)
         self.out = torch.empty(batch, new_tokens, dtype=ids.dtype, device=ids.device)
         options = {"mode": mode} if mode else {}
-        torch._dynamo.reset()  # a fresh cache of compiled steps per model and batch
+        # A fresh cache of compiled steps per model and batch (one code object serves
+        # them all; the recompile limit would otherwise be reached). It also resets
+        # torch's graph trees, which frees their cuBLAS workspaces: twell then captures
+        # its own graphs anew (twell._graphs._cublas_epoch).
+        torch._dynamo.reset()
         self.step = torch.compile(_decode_step, backend=backend, fullgraph=True, **options)
 
     def prefill(self) -> Any:
@@ -374,9 +378,8 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                 if mode == "compiled_steps":
                     decoder = StepDecoder(m, ids, args.new_tokens)
                     out = decoder.generate()
-                    steps = args.new_tokens - 1
+                    steps = rec["steps"] = args.new_tokens - 1
                     ms = decoder.time_steps()
-                    rec["steps"] = steps
                     rec[f"t_{name}_ms"] = ms
                     rec[f"ms_per_step_{name}"] = ms / steps
                     rec[f"tokens_per_s_{name}"] = batch * steps / (ms / 1e3)

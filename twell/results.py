@@ -96,7 +96,7 @@ _DECODE_MODES = {
     "static_cache": "generate, static cache, compiled",
     "eager": "generate, dynamic cache, eager",
 }
-_MODEL_MODES = {"eager": "eager", "compiled": "compiled", "static_cache": "static cache (compiled)"}
+_MODEL_MODES = {"eager": "eager", "compiled": "compiled"}
 
 
 def _layers(model: str) -> int:
@@ -139,6 +139,9 @@ def models_rows(folder: Path) -> Iterator[Row]:
                 case += f", {r['steps']} steps"
                 notes.append(f"{r['ms_per_step_twell']:.3f} ms a step "
                              f"(dense {r['ms_per_step_dense']:.3f})")  # fmt: skip
+                if "greedy_gap" in r and "greedy_gap_dense" in r:
+                    notes.append(f"greedy gap {r['greedy_gap']:.3f} "
+                                 f"(dense twin's own: {r['greedy_gap_dense']:.3f})")  # fmt: skip
             else:
                 case += f", {r['tokens']} new tokens"
             if "cap_free_mlps" in r:

@@ -590,12 +590,24 @@ def test_public_ops_reject_widths_the_kernels_cannot_take(k: int) -> None:
 @pytest.mark.parametrize("shape", [(2048, 5632), (5632, 2048), (64, 64), (72, 200), (8, 8),
                                    (1, 1), (33, 70), (130, 66), (4096, 14336)])  # fmt: skip
 @pytest.mark.parametrize("offset", [0, 4])
-def test_transpose_gives_every_element(shape: tuple, offset: int) -> None:
+def test_transpose_gives_every_element(
+    shape: tuple, offset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """convert.transpose (the 16-byte kernel where rows and columns are multiples of 8 and
     the array is 16-byte aligned, the 2-byte one otherwise: ``offset`` elements in)
-    against NumPy's transpose, bit for bit; the output is poisoned first."""
+    against NumPy's transpose, bit for bit, into a poisoned output (the module's
+    buffers); the kernel that ran is the one the shape and alignment call for."""
+    from twell.kernels.compile import Source
     from twell.kernels.convert import transpose
 
+    asked: list[str] = []
+    kernel = Source.kernel
+
+    def spy(self: Source, function: str, **params: int) -> object:
+        asked.append(function)
+        return kernel(self, function, **params)
+
+    monkeypatch.setattr(Source, "kernel", spy)
     rows, cols = shape
     bits = np.random.default_rng(rows * cols).integers(0, 1 << 16, rows * cols + offset)
     flat = cp.asarray(bits.astype(np.uint16)).view(BF16)
@@ -604,3 +616,5 @@ def test_transpose_gives_every_element(shape: tuple, offset: int) -> None:
     expected = bits[offset:].astype(np.uint16).reshape(rows, cols).T
     assert out.shape == (cols, rows) and out.flags.c_contiguous
     assert np.array_equal(cp.asnumpy(out.view(cp.uint16)), expected)
+    wide = offset == 0 and rows % 8 == 0 and cols % 8 == 0
+    assert asked == ["twell_transpose_u16x8" if wide else "twell_transpose_u16"]

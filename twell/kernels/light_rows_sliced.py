@@ -21,11 +21,11 @@ from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare
 
 #: When the "fused" route takes this stage (:func:`pays`): gathered weights (``w_up`` and
-#: ``w_down_t``; non-gated ``w_down_t``) of at least this many bytes, about twice the L2
-#: (H100: 96 MiB and 4096 tokens; H200: 128 MiB and 8192), and at least this many tokens
-#: (gated blocks measured). On an H100, at
-#: K=4096, N=14336 (235 MB of the two) and M=16384 it took 6.03 ms against 8.13 for the
-#: per-token gather; at K=2048, N=5632 (46 MB) 1.34 against 1.19.
+#: ``w_down_t``; non-gated ``w_down_t``) of at least WEIGHT_BYTES, about twice the L2, and
+#: at least MIN_ROWS tokens (gated blocks measured; H100: 96 MiB and 4096 tokens, H200:
+#: 128 MiB and 8192). On an H100, at K=4096, N=14336 (235 MB of the two) and M=16384 it
+#: took 6.03 ms against 8.13 for the per-token gather; at K=2048, N=5632 (46 MB) 1.34
+#: against 1.19.
 WEIGHT_BYTES: int = tuning.value("light_rows_sliced.WEIGHT_BYTES")
 MIN_ROWS: int = tuning.value("light_rows_sliced.MIN_ROWS")
 #: Entries whose weight pieces a warp loads at once.
