@@ -67,29 +67,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from twell.timing import gpu_name, record_path, versions, write_json
+from twell.timing import gpu_name, record_path, versions, wall_ms, write_json
 
 
 def _sync() -> None:
     import torch
 
     torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[int], Any], calls: int, warmup: int = 2, rounds: int = 3) -> float:
-    """Median over ``rounds`` of the wall time of ``calls`` back-to-back calls (the
-    device synchronised around each round), per call, ms."""
-    for i in range(warmup):
-        fn(i)
-    _sync()
-    times = []
-    for r in range(rounds):
-        start = time.perf_counter()
-        for c in range(calls):
-            fn(r * calls + c)
-        _sync()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
 
 
 class Energy:
@@ -215,7 +199,7 @@ def prefill(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) ->
                 outs[name] = fn(0).float()
                 fns[name] = fn
                 calls = max(1, min(10, 65536 // t))
-                rec[f"t_{name}_ms"] = timed(fn, calls)
+                rec[f"t_{name}_ms"] = wall_ms(fn, calls)
             rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
             rec["logits_rel_err"] = float(
                 (outs["twell"] - outs["dense"]).norm() / outs["dense"].norm()
@@ -261,7 +245,7 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
             return dense(input_ids=ids, use_cache=False, logits_to_keep=1).logits
 
     with without_mlps(dense):
-        t_without = timed(fn, 3)
+        t_without = wall_ms(fn, 3)
     captured: list[Any] = []
     handle = layers[0].mlp.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
     with torch.no_grad():
@@ -275,7 +259,7 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
             with torch.no_grad():
                 return mlp(x)
 
-        times[name] = timed(run, 10)
+        times[name] = wall_ms(run, 10)
     share = max(0.0, 1.0 - t_without / t_dense_ms)
     speedup = times["dense"] / times["twell"]
     return {"mlp_share": share, "mlp_speedup": speedup, "cap": mlp_share_cap(share, speedup)}
@@ -350,15 +334,12 @@ class StepDecoder:
         """Median over ``rounds`` of the decode steps' wall time (prefill excluded), ms."""
         for _ in range(warmup):  # compiles, then records the CUDA graph
             self.generate()
-        times = []
-        for _ in range(rounds):
-            token = self.prefill()
-            _sync()
-            start = time.perf_counter()
-            self.steps(token)
-            _sync()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        first: list[Any] = []
+
+        def prefill(r: int) -> None:
+            first[:] = [self.prefill()]
+
+        return wall_ms(lambda i: self.steps(first[0]), warmup=0, rounds=rounds, before=prefill)
 
 
 def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
@@ -409,7 +390,7 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                     # far from eager-greedy its choices are (twell.testing.llama.greedy_gap)
                     rec["tokens_match" + suffix] = bool(torch.equal(out, reference))
                     rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
-                ms = timed(run, 1, warmup=1, rounds=5)  # host-bound: a wide spread
+                ms = wall_ms(run, 1, warmup=1, rounds=5)  # host-bound: a wide spread
                 rec[f"t_{name}_ms"] = ms
                 rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
             rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
@@ -461,7 +442,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             graphs = (autograd._FORWARD_GRAPHS, autograd._OP_FORWARD_GRAPHS,
                       autograd._BACKWARD_GRAPHS)  # fmt: skip
             before = [(g.captures, g.replays) for g in graphs]
-            rec[f"t_{name}_ms"] = timed(step, 5, warmup=0, rounds=3)
+            rec[f"t_{name}_ms"] = wall_ms(step, 5, warmup=0, rounds=3)
             if name == "twell":  # op graphs captured / replayed over the timed steps
                 rec["op_graphs"] = [(g.captures - c, g.replays - r)
                                     for g, (c, r) in zip(graphs, before, strict=True)]  # fmt: skip
@@ -502,7 +483,7 @@ def train_mlp_share(dense: Any, step: Callable[[int], Any], t_dense_ms: float) -
     replaced by zeros (no MLP forward, backward or weight update)."""
     with without_mlps(dense):
         step(0)
-        t_without = timed(step, 5, warmup=1, rounds=3)
+        t_without = wall_ms(step, 5, warmup=1, rounds=3)
     return {"mlp_share": max(0.0, 1.0 - t_without / t_dense_ms)}
 
 
@@ -532,7 +513,7 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
                 for p in mlp.parameters():
                     p.grad = None
 
-        total[name] = timed(run, 5, warmup=5)
+        total[name] = wall_ms(run, 5, warmup=5)
     return total["dense"] / total["twell"]
 
 

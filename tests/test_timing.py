@@ -59,3 +59,17 @@ def test_timing_imports_neither_runner() -> None:
     it imports neither (the two runners once imported each other)."""
     source = Path(timing.__file__).read_text()
     assert "twell.benchmark" not in source and "twell.sweeps" not in source
+
+
+def test_wall_ms_times_rounds_of_calls_after_their_untimed_setup() -> None:
+    pytest.importorskip("torch")
+    seen: list[tuple[str, int]] = []
+
+    def call(i: int) -> None:
+        seen.append(("call", i))
+
+    ms = timing.wall_ms(call, calls=2, warmup=1, rounds=3,
+                        before=lambda r: seen.append(("before", r)))  # fmt: skip
+    assert ms >= 0
+    assert seen == [("call", 0), ("before", 0), ("call", 0), ("call", 1), ("before", 1),
+                    ("call", 2), ("call", 3), ("before", 2), ("call", 4), ("call", 5)]  # fmt: skip

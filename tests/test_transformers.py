@@ -157,3 +157,5 @@ def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
     decoder = models.StepDecoder(model, ids, 5, backend="aot_eager", mode=None)
     assert torch.equal(decoder.generate(), expected)
     assert torch.equal(decoder.generate(), expected)
+    assert decoder.time_steps(warmup=1, rounds=2) > 0  # a prefill before each timed round
+    assert torch.equal(torch.cat([ids, decoder.out], dim=1), expected)

@@ -9,7 +9,10 @@ the median of its repetitions after warm-up calls (compilation excluded), in ms:
 - :func:`back_to_back_ms`: events around ``calls`` calls issued with no sync between
   them, divided by ``calls``: what a model's stream of kernels sees;
 - :func:`graph_ms`: ``fn(0) ... fn(sets - 1)`` captured once in a torch CUDA graph,
-  replays timed, per call: the GPU's work without launch overhead.
+  replays timed, per call: the GPU's work without launch overhead;
+- :func:`wall_ms`: the host's clock around ``calls`` calls, the device synchronised
+  around each round: for whole models, and for calls that wait on the device themselves
+  (transformers' ``generate``).
 
 And the host's cost of one call, in µs:
 
@@ -84,6 +87,31 @@ def back_to_back_ms(
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / calls)
+    return statistics.median(times)
+
+
+def wall_ms(
+    fn: Callable[[int], Any], calls: int = 1, warmup: int = 2, rounds: int = 3,
+    before: Callable[[int], Any] | None = None,
+) -> float:  # fmt: skip
+    """Median over ``rounds`` of the wall time of ``calls`` back-to-back calls ``fn(i)``,
+    per call, the device synchronised before and after each round (none without CUDA);
+    ``before(r)``: untimed work ahead of round ``r`` (a decode loop's prefill)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for r in range(rounds):
+        if before is not None:
+            before(r)
+        sync()
+        start = time.perf_counter()
+        for c in range(calls):
+            fn(r * calls + c)
+        sync()
+        times.append((time.perf_counter() - start) / calls * 1e3)
     return statistics.median(times)
 
 
