@@ -214,6 +214,24 @@ def prefill(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) ->
             emit(rec)
 
 
+def mlp_inputs(dense: Any, ids: Any, count: int | None = None) -> list[Any]:
+    """The inputs of the first ``count`` MLPs of ``dense`` (all: None) in one forward
+    pass on ``ids``, in layer order."""
+    import torch
+
+    inputs: list[Any] = []
+    layers = dense.model.layers[:count]
+    handles = [layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
+               for layer in layers]  # fmt: skip
+    try:
+        with torch.no_grad():
+            dense(input_ids=ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
+
+
 @contextlib.contextmanager
 def without_mlps(dense: Any) -> Iterator[None]:
     """Every MLP of ``dense`` returns zeros inside the block (no MLP work, forward or
@@ -246,12 +264,7 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
 
     with without_mlps(dense):
         t_without = wall_ms(fn, 3)
-    captured: list[Any] = []
-    handle = layers[0].mlp.register_forward_pre_hook(lambda m, a: captured.append(a[0]))
-    with torch.no_grad():
-        dense(input_ids=ids, use_cache=False, logits_to_keep=1)
-    handle.remove()
-    x = captured[0]
+    x = mlp_inputs(dense, ids, count=1)[0]
     times = {}
     for name, mlp in (("dense", layers[0].mlp), ("twell", model.model.layers[0].mlp)):
 
@@ -493,14 +506,7 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
     upstream gradient)."""
     import torch
 
-    ids = tokens(dense, t // seq, seq, sets=1)[0]
-    inputs: list[Any] = []
-    handles = [layer.mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach()))
-               for layer in dense.model.layers]  # fmt: skip
-    with torch.no_grad():
-        dense(input_ids=ids, use_cache=False, logits_to_keep=1)
-    for handle in handles:
-        handle.remove()
+    inputs = mlp_inputs(dense, tokens(dense, t // seq, seq, sets=1)[0])
     total = {}
     for name, net in (("dense", dense), ("twell", model)):
         mlps = [copy.deepcopy(layer.mlp).train() for layer in net.model.layers]

@@ -140,9 +140,7 @@ def test_calibrated_llama_is_as_sparse_as_asked() -> None:
     assert float((sparse - dense).norm() / dense.norm()) < 1e-2
 
 
-def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
-    """bench/models.py's compiled step loop (a static cache, one fullgraph-compiled step
-    per token, tokens chosen on the device) gives generate's greedy tokens, twice."""
+def _bench_models():  # noqa: ANN202 - bench/models.py as a module
     import importlib.util
     from pathlib import Path
 
@@ -150,6 +148,13 @@ def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
     spec = importlib.util.spec_from_file_location("bench_models", path)
     models = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(models)
+    return models
+
+
+def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
+    """bench/models.py's compiled step loop (a static cache, one fullgraph-compiled step
+    per token, tokens chosen on the device) gives generate's greedy tokens, twice."""
+    models = _bench_models()
     model = tiny_llama()
     sparsify(model)
     ids = _prompt()
@@ -159,3 +164,17 @@ def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
     assert torch.equal(decoder.generate(), expected)
     assert decoder.time_steps(warmup=1, rounds=2) > 0  # a prefill before each timed round
     assert torch.equal(torch.cat([ids, decoder.out], dim=1), expected)
+
+
+def test_bench_models_mlp_inputs_in_one_pass() -> None:
+    """bench/models.py's mlp_inputs: every MLP's input (or the first ``count``) from one
+    forward, in layer order, its hooks removed after."""
+    models = _bench_models()
+    model = tiny_llama()
+    ids = _prompt()
+    every = models.mlp_inputs(model, ids)
+    assert [x.shape for x in every] == [(2, 6, 64)] * 2
+    assert not torch.equal(every[0], every[1])
+    first = models.mlp_inputs(model, ids, count=1)
+    assert len(first) == 1 and torch.equal(first[0], every[0])
+    assert not any(layer.mlp._forward_pre_hooks for layer in model.model.layers)
