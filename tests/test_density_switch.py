@@ -15,8 +15,10 @@ from twell.kernels.density import (
     CROSSOVER,
     HEAVY_DENSE,
     REFRESH_EVERY,
+    WHOLE_BATCH_SHARE,
     DensitySwitch,
     crossover,
+    light_mean,
 )
 
 N = 5632
@@ -244,3 +246,36 @@ def test_plain_reductions_overlapping_on_two_threads_restore_cupys_setting(
         a.join(5)
         b.join(5)
         assert inside == [[], []] and state["list"] == ["cub"]
+
+
+def test_the_estimate_leaves_heavy_rows_to_their_share() -> None:
+    """A 64-row sample with two heavy rows (26% of N each) among rows of 28 units: the
+    light rows' mean, which the crossover is for, not 73 units; flagged rows (an
+    overflowing tile, NaN) are left out too; a sample of heavy rows only gives its mean."""
+    import numpy as np
+
+    counts = np.full(64, 28.0, dtype=np.float32)
+    counts[[5, 40]] = 0.26 * N
+    assert float(counts.mean()) > 70
+    assert float(light_mean(counts, None, 168, np)) == pytest.approx(28.0)
+    flags = np.zeros(64, dtype=np.uint8)
+    flags[7] = 1
+    counts[7] = 40.0  # under the limit, but flagged
+    assert float(light_mean(counts, flags, 168, np)) == pytest.approx(28.0)
+    heavy_only = np.full(8, 500.0, dtype=np.float32)
+    assert float(light_mean(heavy_only, None, 168, np)) == pytest.approx(500.0)
+
+
+@given(st.floats(0.0, 1.0), st.sampled_from([1, 8, 64, 1024, 2048, 16384, 65536]))
+def test_a_batch_mostly_of_heavy_rows_runs_dense(share: float, m: int) -> None:
+    """Past WHOLE_BATCH_SHARE (0.2: where "auto" would give the whole batch to the
+    capacity GEMMs) a batch of HEAVY_DENSE[0] tokens or more runs dense math whatever its
+    light rows' mean; under it, a light mean under the crossover keeps the sparse path
+    from HEAVY_DENSE[1] tokens on."""
+    assert WHOLE_BATCH_SHARE == pytest.approx(0.2)
+    s = switch(8.0, heavy_share=share)
+    low, high = HEAVY_DENSE
+    if m >= low and share > WHOLE_BATCH_SHARE:
+        assert s.go_dense(m, False)
+    elif m >= high and 8.0 <= s.threshold(m):
+        assert not s.go_dense(m, False)

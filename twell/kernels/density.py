@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from twell import tuning
-from twell.options import auto_capacity
+from twell.options import AUTO_CAPACITIES, AUTO_HEADROOM, auto_capacity
 
 #: Where the sparse path stops paying, by batch size: ``(M, mean active units per row as
 #: a fraction of N)`` at which the route a block takes and dense math take the same time
@@ -45,6 +45,13 @@ CROSSOVER: tuple[tuple[int, float], ...] = tuning.value("density.CROSSOVER")
 #: of the sparse path's gain below ``high`` tokens; in the by-unit route a token with
 #: hundreds of units holds up its token group from ``low`` tokens on.
 HEAVY_DENSE: tuple[int, int] = tuning.value("density.HEAVY_DENSE")
+#: Share of heavy rows above which a batch of at least ``HEAVY_DENSE[0]`` tokens runs
+#: dense math: past it ``dense_capacity="auto"`` would send every row through the
+#: capacity GEMMs after the sparse stages had run (the last rung of
+#: :data:`twell.options.AUTO_CAPACITIES` below the whole batch, over its headroom: 0.2),
+#: and with a fixed capacity the rows past it take the heavy-row tiles, slower per row
+#: than cuBLAS. Either costs more than dense math alone.
+WHOLE_BATCH_SHARE = AUTO_CAPACITIES[-2] / AUTO_HEADROOM
 #: Every REFRESH_EVERY-th call of a block replayed from a CUDA graph runs eagerly and
 #: measures the statistics (twell._graphs; none with the switch off): a replayed call
 #: costs a few µs of host time, an eager one tens.
@@ -104,7 +111,7 @@ class DensitySwitch:
         self.row_limit = row_limit
         self.enabled = enabled
         self.auto = auto  # dense_capacity="auto": decision() carries the capacity
-        self.estimate: float | None = None  # mean active units per row
+        self.estimate: float | None = None  # mean active units per light row (light_mean)
         self.heavy_share = 0.0  # share of heavy rows
         self.dense = False
         self._pending: tuple[Any, Any] | None = None
@@ -112,8 +119,8 @@ class DensitySwitch:
         self._due = False
 
     def threshold(self, m: int) -> float:
-        """Mean active units per row above which an ``m``-token call runs dense math
-        (:func:`crossover` of N, at least 8)."""
+        """Mean active units per light row above which an ``m``-token call runs dense
+        math (:func:`crossover` of N, at least 8)."""
         return max(8.0, self.n * crossover(m))
 
     def go_dense(self, m: int, capturing: bool) -> bool:
@@ -129,7 +136,11 @@ class DensitySwitch:
         self.dense = (
             self.enabled
             and self.estimate is not None
-            and (self.estimate > self.threshold(m) or (low <= m < high and self.expects_heavy(m)))
+            and (
+                self.estimate > self.threshold(m)
+                or (low <= m < high and self.expects_heavy(m))
+                or (m >= low and self.heavy_share > WHOLE_BATCH_SHARE)
+            )
         )
         return self.dense
 
@@ -218,6 +229,7 @@ class DensitySwitch:
         else:
             sample = pre[rows][: self.SAMPLE_ROWS].view(cupy.int16)
             counts = (sample > 0).sum(axis=1, dtype=cupy.float32)
+        flags = None if heavy is None else heavy[rows][: self.SAMPLE_ROWS]
         if m < self.SHARE_ROWS:
             share = None
         elif heavy is not None:
@@ -229,7 +241,7 @@ class DensitySwitch:
             rows_in = pre if m < HEAVY_DENSE[1] else pre[rows][: self.SAMPLE_ROWS]
             units = (rows_in.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
             share = (units > self.row_limit).mean(dtype=cupy.float32)
-        self._publish(counts.mean(), share)
+        self._publish(light_mean(counts, flags, self.row_limit, cupy), share)
 
     def _publish(self, per_row: Any, heavy: Any | None) -> None:
         """Copy the device statistics to pinned memory behind an event (read by go_dense);
@@ -293,6 +305,22 @@ def _popcount8(device: int) -> Any:
 
     with cupy.cuda.Device(device):
         return cupy.asarray([bin(b).count("1") for b in range(256)], dtype=cupy.uint8)
+
+
+def light_mean(counts: Any, flags: Any | None, row_limit: int, xp: Any) -> Any:
+    """The mean active units of a row sample's light rows (a 0-d array of ``xp``, NumPy or
+    CuPy): rows over ``row_limit`` units, or flagged heavy by the route (``flags``, uint8,
+    nonzero: an overflowing tile or a non-finite value), take the heavy-row stage, whose
+    cost the heavy-row share accounts for; counted in the mean, a few of them in a
+    64-row sample (1464 units each at 26% active) moved the estimate of a batch with 2% of
+    such tokens from 28 units to 73 and past the crossover, and the whole batch ran dense
+    math. A sample with no light row gives the mean of all its rows."""
+    light = counts <= row_limit
+    if flags is not None:
+        light &= flags == 0
+    taken = xp.maximum(light.sum(dtype=xp.float32), 1.0)
+    return xp.where(light.any(), (counts * light).sum(dtype=xp.float32) / taken,
+                    counts.mean(dtype=xp.float32))  # fmt: skip
 
 
 def sample_rows(m: int, rows: int) -> slice:
