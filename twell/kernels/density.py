@@ -311,10 +311,11 @@ def light_mean(counts: Any, flags: Any | None, row_limit: int, xp: Any) -> Any:
     """The mean active units of a row sample's light rows (a 0-d array of ``xp``, NumPy or
     CuPy): rows over ``row_limit`` units, or flagged heavy by the route (``flags``, uint8,
     nonzero: an overflowing tile or a non-finite value), take the heavy-row stage, whose
-    cost the heavy-row share accounts for; counted in the mean, a few of them in a
-    64-row sample (1464 units each at 26% active) moved the estimate of a batch with 2% of
-    such tokens from 28 units to 73 and past the crossover, and the whole batch ran dense
-    math. A sample with no light row gives the mean of all its rows."""
+    cost the heavy-row share accounts for. Counted in the mean, two of them in a 64-row
+    sample (1464 units each at 26% active; a batch with 2% of such tokens has two or
+    more in 37% of samples) take the estimate from 28 units to 73, past the crossover of
+    16k tokens on an H200 (72), and the whole batch to dense math. A sample with no light
+    row gives the mean of all its rows."""
     light = counts <= row_limit
     if flags is not None:
         light &= flags == 0
