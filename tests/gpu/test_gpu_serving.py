@@ -291,6 +291,47 @@ def test_auto_capacity_follows_the_heavy_rows_the_switch_measured() -> None:
     assert torch.equal(settled(off, x).view(torch.int16), none.view(torch.int16))
 
 
+def test_heavy_rows_in_the_sample_leave_the_estimate_to_the_light_rows() -> None:
+    """Three heavy tokens (~19% of the units each) at rows of the switch's 64-row sample:
+    counted in the mean they would lift it from ~10 units past the crossover of 4096
+    tokens; the light rows' mean decides instead, the batch keeps the sparse path with
+    the heavy rows through the heavy-row stage, and the same batch gives the same bits
+    again."""
+    from twell.kernels.density import sample_rows
+
+    p = workloads.uniform(4096, 256, 2048, p=0.005, seed=6)
+    x = p.x.astype(np.float32)
+    rows = list(range(4096))[sample_rows(4096, 64)][:3]
+    x[rows, 1:] *= 3
+    p = dataclasses.replace(p, x=x.astype(p.x.dtype))
+    x, wg, wu, wd = tensors(p)
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    block = twell.SparseFFN(wg, wu, wd)
+    y = settled(block, x)
+    density = block._prepared.density
+    assert density.heavy_share == pytest.approx(3 / 4096)
+    assert density.estimate < density.threshold(4096)
+    assert not density.dense
+    assert relative_error(as_f64(y), oracle) < 1e-2
+    assert torch.equal(block(x).view(torch.int16), y.view(torch.int16))
+
+
+def test_a_batch_mostly_of_heavy_rows_runs_dense_math() -> None:
+    """30% heavy tokens at 4096 tokens: "auto" would put every row through the capacity
+    GEMMs after the sparse stages; the switch sends the batch to dense math
+    (density.WHOLE_BATCH_SHARE), with the light rows' mean under the crossover."""
+    p = workloads.heavy(4096, 256, 2048, p=0.005, frac=0.3, seed=7)
+    x, wg, wu, wd = tensors(p)
+    oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
+    block = twell.SparseFFN(wg, wu, wd)
+    y = settled(block, x)
+    density = block._prepared.density
+    assert density.heavy_share == pytest.approx(0.3, abs=0.01)
+    assert density.estimate < density.threshold(4096)
+    assert density.dense
+    assert relative_error(as_f64(y), oracle) < 1e-2
+
+
 def test_heavy_rows_keep_a_mid_sized_batch_dense_across_measurements() -> None:
     """The dense path measures the share of heavy rows over every row, as the sparse
     routes do (a row sample would miss the rare heavy rows and send the batch back)."""
