@@ -674,3 +674,48 @@ def test_backward_dense_capacity_can_be_captured(gated: bool):
         if a is not None:
             assert np.array_equal(as_host(a).view(np.uint8), b.view(np.uint8)), "replays differ"
     check(got, reference.ffn_backward(x, *w, dy, 1e-2))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_backward_folded_capacity_rows_match_the_capacity_gemms(
+    monkeypatch: pytest.MonkeyPatch, gated: bool
+):
+    """At the paper's width (K=2048, N=5632) with 1% heavy tokens and dense_capacity 1/64:
+    the capacity rows' weight gradients summed by the weight-gradient kernel (FOLD_ROWS)
+    match cuBLAS's beta=1 GEMMs to fp32 rounding, dx keeps its bits (the same GEMMs make
+    it), the folded path is taken (no beta=1 GEMM into the accumulators), and reruns give
+    the same bits."""
+    from twell.kernels import cublas
+
+    m, k, n = 1024, 2048, 5632
+    p = problem("heavy", m, k, n, seed=31)
+    x, dy = p.x, upstream(m, k, 32)
+    w = weights(p, gated)
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options(dense_capacity=1 / 64))
+    assert 0 < block.options.capacity_rows(m) <= backward.FOLD_ROWS
+    xg, dyg = to_gpu(x), to_gpu(dy)
+    _, saved = block.forward(xg, save=True)
+    rows = int(saved.count[0])
+    assert 0 < rows <= block.options.capacity_rows(m), rows
+    accumulating: list[int] = []
+    gemm = cublas.gemm_f32
+
+    def spy(*args: object, accumulate: bool = False, **kwargs: object) -> object:
+        accumulating.append(int(accumulate and kwargs.get("transpose_a", False)))
+        return gemm(*args, accumulate=accumulate, **kwargs)
+
+    monkeypatch.setattr(backward, "gemm_f32", spy)
+    folded = backward.ffn_backward(block, xg, dyg, saved)
+    again = backward.ffn_backward(block, xg, dyg, saved)
+    assert accumulating and not any(accumulating), "a weight GEMM ran with beta = 1"
+    monkeypatch.setattr(backward, "FOLD_ROWS", 0)
+    accumulating.clear()
+    gemms = backward.ffn_backward(block, xg, dyg, saved)
+    assert sum(accumulating) == (3 if gated else 2)
+    assert cp.array_equal(folded[0].view(cp.uint16), gemms[0].view(cp.uint16)), "dx changed"
+    for a, b, c in zip(folded[1:], again[1:], gemms[1:], strict=True):
+        if a is None:
+            continue
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8)), "not deterministic"
+        scale = float(cp.abs(c).max())
+        assert float(cp.abs(a - c).max()) <= 1e-5 * scale, "folded rows differ from cuBLAS"

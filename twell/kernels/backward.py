@@ -33,7 +33,9 @@ The steps, one source each (each file's header has the details):
    depend on the ranges, never on the slices).
 4. **Heavy rows** (``backward_heavy.cu``): with ``dense_capacity``, the first
    ``options.capacity_rows(M)`` of them through cuBLAS GEMMs of exactly that many rows
-   (:func:`_capacity_rows`, as the forward's capacity GEMMs); the rest in chunks of
+   (:func:`_capacity_rows`, as the forward's capacity GEMMs; up to :data:`FOLD_ROWS` of
+   them run before step 3, whose kernel adds their weight gradients after the light
+   pairs'); the rest in chunks of
    :func:`heavy_chunk_rows` rows: tensor-core tiles for ``a, u, dy·w_down`` → ``da, du, h``
    (bf16), the rows of ``dx``, and the rows' weight gradients added to the light part
    (light, then capacity rows, then chunks: fixed order). All chunks are one launch whose
@@ -43,10 +45,10 @@ The steps, one source each (each file's header has the details):
    (``backward_transpose.cu``).
 
 Every float sum has one owner and a fixed order: step 1 in entry order, step 3 in token
-order (then segments in order), step 4 per mma fragment in k order (then splits in
-order), light before heavy (capacity rows, then chunks); cuBLAS is deterministic for a
-given library path and shape. The only atomics are on integers (shared bit masks, the
-heavy step's work queue).
+order (then the folded capacity rows in row order, then segments in order), step 4 per
+mma fragment in k order (then splits in order), light before heavy (capacity rows, then
+chunks); cuBLAS is deterministic for a given library path and shape. The only atomics
+are on integers (shared bit masks, the heavy step's work queue).
 
 Weight gradients accumulate in fp32 and are returned in ``grad_dtype`` (fp32 by default;
 bf16 rounds each once at the end); ``dx`` in ``x``'s dtype (bf16 math inside).
@@ -94,6 +96,14 @@ HEAVY_CHUNKS = 8
 #: Resident blocks per SM of step 4's launch (its work items come from a queue, so the
 #: bits do not depend on this).
 HEAVY_BLOCKS_PER_SM = 3
+#: Capacity rows (``options.capacity_rows(M)``) up to which their weight gradients are
+#: summed by step 3's kernel after the light pairs (``fold``) instead of by three cuBLAS
+#: GEMMs with beta = 1: those read and write the three fp32 ``[N, K]`` accumulators once
+#: more (24·N·K bytes, ~0.1 ms at N=5632, K=2048 on an H200) however few rows are heavy,
+#: where a folded row costs ``2·NV·N·K`` flops on CUDA cores, in step with the device's
+#: count of heavy rows. A model's sink tokens (a few rows per sequence) meet the smallest
+#: ``"auto"`` capacity, 1/64 of the batch: 64 rows at 4096 tokens.
+FOLD_ROWS = 64
 #: Reductions of the L1 penalty (twell.reference.l1_loss).
 REDUCTIONS = ("mean", "per_token")
 #: ``l1_coeff`` may be a CuPy float ``[1]`` device array: the kernels read it, so a
@@ -161,6 +171,13 @@ _SOURCE_OF = {
 }  # fmt: skip
 
 _NULL = np.uint64(0)
+
+
+def _pointer(array: Any | None) -> Any:
+    """A kernel argument: bf16 as uint16, int32 as it is, None as a null pointer."""
+    if array is None:
+        return _NULL
+    return array if array.dtype == np.int32 else u16(array)
 
 
 @dataclass
@@ -320,8 +337,9 @@ def ffn_backward(
 
     Memory: besides the outputs and the fp32 accumulators of the weight gradients, the
     scratch of each step is released before the next one (the pair values and unit lists
-    before the heavy rows, the capacity rows' buffers before the chunks), so the peak is
-    the largest step's, not their sum. The capacity rows take ``C = capacity_rows(M)``
+    before the heavy rows, the capacity rows' buffers before the chunks; up to
+    :data:`FOLD_ROWS` capacity rows' buffers live through step 3), so the peak is the
+    largest step's, not their sum. The capacity rows take ``C = capacity_rows(M)``
     rows of ``x`` and ``dy`` (bf16), ``2`` or ``3`` of ``[C, N]`` (bf16) and one ``[C, K]``
     fp32 for their ``dx``.
     """
@@ -389,6 +407,15 @@ def ffn_backward(
             (heavy, row_nnz, units, vals, np.int64(stride), i32(m), i32(row_cap), w_gate,
              w_up, u16(dx)), params)  # fmt: skip
     del units, row_nnz
+    ids, count = compact_rows(heavy)
+    cap = block.options.capacity_rows(m)
+    if cap and not gemm_f32_available():
+        cap = 0
+    # Few capacity rows: their dense math now, their weight gradients in step 3.
+    folded = None
+    if 0 < cap <= FOLD_ROWS:
+        ids, count, folded = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx,
+                                            dws, fold=True)  # fmt: skip
 
     # 2. Unit lists of the light pairs (backward_lists.cu).
     lists = build_unit_lists(saved.packed, heavy, tile_off, n, row_cap, params)
@@ -401,14 +428,17 @@ def ffn_backward(
     # count return at once.
     slices = grad_slices(m, k)
     rows = grad_rows(m, k, slices)
+    no_fold = (*[_NULL] * 6, i32(0))
+    fold = no_fold if folded is None else (*map(_pointer, folded), i32(cap))
     for t0 in range(0, m, rows):
+        last = t0 + rows >= m  # the folded rows go with the last token range
         _launch("twell_bw_weight_grads" if slices == 1 else "twell_bw_weight_grads_sliced",
                 (slices * (n + lists.extra_cap),),
                 (grad_threads(k) if slices == 1 else k // 8 // slices,),
                 (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
                  lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
                  i32(lists.extra_cap), i32(slices), i32(t0), i32(min(m, t0 + rows)),
-                 i32(t0 > 0), *out, ws), params)  # fmt: skip
+                 i32(t0 > 0), *out, ws, *(fold if last else no_fold)), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
@@ -418,13 +448,9 @@ def ffn_backward(
     # allocator first (stream-ordered: safe to reuse). Through torch (an op called with
     # torch tensors, or a capture) the fp32 GEMMs need torch.mm's out_dtype: without it,
     # every heavy row takes the chunks.
-    ids, count = compact_rows(heavy)
-    del vals, lists, ws, tile_off, heavy
-    cap = block.options.capacity_rows(m)
-    if cap and not gemm_f32_available():
-        cap = 0
-    if cap:
-        ids, count = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
+    del vals, lists, ws, tile_off, heavy, folded, fold
+    if cap > FOLD_ROWS:
+        ids, count, _ = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
     if cap < m:
         _heavy_rows(params, sms, m - cap, n, k, x16, dy16, ids, count, block, w_gate,
                     w_up, w_down_t, l1, dx, out)  # fmt: skip
@@ -436,12 +462,16 @@ def ffn_backward(
 
 def _capacity_rows(
     params: dict[str, int], block: Any, cap: int, x: Any, dy: Any, ids: Any, count: Any,
-    l1: tuple[Any, Any], dx: Any, dws: list[Any],
-) -> tuple[Any, Any]:  # fmt: skip
+    l1: tuple[Any, Any], dx: Any, dws: list[Any], *, fold: bool = False,
+) -> tuple[Any, Any, tuple[Any, ...] | None]:  # fmt: skip
     """Step 4, first part: dense math for the heavy rows ``ids[:min(count, cap)]`` through
     cuBLAS GEMMs of exactly ``cap`` rows (rows past the device count are zeros and add
     nothing). Writes their rows of ``dx`` and adds their weight gradients to ``dws``
-    (after the light pairs'). Returns the ids and device count of the rows left over."""
+    (after the light pairs'), or with ``fold`` leaves that to step 3's kernel. Returns
+    the ids and device count of the rows left over, and with ``fold`` what step 3 reads:
+    the rows' values in the order of ``dws`` ((da, du, h) gated, (da, h, None)
+    non-gated; bf16 ``[cap, N]``), their x and dy rows (bf16 ``[cap, K]``) and the count
+    of heavy rows (``count``: the first ``min(count, cap)`` rows are these)."""
     n, k = block.n, block.k
     i32 = np.int32
     rest = alloc((1,), np.int32)
@@ -464,11 +494,14 @@ def _capacity_rows(
     _launch("twell_bw_capacity_dx", (grid_1d(cap * k // 4),), (256,),
             (dx_c, ids, count, i32(cap), u16(dx)), params)  # fmt: skip
     del dx_c
+    if fold:
+        values = (a_c, u_c, d_c) if u_c is not None else (a_c, d_c, None)
+        return ids[cap:], rest, (*values, x_c, dy_c, count)
     # dW += (da, du, h)ᵀ (x, x, dy), or (da, h)ᵀ (x, dy): fp32 accumulators, beta = 1.
     pairs = ((a_c, x_c), (u_c, x_c), (d_c, dy_c)) if u_c is not None else ((a_c, x_c), (d_c, dy_c))
     for grad, (lhs, rhs) in zip(dws, pairs, strict=True):
         gemm_f32(lhs, rhs, grad, transpose_a=True, accumulate=True)
-    return ids[cap:], rest
+    return ids[cap:], rest, None
 
 
 def _heavy_rows(

@@ -5,6 +5,11 @@
 // per unit n, over its list in ascending token order, in fp32:
 //   dWg[n] += da x[t],  dWu[n] += du x[t],  dWd_t[n] += h dy[t]     (gated)
 //   dWu[n] += da x[t],  dWd_t[n] += h dy[t]                         (non-gated)
+// then, with `fold` > 0 (backward.py: few capacity rows), the first min(count, fold) heavy
+// rows of the dense path in row order: their da, du, h (bf16 [fold, N], as
+// twell_bw_capacity_units leaves them) against their gathered x and dy rows, added to
+// segment 0's sums (so the fp32 weight gradients are not read and written again by a
+// GEMM with beta = 1: 3 N·K·8 bytes, where a few rows' products cost next to nothing).
 // Lists longer than `seg` entries are cut into segments computed by different blocks;
 // segment 0 writes the output row, the others a workspace row, and the finish kernel
 // adds them in segment order. Units nobody uses get zero rows. A block takes one K slice
@@ -14,7 +19,9 @@
 // Layouts: x, dy [M, K] bf16; the unit lists (tokens, pairs, unit_start, seg_start) of
 // backward_lists.cu; vals fp32 [NV, cap], the pair values of backward_light.cu; weight
 // gradients fp32 [N, K] (dw0, dw1, dw2: (dWg, dWu, dWd_t) gated, (dWu, dWd_t) non-gated);
-// ws fp32 [extra_cap·NV, K], the extra segments' rows.
+// ws fp32 [extra_cap·NV, K], the extra segments' rows; the folded rows: f0, f1, f2 bf16
+// [fold, N] in the order of the outputs ((da, du, h) gated, (da, h) non-gated, f2 null),
+// fx, fdy bf16 [fold, K], fcount int32 [1] (rows past it are padding).
 //
 // Limits: K = TWELL_KDIM, a multiple of 8, <= 4096; 16-byte aligned rows.
 //
@@ -65,7 +72,8 @@ struct GradShared {
 // the slicing: the bits do not depend on it. Where even a slice of all tokens is too large,
 // the launcher runs the kernel once per token range [t0, t1), in order: the first launch
 // writes the rows, the later ones (accumulate = 1) add their range's sums to them (a
-// fixed order: the bits depend on the ranges, not on timing).
+// fixed order: the bits depend on the ranges, not on timing); the launcher passes `fold`
+// to the last launch only, and the folded rows go after the pairs of segment 0.
 // C: 16-byte chunks per thread (CPT for the whole row; 1 for a slice, which has one per
 // thread).
 #define TWELL_GRAD_ARGS                                                                    \
@@ -74,10 +82,13 @@ struct GradShared {
       const float *__restrict__ vals, long long cap, const int *__restrict__ unit_start,   \
       const int *__restrict__ seg_start, int N, int seg, int extra_cap, int slices, int t0, \
       int t1, int accumulate, float *__restrict__ dw0, float *__restrict__ dw1,            \
-      float *__restrict__ dw2, float *__restrict__ ws
+      float *__restrict__ dw2, float *__restrict__ ws, const uint16_t *__restrict__ f0,    \
+      const uint16_t *__restrict__ f1, const uint16_t *__restrict__ f2,                    \
+      const uint16_t *__restrict__ fx, const uint16_t *__restrict__ fdy,                   \
+      const int *__restrict__ fcount, int fold
 #define TWELL_GRAD_PASS                                                                    \
   x, dy, tokens, pairs, vals, cap, unit_start, seg_start, N, seg, extra_cap, slices, t0, t1, \
-      accumulate, dw0, dw1, dw2, ws
+      accumulate, dw0, dw1, dw2, ws, f0, f1, f2, fx, fdy, fcount, fold
 template <int C>
 __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
   __shared__ GradShared sm;
@@ -103,7 +114,9 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
     }
     begin = first_token_at_least(tokens, begin, end, t0);  // the range's part of the list
     end = first_token_at_least(tokens, begin, end, t1);
-    if (accumulate && begin == end) continue;  // nothing to add (block-uniform)
+    // the folded rows this block adds (segment 0 only; block-uniform)
+    const int frows = item < N && fold > 0 ? min(fcount[0], fold) : 0;
+    if (accumulate && begin == end && frows == 0) continue;  // nothing to add
     float* const out0 = item < N ? dw0 + row : ws + row;
     float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
     float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
@@ -151,6 +164,27 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
               twell_axpy8(sm.v[NV - 1][i + q], dv[q][cc], acc[NV - 1][cc]);
             }
           }
+        }
+      }
+    }
+    for (int r = 0; r < frows; ++r) {  // the folded rows, in row order
+      const long long cell = (long long)r * N + item;
+      float fv[NV];
+      fv[0] = twell_bf16_to_float(f0[cell]);
+      fv[1] = twell_bf16_to_float(f1[cell]);
+#if TWELL_GATED
+      fv[2] = twell_bf16_to_float(f2[cell]);
+#endif
+      const uint4* xr = reinterpret_cast<const uint4*>(fx + (long long)r * TWELL_KDIM);
+      const uint4* dr = reinterpret_cast<const uint4*>(fdy + (long long)r * TWELL_KDIM);
+#pragma unroll
+      for (int cc = 0; cc < C; ++cc) {
+        const int kl = tid + cc * threads, k = s * cs + kl;
+        if (kl < cs && k < KCH) {
+          const uint4 xv = __ldg(xr + k), dv = __ldg(dr + k);
+#pragma unroll
+          for (int v = 0; v < NV - 1; ++v) twell_axpy8(fv[v], xv, acc[v][cc]);
+          twell_axpy8(fv[NV - 1], dv, acc[NV - 1][cc]);
         }
       }
     }
