@@ -100,9 +100,10 @@ HEAVY_BLOCKS_PER_SM = 3
 #: summed by step 3's kernel after the light pairs (``fold``) instead of by three cuBLAS
 #: GEMMs with beta = 1: those read and write the three fp32 ``[N, K]`` accumulators once
 #: more (24·N·K bytes, ~0.1 ms at N=5632, K=2048 on an H200) however few rows are heavy,
-#: where a folded row costs ``2·NV·N·K`` flops on CUDA cores, in step with the device's
-#: count of heavy rows. A model's sink tokens (a few rows per sequence) meet the smallest
-#: ``"auto"`` capacity, 1/64 of the batch: 64 rows at 4096 tokens.
+#: where a folded row costs ``2·NV·K`` flops on CUDA cores at each unit where it is
+#: active (gated), in step with the device's count of heavy rows. A model's sink tokens
+#: (a few rows per sequence), a few non-finite rows, or 1% of heavy tokens at 4096 meet
+#: the smallest ``"auto"`` capacity, 1/64 of the batch: 64 rows at 4096 tokens.
 FOLD_ROWS = 64
 #: Reductions of the L1 penalty (twell.reference.l1_loss).
 REDUCTIONS = ("mean", "per_token")

@@ -167,24 +167,41 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
         }
       }
     }
-    for (int r = 0; r < frows; ++r) {  // the folded rows, in row order
-      const long long cell = (long long)r * N + item;
-      float fv[NV];
-      fv[0] = twell_bf16_to_float(f0[cell]);
-      fv[1] = twell_bf16_to_float(f1[cell]);
+    // The folded rows, in row order, a batch of their values at this unit at a time in
+    // shared memory. Gated, a row whose da, du and h are all zero here adds nothing and is
+    // skipped (a heavy row keeps a fifth of the units or so): only finite x and dy rows
+    // have such units, as an Inf or NaN in x makes u (and so h) Inf or NaN at every unit,
+    // and one in dy makes du so. Non-gated, a = -Inf leaves da = h = 0 while dense math
+    // still adds 0·Inf = NaN, so every row is added.
+    for (int r0 = 0; r0 < frows; r0 += TWELL_BW_GRAD_BATCH) {
+      const int nb = min(TWELL_BW_GRAD_BATCH, frows - r0);
+      __syncthreads();  // the previous batch is consumed
+      for (int i = tid; i < nb; i += threads) {
+        const long long cell = (long long)(r0 + i) * N + item;
+        sm.v[0][i] = twell_bf16_to_float(f0[cell]);
+        sm.v[1][i] = twell_bf16_to_float(f1[cell]);
 #if TWELL_GATED
-      fv[2] = twell_bf16_to_float(f2[cell]);
+        sm.v[2][i] = twell_bf16_to_float(f2[cell]);
+        sm.tok[i] = sm.v[0][i] != 0.f || sm.v[1][i] != 0.f || sm.v[2][i] != 0.f;
+#else
+        sm.tok[i] = 1;
 #endif
-      const uint4* xr = reinterpret_cast<const uint4*>(fx + (long long)r * TWELL_KDIM);
-      const uint4* dr = reinterpret_cast<const uint4*>(fdy + (long long)r * TWELL_KDIM);
+      }
+      __syncthreads();
+      for (int i = 0; i < nb; ++i) {
+        if (!sm.tok[i]) continue;  // block-uniform
+        const long long r = r0 + i;
+        const uint4* xr = reinterpret_cast<const uint4*>(fx + r * TWELL_KDIM);
+        const uint4* dr = reinterpret_cast<const uint4*>(fdy + r * TWELL_KDIM);
 #pragma unroll
-      for (int cc = 0; cc < C; ++cc) {
-        const int kl = tid + cc * threads, k = s * cs + kl;
-        if (kl < cs && k < KCH) {
-          const uint4 xv = __ldg(xr + k), dv = __ldg(dr + k);
+        for (int cc = 0; cc < C; ++cc) {
+          const int kl = tid + cc * threads, k = s * cs + kl;
+          if (kl < cs && k < KCH) {
+            const uint4 xv = __ldg(xr + k), dv = __ldg(dr + k);
 #pragma unroll
-          for (int v = 0; v < NV - 1; ++v) twell_axpy8(fv[v], xv, acc[v][cc]);
-          twell_axpy8(fv[NV - 1], dv, acc[NV - 1][cc]);
+            for (int v = 0; v < NV - 1; ++v) twell_axpy8(sm.v[v][i], xv, acc[v][cc]);
+            twell_axpy8(sm.v[NV - 1][i], dv, acc[NV - 1][cc]);
+          }
         }
       }
     }
