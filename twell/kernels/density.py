@@ -200,9 +200,7 @@ class DensitySwitch:
         with plain_reductions():
             table = _popcount8(masks.device.id)
             counts = table[masks.view(cupy.uint8)].sum(axis=1, dtype=cupy.float32)
-            usual = counts < 16 * masks.shape[1]
-            taken = cupy.maximum(usual.sum(dtype=cupy.float32), 1.0)
-            per_row = cupy.where(usual.any(), (counts * usual).sum() / taken, counts.mean())
+            per_row = _mean_of(counts, counts < 16 * masks.shape[1], cupy)
             heavy = None
             if masks.shape[0] >= self.SHARE_ROWS:
                 heavy = (counts > self.row_limit).mean(dtype=cupy.float32)
@@ -319,8 +317,14 @@ def light_mean(counts: Any, flags: Any | None, row_limit: int, xp: Any) -> Any:
     light = counts <= row_limit
     if flags is not None:
         light &= flags == 0
-    taken = xp.maximum(light.sum(dtype=xp.float32), 1.0)
-    return xp.where(light.any(), (counts * light).sum(dtype=xp.float32) / taken,
+    return _mean_of(counts, light, xp)
+
+
+def _mean_of(counts: Any, keep: Any, xp: Any) -> Any:
+    """The mean of ``counts`` (float32) over the rows ``keep`` marks, or over all of them
+    where it marks none (a 0-d array of ``xp``)."""
+    taken = xp.maximum(keep.sum(dtype=xp.float32), 1.0)
+    return xp.where(keep.any(), (counts * keep).sum(dtype=xp.float32) / taken,
                     counts.mean(dtype=xp.float32))  # fmt: skip
 
 
