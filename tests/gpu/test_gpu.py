@@ -26,7 +26,7 @@ from twell.kernels.pipeline import PreparedBlock
 from twell.options import PATHS, Options
 from twell.testing import strategies as tst
 from twell.testing.asserts import as_host
-from twell.testing.gpu import captured_replays
+from twell.testing.gpu import captured_replays, poisoned_buffers
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -618,3 +618,39 @@ def test_transpose_gives_every_element(
     assert np.array_equal(cp.asnumpy(out.view(cp.uint16)), expected)
     wide = offset == 0 and rows % 8 == 0 and cols % 8 == 0
     assert asked == ["twell_transpose_u16x8" if wide else "twell_transpose_u16"]
+
+
+@pytest.mark.parametrize("n", [2048 * 5632, 4096, 8, 12, 1, 4099])
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_f32_to_bf16_gives_numpys_rounding(
+    n: int, offset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """as_bf16 of fp32 (the 8-wide kernel where the size is a multiple of 8 and the
+    array 16-byte aligned, the scalar one otherwise: ``offset`` elements in) against
+    ml_dtypes' round-to-nearest-even, bit for bit: random bits (NaN payloads, Inf,
+    subnormals and ties included), every value, into a poisoned pool."""
+    from twell.kernels.compile import Source
+
+    asked: list[str] = []
+    kernel = Source.kernel
+
+    def spy(self: Source, function: str, **params: int) -> object:
+        asked.append(function)
+        return kernel(self, function, **params)
+
+    monkeypatch.setattr(Source, "kernel", spy)
+    rng = np.random.default_rng(n + offset)
+    bits = rng.integers(0, 1 << 32, n + offset, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0x7F800000, 0xFF800000, 0x7FC00001, 0x00000001, 0x3F808000,
+                        0x3F818000, 0x7F7FFFFF, 0x80000000], dtype=np.uint32)  # fmt: skip
+    bits[offset : offset + min(n, special.size)] = special[: min(n, special.size)]
+    values = bits.view(np.float32)
+    with poisoned_buffers():
+        got = as_bf16(cp.asarray(values)[offset:])
+    expected = values[offset:].astype(BF16).view(np.uint16)
+    nan = np.isnan(values[offset:])
+    got16 = cp.asnumpy(got.view(cp.uint16))
+    assert np.array_equal(got16[~nan], expected[~nan])
+    assert np.all(np.isnan(got16[nan].view(BF16).astype(np.float32)))  # NaN stays NaN
+    wide = offset == 0 and n % 8 == 0
+    assert asked == ["twell_f32_to_bf16_x8" if wide else "twell_f32_to_bf16"]
