@@ -503,6 +503,53 @@ def test_bf16_gradients_are_the_fp32_ones_rounded(gated: bool):
         backward.ffn_backward(block, xg, dyg, saved, grad_dtype=np.float16)
 
 
+@pytest.mark.parametrize("case", ["uniform", "chunks", "folded", "segments_ranges", "gemms"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_bf16_gradients_rounded_in_the_weight_gradient_kernels(
+    monkeypatch: pytest.MonkeyPatch, case: str, gated: bool
+):
+    """bf16 gradients are the fp32 ones rounded once, bit for bit, both where the
+    weight-gradient kernels round them themselves (no heavy row left for the chunks:
+    ``uniform``, ``folded`` capacity rows, and with lists in ``segments`` over several
+    token ranges) and where the rounding pass does (heavy rows through the ``chunks``,
+    or the capacity ``gemms``); the pass is launched either way and returns at once in
+    the first."""
+    m, k, n = 300, 264, 1024
+    kind = "uniform" if case in ("uniform", "segments_ranges") else "heavy"
+    p = problem(kind, m, k, n, seed=9)
+    w = weights(p, gated)
+    capacity = {"folded": 0.2, "gemms": 1.0}.get(case, 0.0)  # heavy: 15 of 300 rows
+    if case == "gemms":
+        monkeypatch.setattr(backward, "FOLD_ROWS", 4)  # 300 capacity rows: cuBLAS
+    if case == "segments_ranges":
+        monkeypatch.setattr(backward, "MIN_SEGMENT", 4)
+        monkeypatch.setattr(backward, "grad_rows", lambda m, k, s: 64)
+    # uniform: ~20 units a row, every row light under a row limit of 100
+    limit = {"max_row_nnz": 100} if kind == "uniform" else {}
+    block = PreparedBlock(*(to_gpu(a) for a in w), Options(dense_capacity=capacity, **limit))
+    xg, dyg = to_gpu(p.x), to_gpu(upstream(m, k, 10))
+    _, saved = block.forward(xg, save=True)
+    heavy = int(saved.count[0])
+    assert (heavy == 0) == (kind == "uniform"), heavy
+    if case == "folded":
+        assert 0 < heavy <= block.options.capacity_rows(m) <= backward.FOLD_ROWS
+    f32 = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2)
+    with poisoned_buffers():
+        b16 = backward.ffn_backward(block, xg, dyg, saved, l1_coeff=1e-2, grad_dtype=BF16)
+    assert cp.array_equal(f32[0].view(cp.uint16), b16[0].view(cp.uint16))
+    for a, b in zip(f32[1:], b16[1:], strict=True):
+        if a is None:
+            assert b is None
+            continue
+        assert b.dtype == BF16 and b.shape == a.shape
+        rounded = as_host(a).astype(BF16)
+        got = as_host(b)
+        same = (got.view(np.uint16) == rounded.view(np.uint16)) | (
+            np.isnan(got.astype(np.float32)) & np.isnan(rounded.astype(np.float32))
+        )
+        assert same.all(), f"{case}: {int((~same).sum())} of {same.size} differ"
+
+
 # ------------------------------------------------------------------ dense_capacity
 def _capacity_problem(kind: str, m: int, k: int, n: int, seed: int) -> tuple:
     """(problem, x, dy): ``nonfinite`` is the heavy workload with NaN and Inf in rows of x

@@ -164,7 +164,7 @@ _SOURCE_OF = {
         (LISTS, ("twell_bw_unit_count", "twell_bw_unit_chunks", "twell_bw_unit_starts",
                  "twell_bw_unit_scatter")),
         (GRADS, ("twell_bw_weight_grads", "twell_bw_weight_grads_sliced",
-                 "twell_bw_weight_grads_finish")),
+                 "twell_bw_weight_grads_finish", "twell_bw_round_grads")),
         (HEAVY, ("twell_bw_heavy_chunks", "twell_bw_capacity_units", "twell_bw_capacity_dx")),
         (TRANSPOSE, ("twell_bw_transpose_f32",)),
     )
@@ -340,9 +340,10 @@ def ffn_backward(
     scratch of each step is released before the next one (the pair values and unit lists
     before the heavy rows, the capacity rows' buffers before the chunks; up to
     :data:`FOLD_ROWS` capacity rows' buffers live through step 3), so the peak is the
-    largest step's, not their sum. The capacity rows take ``C = capacity_rows(M)``
-    rows of ``x`` and ``dy`` (bf16), ``2`` or ``3`` of ``[C, N]`` (bf16) and one ``[C, K]``
-    fp32 for their ``dx``.
+    largest step's, not their sum. bf16 gradients with no weight GEMM after step 3 have
+    their bf16 ``dW_gate``, ``dW_up`` allocated before it (step 3 may write them). The
+    capacity rows take ``C = capacity_rows(M)`` rows of ``x`` and ``dy`` (bf16), ``2`` or
+    ``3`` of ``[C, N]`` (bf16) and one ``[C, K]`` fp32 for their ``dx``.
     """
     check_reduction(reduction, REDUCTIONS)
     grad_dtype = np.dtype(grad_dtype)
@@ -424,6 +425,15 @@ def ffn_backward(
     # 3. Weight gradients of the light pairs (backward_grads.cu; every row of dws written).
     ws = alloc((max(1, lists.extra_cap) * nv, k), np.float32)
     out = (*dws, *([_NULL] * (3 - nv)))
+    # bf16 gradients with no weight GEMM after this step: where no heavy row is left for
+    # the chunks (`count`, on the device), the kernels round dW_gate and dW_up into their
+    # outputs themselves, and the rounding pass of step 5 returns at once.
+    final_ok = grad_dtype == bfloat16 and cap <= FOLD_ROWS
+    rounded = [empty_bf16((n, k)) for _ in range(nv - 1)] if final_ok else []
+    final = (*map(_pointer, rounded), *[_NULL] * (2 - len(rounded)), count, i32(1))
+    not_final = (_NULL, _NULL, _NULL, i32(0))
+    if not final_ok:
+        final = not_final
     # One block per possible item (units, then extra segments) and K slice, slice-major:
     # the hardware scheduler balances long and short lists; blocks past the device's item
     # count return at once.
@@ -439,10 +449,12 @@ def ffn_backward(
                 (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
                  lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
                  i32(lists.extra_cap), i32(slices), i32(t0), i32(min(m, t0 + rows)),
-                 i32(t0 > 0), *out, ws, *(fold if last else no_fold)), params)  # fmt: skip
+                 i32(t0 > 0), *out, ws, *(fold if last else no_fold),
+                 *(final if last else not_final)), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
-                (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out), params)  # fmt: skip
+                (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out, *final),
+                params)  # fmt: skip
 
     # 4. Heavy rows (backward_heavy.cu; the count stays on the device): the first `cap`
     # through cuBLAS, the rest chunk by chunk. The light pairs' scratch goes back to the
@@ -458,7 +470,7 @@ def ffn_backward(
     del out
 
     # 5. dw_down = dw_down_t transposed (backward_transpose.cu; rounded to grad_dtype).
-    return _result(dx, x, dws, grad_dtype, params, gated)
+    return _result(dx, x, dws, grad_dtype, params, gated, rounded, count)
 
 
 def _capacity_rows(
@@ -589,17 +601,26 @@ def _l1_coefficient(l1_coeff: Any) -> Any:
 
 
 def _result(
-    dx: Any, x: Any, dws: list[Any], grad_dtype: np.dtype, params: dict[str, int], gated: bool
-) -> tuple:
+    dx: Any, x: Any, dws: list[Any], grad_dtype: np.dtype, params: dict[str, int], gated: bool,
+    rounded: list[Any] | None = None, left: Any = None,
+) -> tuple:  # fmt: skip
     """Step 5 and the outputs: ``dw_down`` from the ``[N, K]`` accumulator ``dws[-1]``,
     the other accumulators rounded to ``grad_dtype`` one at a time (each fp32 array is
-    dropped as soon as its rounded copy exists)."""
+    dropped as soon as its rounded copy exists), or, given ``rounded`` (their bf16
+    outputs), rounded into those only where step 3 did not (``left``: the device count of
+    heavy rows the chunks took; none: step 3 wrote them)."""
     n, k = dws[-1].shape
     dw_down = alloc((k, n), grad_dtype)
     _launch("twell_bw_transpose_f32", (math.ceil(k / 32), math.ceil(n / 32)), (32, 8),
             (dws.pop(), dw_down, np.int32(n), np.int32(k), np.int32(grad_dtype == bfloat16)),
             params)  # fmt: skip
-    if grad_dtype == bfloat16:
+    if rounded:
+        for f32, out in zip(dws, rounded, strict=True):
+            n8 = f32.size // 8
+            _launch("twell_bw_round_grads", (grid_1d(n8),), (256,),
+                    (f32, u16(out), np.int64(n8), left, np.int32(1)), params)  # fmt: skip
+        dws = list(rounded)
+    elif grad_dtype == bfloat16:
         dws = [as_bf16(dws.pop(0)) for _ in range(len(dws))]
     dx_out = from_bf16(dx, x.dtype)
     if gated:

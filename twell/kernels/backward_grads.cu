@@ -10,6 +10,12 @@
 // twell_bw_capacity_units leaves them) against their gathered x and dy rows, added to
 // segment 0's sums (so the fp32 weight gradients are not read and written again by a
 // GEMM with beta = 1: 3 N·K·8 bytes, where a few rows' products cost next to nothing).
+// With `final_ok` (bf16 gradients asked for, no weight GEMM after this step) and no heavy
+// rows left for the chunks (left[0] == 0, read on the device), a unit's sums are its
+// final gradients: dWg and dWu (dWu non-gated) are rounded here into the bf16 outputs o0,
+// o1 (the fp32 rows are not written), and twell_bw_round_grads then finds nothing to do;
+// else the fp32 rows are written, the heavy-row chunks add to them, and it rounds them.
+// Either way each value is rounded once from the same fp32 sum: the same bits.
 // Lists longer than `seg` entries are cut into segments computed by different blocks;
 // segment 0 writes the output row, the others a workspace row, and the finish kernel
 // adds them in segment order. Units nobody uses get zero rows. A block takes one K slice
@@ -62,6 +68,19 @@ struct GradShared {
 
 #define GRAD_UNROLL 4
 
+// Eight fp32 values rounded to bf16 (nearest even, __float2bfloat16_rn each, as the
+// conversion kernels round), packed in element order.
+__device__ __forceinline__ uint16_t twell_bf16_bits(float f) {
+  __nv_bfloat16 b = __float2bfloat16_rn(f);
+  return *reinterpret_cast<uint16_t*>(&b);
+}
+__device__ __forceinline__ uint4 twell_round8(float4 lo, float4 hi) {
+  return make_uint4((uint32_t)twell_bf16_bits(lo.x) | ((uint32_t)twell_bf16_bits(lo.y) << 16),
+                    (uint32_t)twell_bf16_bits(lo.z) | ((uint32_t)twell_bf16_bits(lo.w) << 16),
+                    (uint32_t)twell_bf16_bits(hi.x) | ((uint32_t)twell_bf16_bits(hi.y) << 16),
+                    (uint32_t)twell_bf16_bits(hi.z) | ((uint32_t)twell_bf16_bits(hi.w) << 16));
+}
+
 // out[v] rows (fp32, K wide): v < NV-1 sum vals[v]·x[t], v = NV-1 sum vals[v]·dy[t].
 // Items: unit n (segment 0, writes dw[v] row n) for item < N; extra segment e = item - N
 // (writes ws row e*NV + v) after that. A block computes one item's columns of one K slice
@@ -85,10 +104,11 @@ struct GradShared {
       float *__restrict__ dw2, float *__restrict__ ws, const uint16_t *__restrict__ f0,    \
       const uint16_t *__restrict__ f1, const uint16_t *__restrict__ f2,                    \
       const uint16_t *__restrict__ fx, const uint16_t *__restrict__ fdy,                   \
-      const int *__restrict__ fcount, int fold
+      const int *__restrict__ fcount, int fold, uint16_t *__restrict__ o0,                \
+      uint16_t *__restrict__ o1, const int *__restrict__ left, int final_ok
 #define TWELL_GRAD_PASS                                                                    \
   x, dy, tokens, pairs, vals, cap, unit_start, seg_start, N, seg, extra_cap, slices, t0, t1, \
-      accumulate, dw0, dw1, dw2, ws, f0, f1, f2, fx, fdy, fcount, fold
+      accumulate, dw0, dw1, dw2, ws, f0, f1, f2, fx, fdy, fcount, fold, o0, o1, left, final_ok
 template <int C>
 __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
   __shared__ GradShared sm;
@@ -116,7 +136,11 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
     end = first_token_at_least(tokens, begin, end, t1);
     // the folded rows this block adds (segment 0 only; block-uniform)
     const int frows = item < N && fold > 0 ? min(fcount[0], fold) : 0;
-    if (accumulate && begin == end && frows == 0) continue;  // nothing to add
+    // segment 0 of a unit without extra segments, the last range, no heavy rows left over
+    const bool final = final_ok && item < N && left[0] == 0 &&
+                       seg_start[item + 1] == seg_start[item];  // block-uniform
+    // nothing to add (a final row is still rounded into its output)
+    if (accumulate && begin == end && frows == 0 && !final) continue;
     float* const out0 = item < N ? dw0 + row : ws + row;
     float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
     float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
@@ -219,8 +243,13 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
             lo = make_float4(a.x + lo.x, a.y + lo.y, a.z + lo.z, a.w + lo.w);
             hi = make_float4(b.x + hi.x, b.y + hi.y, b.z + hi.z, b.w + hi.w);
           }
-          o[0] = lo;
-          o[1] = hi;
+          if (final && v < NV - 1) {  // rounded once, as twell_bw_round_grads would
+            uint16_t* to = (v == 0 ? o0 : o1) + row + k * 8;
+            *reinterpret_cast<uint4*>(to) = twell_round8(lo, hi);
+          } else {
+            o[0] = lo;
+            o[1] = hi;
+          }
         }
       }
     }
@@ -239,10 +268,15 @@ twell_bw_weight_grads_sliced(TWELL_GRAD_ARGS) {  // slices > 1: one chunk per th
 
 // Adds the extra segments of each unit to its rows, in segment order (segment 0 is
 // already there). A block per extra segment; the first segment of a unit does the work.
+// With final_ok and no heavy rows left over (as twell_bw_weight_grads decides), dWg and
+// dWu are rounded into the bf16 outputs o0, o1 instead of written back in fp32.
 extern "C" __global__ void __launch_bounds__(256)
 twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra_cap,
                              const float* __restrict__ ws, float* __restrict__ dw0,
-                             float* __restrict__ dw1, float* __restrict__ dw2) {
+                             float* __restrict__ dw1, float* __restrict__ dw2,
+                             uint16_t* __restrict__ o0, uint16_t* __restrict__ o1,
+                             const int* __restrict__ left, int final_ok) {
+  const bool final = final_ok && left[0] == 0;
   const int extras = min(seg_start[N], extra_cap);
   for (int e = blockIdx.x; e < extras; e += gridDim.x) {
     const int n = find_unit(seg_start, N, e);
@@ -264,7 +298,26 @@ twell_bw_weight_grads_finish(const int* __restrict__ seg_start, int N, int extra
         acc.z += b.z;
         acc.w += b.w;
       }
-      *o = acc;
+      if (final && v < NV - 1) {
+        uint16_t* to = (v == 0 ? o0 : o1) + row + 4 * k;
+        *reinterpret_cast<uint2*>(to) =
+            make_uint2((uint32_t)twell_bf16_bits(acc.x) | ((uint32_t)twell_bf16_bits(acc.y) << 16),
+                       (uint32_t)twell_bf16_bits(acc.z) | ((uint32_t)twell_bf16_bits(acc.w) << 16));
+      } else {
+        *o = acc;
+      }
     }
   }
+}
+
+// dW (fp32 [n8 * 8]) rounded to bf16 into out, eight values a thread, unless
+// twell_bw_weight_grads and its finish kernel already wrote the final bf16 values
+// (final_ok and no heavy rows left for the chunks: left[0] == 0).
+extern "C" __global__ void __launch_bounds__(256)
+twell_bw_round_grads(const float4* __restrict__ in, uint4* __restrict__ out, long long n8,
+                     const int* __restrict__ left, int final_ok) {
+  if (final_ok && left[0] == 0) return;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n8;
+       i += (long long)gridDim.x * blockDim.x)
+    out[i] = twell_round8(__ldg(in + 2 * i), __ldg(in + 2 * i + 1));
 }
