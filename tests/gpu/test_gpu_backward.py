@@ -510,10 +510,10 @@ def test_bf16_gradients_rounded_in_the_weight_gradient_kernels(
 ):
     """bf16 gradients are the fp32 ones rounded once, bit for bit, both where the
     weight-gradient kernels round them themselves (no heavy row left for the chunks:
-    ``uniform``, ``folded`` capacity rows, and with lists in ``segments`` over several
-    token ranges) and where the rounding pass does (heavy rows through the ``chunks``,
-    or the capacity ``gemms``); the pass is launched either way and returns at once in
-    the first."""
+    ``uniform``, ``folded`` capacity rows, capacity rows through cuBLAS ``gemms`` written
+    first, and lists in ``segments`` over several token ranges) and where the rounding
+    pass does (heavy rows through the ``chunks``); the pass is launched either way and
+    returns at once in the first."""
     m, k, n = 300, 264, 1024
     kind = "uniform" if case in ("uniform", "segments_ranges") else "heavy"
     p = problem(kind, m, k, n, seed=9)

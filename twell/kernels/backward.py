@@ -33,25 +33,28 @@ The steps, one source each (each file's header has the details):
    depend on the ranges, never on the slices).
 4. **Heavy rows** (``backward_heavy.cu``): with ``dense_capacity``, the first
    ``options.capacity_rows(M)`` of them through cuBLAS GEMMs of exactly that many rows
-   (:func:`_capacity_rows`, as the forward's capacity GEMMs; up to :data:`FOLD_ROWS` of
-   them run before step 3, whose kernel adds their weight gradients after the light
-   pairs'); the rest in chunks of
-   :func:`heavy_chunk_rows` rows: tensor-core tiles for ``a, u, dy·w_down`` → ``da, du, h``
-   (bf16), the rows of ``dx``, and the rows' weight gradients added to the light part
-   (light, then capacity rows, then chunks: fixed order). All chunks are one launch whose
+   (:func:`_capacity_rows`, as the forward's capacity GEMMs, run before step 2: up to
+   :data:`FOLD_ROWS` of them have their weight gradients summed by step 3's kernel after
+   the light pairs', more have them written by cuBLAS first, and step 3 adds to them);
+   the rest in chunks of :func:`heavy_chunk_rows` rows: tensor-core tiles for
+   ``a, u, dy·w_down`` → ``da, du, h`` (bf16), the rows of ``dx``, and the rows' weight
+   gradients added after step 3 (capacity rows and light pairs, then chunks: fixed
+   order). All chunks are one launch whose
    blocks take work items from a queue in stage order (the device's heavy-row count
    decides how many exist: none costs one empty launch).
 5. ``dw_down`` transposed from the ``[N, K]`` accumulation to ``[K, N]``
    (``backward_transpose.cu``).
 
 Every float sum has one owner and a fixed order: step 1 in entry order, step 3 in token
-order (then the folded capacity rows in row order, then segments in order), step 4 per
-mma fragment in k order (then splits in order), light before heavy (capacity rows, then
-chunks); cuBLAS is deterministic for a given library path and shape. The only atomics
-are on integers (shared bit masks, the heavy step's work queue).
+order (then the folded capacity rows in row order; added to the capacity GEMMs' values
+where they ran; then segments in order), step 4 per mma fragment in k order (then splits
+in order), the chunks last; cuBLAS is deterministic for a given library path and shape.
+The only atomics are on integers (shared bit masks, the heavy step's work queue).
 
 Weight gradients accumulate in fp32 and are returned in ``grad_dtype`` (fp32 by default;
-bf16 rounds each once at the end); ``dx`` in ``x``'s dtype (bf16 math inside).
+bf16 rounds each once: step 3's kernels round dW_gate and dW_up into their outputs where
+no heavy row is left for the chunks, a pass at the end otherwise); ``dx`` in ``x``'s
+dtype (bf16 math inside).
 """
 
 from __future__ import annotations
@@ -338,12 +341,12 @@ def ffn_backward(
 
     Memory: besides the outputs and the fp32 accumulators of the weight gradients, the
     scratch of each step is released before the next one (the pair values and unit lists
-    before the heavy rows, the capacity rows' buffers before the chunks; up to
-    :data:`FOLD_ROWS` capacity rows' buffers live through step 3), so the peak is the
-    largest step's, not their sum. bf16 gradients with no weight GEMM after step 3 have
-    their bf16 ``dW_gate``, ``dW_up`` allocated before it (step 3 may write them). The
-    capacity rows take ``C = capacity_rows(M)`` rows of ``x`` and ``dy`` (bf16), ``2`` or
-    ``3`` of ``[C, N]`` (bf16) and one ``[C, K]`` fp32 for their ``dx``.
+    before the chunks; the capacity rows' buffers, beside step 1's pair values, before
+    step 2, or with up to :data:`FOLD_ROWS` rows after step 3), so the peak is the
+    largest step's, not their sum. bf16 gradients have their bf16 ``dW_gate``,
+    ``dW_up`` allocated before step 3 (which may write them). The capacity rows take
+    ``C = capacity_rows(M)`` rows of ``x`` and ``dy`` (bf16), ``2`` or ``3`` of ``[C, N]``
+    (bf16) and one ``[C, K]`` fp32 for their ``dx``.
     """
     check_reduction(reduction, REDUCTIONS)
     grad_dtype = np.dtype(grad_dtype)
@@ -410,14 +413,21 @@ def ffn_backward(
              w_up, u16(dx)), params)  # fmt: skip
     del units, row_nnz
     ids, count = compact_rows(heavy)
+    # Through torch (an op called with torch tensors, or a capture) the capacity's fp32
+    # GEMMs need torch.mm's out_dtype: without it, every heavy row takes the chunks.
     cap = block.options.capacity_rows(m)
     if cap and not gemm_f32_available():
         cap = 0
-    # Few capacity rows: their dense math now, their weight gradients in step 3.
-    folded = None
+    # The capacity rows' dense math before the light weight gradients: few of them, their
+    # weight gradients summed by step 3's kernel (folded); more, written first by cuBLAS
+    # (beta = 0), and step 3 adds its sums to theirs (`prior`).
+    folded, prior = None, False
     if 0 < cap <= FOLD_ROWS:
         ids, count, folded = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx,
                                             dws, fold=True)  # fmt: skip
+    elif cap:
+        ids, count, _ = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
+        prior = True
 
     # 2. Unit lists of the light pairs (backward_lists.cu).
     lists = build_unit_lists(saved.packed, heavy, tile_off, n, row_cap, params)
@@ -425,10 +435,10 @@ def ffn_backward(
     # 3. Weight gradients of the light pairs (backward_grads.cu; every row of dws written).
     ws = alloc((max(1, lists.extra_cap) * nv, k), np.float32)
     out = (*dws, *([_NULL] * (3 - nv)))
-    # bf16 gradients with no weight GEMM after this step: where no heavy row is left for
-    # the chunks (`count`, on the device), the kernels round dW_gate and dW_up into their
-    # outputs themselves, and the rounding pass of step 5 returns at once.
-    final_ok = grad_dtype == bfloat16 and cap <= FOLD_ROWS
+    # bf16 gradients: where no heavy row is left for the chunks (`count`, on the device),
+    # the kernels round dW_gate and dW_up into their outputs themselves, and the rounding
+    # pass of step 5 returns at once.
+    final_ok = grad_dtype == bfloat16
     rounded = [empty_bf16((n, k)) for _ in range(nv - 1)] if final_ok else []
     final = (*map(_pointer, rounded), *[_NULL] * (2 - len(rounded)), count, i32(1))
     not_final = (_NULL, _NULL, _NULL, i32(0))
@@ -449,21 +459,17 @@ def ffn_backward(
                 (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
                  lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
                  i32(lists.extra_cap), i32(slices), i32(t0), i32(min(m, t0 + rows)),
-                 i32(t0 > 0), *out, ws, *(fold if last else no_fold),
+                 i32(t0 > 0 or prior), *out, ws, *(fold if last else no_fold),
                  *(final if last else not_final)), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out, *final),
                 params)  # fmt: skip
 
-    # 4. Heavy rows (backward_heavy.cu; the count stays on the device): the first `cap`
-    # through cuBLAS, the rest chunk by chunk. The light pairs' scratch goes back to the
-    # allocator first (stream-ordered: safe to reuse). Through torch (an op called with
-    # torch tensors, or a capture) the fp32 GEMMs need torch.mm's out_dtype: without it,
-    # every heavy row takes the chunks.
+    # 4. The heavy rows past the capacity (backward_heavy.cu; the count stays on the
+    # device), chunk by chunk. The light pairs' scratch goes back to the allocator first
+    # (stream-ordered: safe to reuse).
     del vals, lists, ws, tile_off, heavy, folded, fold
-    if cap > FOLD_ROWS:
-        ids, count, _ = _capacity_rows(params, block, cap, xb, dyb, ids, count, l1, dx, dws)
     if cap < m:
         _heavy_rows(params, sms, m - cap, n, k, x16, dy16, ids, count, block, w_gate,
                     w_up, w_down_t, l1, dx, out)  # fmt: skip
@@ -477,10 +483,11 @@ def _capacity_rows(
     params: dict[str, int], block: Any, cap: int, x: Any, dy: Any, ids: Any, count: Any,
     l1: tuple[Any, Any], dx: Any, dws: list[Any], *, fold: bool = False,
 ) -> tuple[Any, Any, tuple[Any, ...] | None]:  # fmt: skip
-    """Step 4, first part: dense math for the heavy rows ``ids[:min(count, cap)]`` through
-    cuBLAS GEMMs of exactly ``cap`` rows (rows past the device count are zeros and add
-    nothing). Writes their rows of ``dx`` and adds their weight gradients to ``dws``
-    (after the light pairs'), or with ``fold`` leaves that to step 3's kernel. Returns
+    """Step 4, first part (run before step 2): dense math for the heavy rows
+    ``ids[:min(count, cap)]`` through cuBLAS GEMMs of exactly ``cap`` rows (rows past the
+    device count are zeros and add nothing). Writes their rows of ``dx``, and their weight
+    gradients into ``dws`` (beta = 0: step 3 adds the light pairs' to them), or with
+    ``fold`` leaves those to step 3's kernel. Returns
     the ids and device count of the rows left over, and with ``fold`` what step 3 reads:
     the rows' values in the order of ``dws`` ((da, du, h) gated, (da, h, None)
     non-gated; bf16 ``[cap, N]``), their x and dy rows (bf16 ``[cap, K]``) and the count
@@ -510,10 +517,10 @@ def _capacity_rows(
     if fold:
         values = (a_c, u_c, d_c) if u_c is not None else (a_c, d_c, None)
         return ids[cap:], rest, (*values, x_c, dy_c, count)
-    # dW += (da, du, h)ᵀ (x, x, dy), or (da, h)ᵀ (x, dy): fp32 accumulators, beta = 1.
+    # dW = (da, du, h)ᵀ (x, x, dy), or (da, h)ᵀ (x, dy): the fp32 accumulators' first values.
     pairs = ((a_c, x_c), (u_c, x_c), (d_c, dy_c)) if u_c is not None else ((a_c, x_c), (d_c, dy_c))
     for grad, (lhs, rhs) in zip(dws, pairs, strict=True):
-        gemm_f32(lhs, rhs, grad, transpose_a=True, accumulate=True)
+        gemm_f32(lhs, rhs, grad, transpose_a=True)
     return ids[cap:], rest, None
 
 
