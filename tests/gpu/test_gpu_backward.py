@@ -503,7 +503,9 @@ def test_bf16_gradients_are_the_fp32_ones_rounded(gated: bool):
         backward.ffn_backward(block, xg, dyg, saved, grad_dtype=np.float16)
 
 
-@pytest.mark.parametrize("case", ["uniform", "chunks", "folded", "segments_ranges", "gemms"])
+@pytest.mark.parametrize(
+    "case", ["uniform", "chunks", "folded", "segments_ranges", "gemms", "gemms_segments"]
+)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_bf16_gradients_rounded_in_the_weight_gradient_kernels(
     monkeypatch: pytest.MonkeyPatch, case: str, gated: bool
@@ -511,23 +513,25 @@ def test_bf16_gradients_rounded_in_the_weight_gradient_kernels(
     """bf16 gradients are the fp32 ones rounded once, bit for bit, both where the
     weight-gradient kernels round them themselves (no heavy row left for the chunks:
     ``uniform``, ``folded`` capacity rows, capacity rows through cuBLAS ``gemms`` written
-    first, and lists in ``segments`` over several token ranges) and where the rounding
-    pass does (heavy rows through the ``chunks``); the pass is launched either way and
-    returns at once in the first."""
+    first, and lists in ``segments`` over several token ranges, with those GEMMs too) and
+    where the rounding pass does (heavy rows through the ``chunks``); the pass is launched
+    either way and returns at once in the first."""
     m, k, n = 300, 264, 1024
     kind = "uniform" if case in ("uniform", "segments_ranges") else "heavy"
     p = problem(kind, m, k, n, seed=9)
     w = weights(p, gated)
-    capacity = {"folded": 0.2, "gemms": 1.0}.get(case, 0.0)  # heavy: 15 of 300 rows
-    if case == "gemms":
+    # heavy: 15 of 300 rows
+    capacity = {"folded": 0.2, "gemms": 1.0, "gemms_segments": 1.0}.get(case, 0.0)
+    if case.startswith("gemms"):
         monkeypatch.setattr(backward, "FOLD_ROWS", 4)  # 300 capacity rows: cuBLAS
-    if case == "segments_ranges":
+    if case in ("segments_ranges", "gemms_segments"):
         monkeypatch.setattr(backward, "MIN_SEGMENT", 4)
         monkeypatch.setattr(backward, "grad_rows", lambda m, k, s: 64)
     # uniform: ~20 units a row, every row light under a row limit of 100
     limit = {"max_row_nnz": 100} if kind == "uniform" else {}
     block = PreparedBlock(*(to_gpu(a) for a in w), Options(dense_capacity=capacity, **limit))
-    xg, dyg = to_gpu(p.x), to_gpu(upstream(m, k, 10))
+    dy = upstream(m, k, 10)
+    xg, dyg = to_gpu(p.x), to_gpu(dy)
     _, saved = block.forward(xg, save=True)
     heavy = int(saved.count[0])
     assert (heavy == 0) == (kind == "uniform"), heavy
@@ -548,6 +552,7 @@ def test_bf16_gradients_rounded_in_the_weight_gradient_kernels(
             np.isnan(got.astype(np.float32)) & np.isnan(rounded.astype(np.float32))
         )
         assert same.all(), f"{case}: {int((~same).sum())} of {same.size} differ"
+    check(f32, reference.ffn_backward(p.x, *w, dy, 1e-2))
 
 
 # ------------------------------------------------------------------ dense_capacity

@@ -101,8 +101,8 @@ HEAVY_CHUNKS = 8
 HEAVY_BLOCKS_PER_SM = 3
 #: Capacity rows (``options.capacity_rows(M)``) up to which their weight gradients are
 #: summed by step 3's kernel after the light pairs (``fold``) instead of by three cuBLAS
-#: GEMMs with beta = 1: those read and write the three fp32 ``[N, K]`` accumulators once
-#: more (24·N·K bytes, ~0.1 ms at N=5632, K=2048 on an H200) however few rows are heavy,
+#: GEMMs: those write the three fp32 ``[N, K]`` accumulators, and step 3 reads them back
+#: (24·N·K bytes, ~0.1 ms at N=5632, K=2048 on an H200) however few rows are heavy,
 #: where a folded row costs ``2·NV·K`` flops on CUDA cores at each unit where it is
 #: active (gated), in step with the device's count of heavy rows. A model's sink tokens
 #: (a few rows per sequence), a few non-finite rows, or 1% of heavy tokens at 4096 meet
@@ -459,8 +459,8 @@ def ffn_backward(
                 (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
                  lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
                  i32(lists.extra_cap), i32(slices), i32(t0), i32(min(m, t0 + rows)),
-                 i32(t0 > 0 or prior), *out, ws, *(fold if last else no_fold),
-                 *(final if last else not_final)), params)  # fmt: skip
+                 i32(t0 > 0), *out, ws, *(fold if last else no_fold),
+                 *(final if last else not_final), i32(prior)), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
                 (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out, *final),

@@ -92,7 +92,9 @@ __device__ __forceinline__ uint4 twell_round8(float4 lo, float4 hi) {
 // the launcher runs the kernel once per token range [t0, t1), in order: the first launch
 // writes the rows, the later ones (accumulate = 1) add their range's sums to them (a
 // fixed order: the bits depend on the ranges, not on timing); the launcher passes `fold`
-// to the last launch only, and the folded rows go after the pairs of segment 0.
+// to the last launch only, and the folded rows go after the pairs of segment 0. With
+// `prior`, the capacity rows' cuBLAS GEMMs wrote the units' rows first (beta = 0), and
+// every launch adds to them.
 // C: 16-byte chunks per thread (CPT for the whole row; 1 for a slice, which has one per
 // thread).
 #define TWELL_GRAD_ARGS                                                                    \
@@ -105,10 +107,11 @@ __device__ __forceinline__ uint4 twell_round8(float4 lo, float4 hi) {
       const uint16_t *__restrict__ f1, const uint16_t *__restrict__ f2,                    \
       const uint16_t *__restrict__ fx, const uint16_t *__restrict__ fdy,                   \
       const int *__restrict__ fcount, int fold, uint16_t *__restrict__ o0,                \
-      uint16_t *__restrict__ o1, const int *__restrict__ left, int final_ok
+      uint16_t *__restrict__ o1, const int *__restrict__ left, int final_ok, int prior
 #define TWELL_GRAD_PASS                                                                    \
   x, dy, tokens, pairs, vals, cap, unit_start, seg_start, N, seg, extra_cap, slices, t0, t1, \
-      accumulate, dw0, dw1, dw2, ws, f0, f1, f2, fx, fdy, fcount, fold, o0, o1, left, final_ok
+      accumulate, dw0, dw1, dw2, ws, f0, f1, f2, fx, fdy, fcount, fold, o0, o1, left, final_ok, \
+      prior
 template <int C>
 __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
   __shared__ GradShared sm;
@@ -139,8 +142,11 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
     // segment 0 of a unit without extra segments, the last range, no heavy rows left over
     const bool final = final_ok && item < N && left[0] == 0 &&
                        seg_start[item + 1] == seg_start[item];  // block-uniform
-    // nothing to add (a final row is still rounded into its output)
-    if (accumulate && begin == end && frows == 0 && !final) continue;
+    // add to what the row holds: an earlier range's sums, or (`prior`, a unit's row) the
+    // capacity rows' cuBLAS GEMMs' (the extra segments' workspace rows have no prior);
+    // nothing to add leaves the row as it is (a final row is still rounded into its output)
+    const bool add = accumulate || (prior && item < N);
+    if (add && begin == end && frows == 0 && !final) continue;
     float* const out0 = item < N ? dw0 + row : ws + row;
     float* const out1 = item < N ? dw1 + row : ws + row + TWELL_KDIM;
     float* const out2 = item < N ? dw2 + row : ws + row + 2 * TWELL_KDIM;
@@ -238,7 +244,7 @@ __device__ __forceinline__ void weight_grads(TWELL_GRAD_ARGS) {
           float4* o = reinterpret_cast<float4*>((v == 0 ? out0 : (v == 1 ? out1 : out2)) + k * 8);
           float4 lo = make_float4(acc[v][cc][0], acc[v][cc][1], acc[v][cc][2], acc[v][cc][3]);
           float4 hi = make_float4(acc[v][cc][4], acc[v][cc][5], acc[v][cc][6], acc[v][cc][7]);
-          if (accumulate) {  // the earlier ranges' sums + this range's
+          if (add) {  // what the row holds + this range's sums
             const float4 a = o[0], b = o[1];
             lo = make_float4(a.x + lo.x, a.y + lo.y, a.z + lo.z, a.w + lo.w);
             hi = make_float4(b.x + hi.x, b.y + hi.y, b.z + hi.z, b.w + hi.w);
