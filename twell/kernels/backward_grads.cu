@@ -15,7 +15,9 @@
 // final gradients: dWg and dWu (dWu non-gated) are rounded here into the bf16 outputs o0,
 // o1 (the fp32 rows are not written), and twell_bw_round_grads then finds nothing to do;
 // else the fp32 rows are written, the heavy-row chunks add to them, and it rounds them.
-// Either way each value is rounded once from the same fp32 sum: the same bits.
+// Either way each value is rounded once from the same fp32 sum: the same bits (but for
+// the sign of a zero: a final row with nothing to add in the last range is its value +
+// 0.0, which turns a -0 into +0).
 // Lists longer than `seg` entries are cut into segments computed by different blocks;
 // segment 0 writes the output row, the others a workspace row, and the finish kernel
 // adds them in segment order. Units nobody uses get zero rows. A block takes one K slice
