@@ -35,8 +35,9 @@ them out for an op call).
 
 ``graphs=True`` (CUDA): the op replays a CUDA graph of its launches from the second
 call with the same shapes and weights on (:class:`twell._graphs.OpGraphs`: the weights
-read in place, the other tensors copied into the graph's buffers, fresh output tensors;
-the same numbers as without).
+read in place, the other tensors copied into the graph's buffers, the outputs handed
+over in the graph's memory and never overwritten while held; the same numbers as
+without).
 
 Where they run:
 
@@ -436,8 +437,9 @@ class _EagerTraining(torch.autograd.Function):
     directly (the same numbers as the ops: the same functions run). With op graphs, the
     forward's TwELL words, heavy rows and up products (and its copy of ``x``) are lent to
     the backward in the graph's own memory (:class:`twell._graphs.Lease`), which then
-    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and ``y``,
-    ``l1``, ``l0`` and the gradients out, nothing else."""
+    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and the
+    scalars ``l1`` and ``l0`` out, nothing else (``y`` and the gradients are handed over
+    in the graphs' memory: :class:`twell._graphs.OpGraphs`)."""
 
     @staticmethod
     def forward(ctx: Any, x, w_gate, w_up, w_down, settings: TrainSettings):  # noqa: ANN001, ANN205

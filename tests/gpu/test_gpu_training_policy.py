@@ -20,14 +20,18 @@ from twell.torch import SparseMLP, sparsify  # noqa: E402
 pytestmark = pytest.mark.unpoisoned
 
 
-def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
+@pytest.mark.parametrize("grads", ["set_to_none", "zeroed", "accumulated"])
+def test_gpu_sparse_mlp_with_op_graphs_trains_as_without(grads: str) -> None:
     """A small decoder trained eagerly for a few steps with op_graphs on and off, on the
     same batches: the same gradients at every step and the same parameters, bit for
-    bit."""
+    bit. The gradients come back in the graphs' memory (not copied out), so how the loop
+    treats them matters: dropped each step (``zero_grad()``), zeroed in place and kept
+    (``set_to_none=False``: the next backward adds to them), or accumulated over two
+    micro-batches."""
     from twell import autograd
 
     params = []
-    batches = [torch.randn(512, 256, device="cuda") for _ in range(5)]
+    batches = [torch.randn(512, 256, device="cuda") for _ in range(6)]
     replays = autograd._FORWARD_GRAPHS.replays, autograd._BACKWARD_GRAPHS.replays
     for op_graphs in (False, True):
         torch.manual_seed(0)
@@ -36,23 +40,51 @@ def test_gpu_sparse_mlp_with_op_graphs_trains_as_without() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         start = [p.detach().clone() for p in model.parameters()]
         trace = []
-        for x in batches:
-            optimizer.zero_grad(set_to_none=True)
+        for i, x in enumerate(batches):
+            if grads != "accumulated" or i % 2 == 0:
+                optimizer.zero_grad(set_to_none=grads != "zeroed")
             train_step(model, x, x / 512, 1e-3)
             trace.append([p.grad.clone() for p in model.parameters()])
-            optimizer.step()
+            if grads != "accumulated" or i % 2 == 1:
+                optimizer.step()
         params.append((trace, [p.detach().clone() for p in model.parameters()]))
         for a, b in zip(start, params[-1][1], strict=True):
             assert not torch.equal(a, b), "a parameter did not move"
     (trace, last), (trace_graphs, last_graphs) = params
-    for grads, grads_graphs in zip(trace, trace_graphs, strict=True):
-        for a, b in zip(grads, grads_graphs, strict=True):
+    for grads_eager, grads_graphs in zip(trace, trace_graphs, strict=True):
+        for a, b in zip(grads_eager, grads_graphs, strict=True):
             assert torch.isfinite(a).all() and torch.equal(a, b)
     for a, b in zip(last, last_graphs, strict=True):
         assert torch.equal(a, b)
     # Same shapes and weights every step: the ops replayed their graphs.
     assert autograd._FORWARD_GRAPHS.replays > replays[0]
     assert autograd._BACKWARD_GRAPHS.replays > replays[1]
+
+
+def test_gpu_op_graphs_hand_the_weight_gradients_over_without_a_copy() -> None:
+    """In a loop that drops its gradients each step, the backward's graph is replayed
+    into the same memory every step and that memory becomes ``.grad`` itself (torch
+    takes a gradient nobody else holds): no copy, no second slot."""
+    from twell import autograd
+
+    torch.manual_seed(0)
+    model = Decoder(256, 1024, layers=2).cuda()
+    sparsify(model, reduction="per_token", dense_capacity=0.0)  # one graph per layer
+    mlps = [m for m in model.modules() if isinstance(m, SparseMLP)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(512, 256, device="cuda")
+    places = []
+    captures = autograd._BACKWARD_GRAPHS.captures
+    for _ in range(5):
+        optimizer.zero_grad()
+        train_step(model, x, x / 512, 1e-3)
+        places.append([m.up_proj.weight.grad.data_ptr() for m in mlps])
+        optimizer.step()
+    assert places[2] == places[3] == places[4]  # step 0 eager, 1 captures, then replays
+    outputs = {t.data_ptr() for slots in autograd._BACKWARD_GRAPHS._graphs.values()
+               for g in slots for t in g.outputs if t is not None}  # fmt: skip
+    assert set(places[4]) <= outputs
+    assert autograd._BACKWARD_GRAPHS.captures - captures == len(mlps)
 
 
 def test_gpu_auto_capacity_follows_the_previous_call() -> None:
@@ -159,13 +191,15 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
     graphs = OpGraphs(replace=frozenset({1}))
     x = torch.randn(64, device="cuda")
     for c in (1.0, 1.0, 2.0, 2.0, 2.0):  # a value's first call runs eagerly, then capture
-        (out,) = graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())
-        assert torch.equal(out, x * c)
+        # (the output is dropped at once: a held one would have the next call take a
+        # second slot)
+        assert torch.equal(graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())[0], x * c)
     assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
     assert len(graphs._graphs) == 1
     for _ in range(2):  # another shape: a graph of its own beside the first
-        (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())
+        other = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())[0]
         assert torch.equal(other, x[:32] * 2.0)
+        del other
     assert len(graphs._graphs) == 2
     for _ in range(2):  # the second shape's value moves: only its own graph is replaced
         graphs(lambda t, c: (t * c,), (x[:32], 3.0), pinned=frozenset())
@@ -173,3 +207,50 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
     assert {key[1] for key in graphs._graphs} == {2.0, 3.0}
     graphs.clear()
     assert not graphs._graphs and not graphs._by_rest
+
+
+def test_gpu_op_graphs_return_their_memory_and_never_overwrite_a_held_output() -> None:
+    """OpGraphs return large outputs in the graph's own memory (no copy) and replay a graph
+    only while nothing outside it holds that memory (a view counts); a second slot serves
+    while the first is held, and with both held the call runs eagerly. Small outputs are
+    copied out."""
+    from twell._graphs import OP_COPY_BYTES, SLOTS, OpGraphs
+
+    assert SLOTS == 2
+    graphs = OpGraphs()
+    x = torch.randn(64, 1024, device="cuda")  # 256 KB outputs: returned in place
+    assert x.numel() * 4 > OP_COPY_BYTES
+
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t * 2.0, t.sum().reshape(1)
+
+    def call(scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            x.copy_(base * scale)
+        out = graphs(fn, (x,), pinned=frozenset())
+        assert torch.equal(out[0], base * scale * 2.0)
+        return out
+
+    base = x.clone()
+    call(1.0)  # first sight: eager
+    a = call(2.0)  # captured (slot 0) and replayed
+    assert graphs.captures == 1
+    (slot,) = graphs._graphs.values()
+    place = a[0].data_ptr()
+    assert place == slot[0].outputs[0].data_ptr()
+    assert a[1].data_ptr() != slot[0].outputs[1].data_ptr()  # the scalar: copied out
+    del a
+    b = call(3.0)  # slot 0 free again: the same memory, no copy
+    assert graphs.captures == 1 and b[0].data_ptr() == place
+    view = call(4.0)[0].view(-1)  # slot 0 held by b: slot 1; a view of its output kept
+    assert graphs.captures == 2 and view.data_ptr() != place
+    replays = graphs.replays
+    c = call(5.0)  # both slots held: an eager call, nothing overwritten
+    assert graphs.replays == replays and c[0].data_ptr() not in (place, view.data_ptr())
+    torch.cuda.synchronize()
+    assert torch.equal(b[0], base * 6.0) and torch.equal(view, (base * 8.0).view(-1))
+    del view
+    d = call(6.0)  # slot 1 is free once the view is gone
+    assert graphs.replays == replays + 1 and graphs.captures == 2
+    assert torch.equal(b[0], base * 6.0) and torch.equal(d[0], base * 12.0)
+    graphs.clear()
