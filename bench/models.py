@@ -51,8 +51,9 @@ Benchmarks (``--benchmarks``), each twell against dense:
 Records (one per line of the README's table) go to ``bench/results/<gpu>/models.json``
 (``--out``) with the fields of docs/benchmark.md: ``benchmark``, ``model``, ``mode``,
 ``tokens``, ``batch``, ``t_twell_ms``, ``t_dense_ms``, ``speedup`` and, where they
-apply, ``energy_ratio``, ``tokens_match``, ``loss_rel_diff``, ``peak_mem_ratio``,
-``l0``. ``--plot FILE`` draws the speedups (needs matplotlib).
+apply, ``energy_ratio``, ``tokens_match``, ``loss_rel_diff``, ``peak_mem_ratio`` (a
+training step's extra peak memory, twell's counting what its op graphs keep between
+steps: ``graph_gb_twell``), ``l0``. ``--plot FILE`` draws the speedups (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -467,10 +468,13 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
                 rec["capacity_per_layer"] = [layer_capacity(x, mode == "compiled")
                                              for x in mlps]  # fmt: skip
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
+            if name == "twell":  # what the op graphs keep between steps counts too
+                rec["graph_gb_twell"] = autograd.op_graph_memory() / 2**30
+                rec["peak_extra_gb_twell"] += rec["graph_gb_twell"]
             if mode == "eager" and name == "dense":
                 rec.update(train_mlp_share(m, step, rec["t_dense_ms"]))
             del m, run_model, optimizer
-            torch.cuda.empty_cache()
+            autograd.release_op_graphs()  # keyed on the copy's weights: gone with them
         rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
         rec["loss_rel_diff"] = abs(losses["twell"] - losses["dense"]) / abs(losses["dense"])
         rec["peak_mem_ratio"] = rec["peak_extra_gb_twell"] / max(rec["peak_extra_gb_dense"], 1e-9)

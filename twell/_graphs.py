@@ -540,6 +540,20 @@ class OpGraphs:
         # again.
         self._pool = None
 
+    def memory(self) -> int:
+        """Bytes of GPU memory torch holds for these graphs (the segments of their pool:
+        input buffers, outputs, saved activations and shared scratch)."""
+        import torch
+
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        return sum(
+            s["total_size"]
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id") or ()) == pool
+        )
+
     def __call__(
         self,
         fn: Callable[..., tuple],

@@ -81,7 +81,7 @@ from twell.options import Options, check_geometry
 
 __all__ = [
     "REDUCTIONS", "TrainSettings", "ffn_train", "ffn_train_backward", "ffn_train_forward",
-    "l0_from_packed",
+    "l0_from_packed", "op_graph_memory", "release_op_graphs",
 ]  # fmt: skip
 
 #: The L1 reductions (docs/ops.md): mean over M·N entries, or sum over units / M.
@@ -566,6 +566,27 @@ _OP_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
 #: The weights' positions in the ops' arguments: read in place by the graphs.
 _FORWARD_WEIGHTS = frozenset({1, 2, 3})
 _BACKWARD_WEIGHTS = frozenset({3, 4, 5})
+
+
+def op_graph_memory() -> int:
+    """Bytes of GPU memory the training ops' graphs hold (``op_graphs``; their input
+    buffers, the activations the forward lends the backward, their outputs while nobody
+    else holds them, and their shared scratch): what eager training costs beyond the
+    tensors a step returns."""
+    return sum(g.memory() for g in (_FORWARD_GRAPHS, _OP_FORWARD_GRAPHS, _BACKWARD_GRAPHS))
+
+
+def release_op_graphs() -> None:
+    """Drop every training op graph and give torch's cache the memory only they held
+    (after training, or when a model's weights go away: a layer's graphs are keyed on its
+    weights' addresses). Later eager calls capture again from their second call."""
+    import gc
+
+    for graphs in (_FORWARD_GRAPHS, _OP_FORWARD_GRAPHS, _BACKWARD_GRAPHS):
+        graphs.clear()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _training_block(w_gate: Any, w_up: Any, w_down: Any, options: Options) -> Any:

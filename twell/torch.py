@@ -123,9 +123,11 @@ class SparseMLP(nn.Module):
             serves). None (default): on for batches of at most :data:`OP_GRAPH_TOKENS`
             tokens, where the host's launches would otherwise set the step's time.
             Memory: each layer's graphs keep their own copies of the ops' inputs and the
-            TwELL words per batch shape; their outputs are the ``.grad`` tensors. Replays of one op must not run on two streams at once
-            (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph capture of
-            the caller's own or under ``torch.compile``.
+            TwELL words per batch shape (:func:`twell.autograd.op_graph_memory` counts
+            it, :func:`twell.autograd.release_op_graphs` frees it); their outputs are
+            the ``.grad`` tensors. Replays of one op must not run on two streams at
+            once (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph
+            capture of the caller's own or under ``torch.compile``.
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden

@@ -254,3 +254,35 @@ def test_gpu_op_graphs_return_their_memory_and_never_overwrite_a_held_output() -
     assert graphs.replays == replays + 1 and graphs.captures == 2
     assert torch.equal(b[0], base * 6.0) and torch.equal(d[0], base * 12.0)
     graphs.clear()
+
+
+def test_gpu_op_graph_memory_is_counted_and_released() -> None:
+    """op_graph_memory counts what the training ops' graphs keep between steps (at least
+    their copies of x and dy); release_op_graphs frees it, and the next steps capture again
+    and train as before."""
+    from twell import autograd
+
+    autograd.release_op_graphs()
+    assert autograd.op_graph_memory() == 0
+    torch.manual_seed(0)
+    model = Decoder(256, 1024, layers=2).cuda()
+    sparsify(model, reduction="per_token", op_graphs=True, dense_capacity=0.0)
+    x = torch.randn(512, 256, device="cuda")
+    grads = []
+    for _ in range(3):
+        model.zero_grad()
+        train_step(model, x, x / 512, 1e-3)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    held = autograd.op_graph_memory()
+    assert held >= 2 * x.numel() * 2  # at least two layers' bf16 dy buffers
+    reserved = torch.cuda.memory_reserved()
+    autograd.release_op_graphs()
+    assert autograd.op_graph_memory() == 0
+    assert torch.cuda.memory_reserved() < reserved
+    captures = autograd._BACKWARD_GRAPHS.captures
+    for _ in range(3):
+        model.zero_grad()
+        train_step(model, x, x / 512, 1e-3)
+        for a, b in zip(grads[-1], [p.grad for p in model.parameters()], strict=True):
+            assert torch.equal(a, b)
+    assert autograd._BACKWARD_GRAPHS.captures == captures + 2  # one per layer again
