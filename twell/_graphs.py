@@ -705,19 +705,23 @@ class _OpGraph:
         ones excepted: a :class:`Lease` copies those out itself)."""
         import torch
 
-        count = torch._C._storage_Use_Count
+        count = getattr(torch._C, "_storage_Use_Count", None)
         return all(
             u is None or i in lent or count(u[0]._cdata) == u[1] for i, u in enumerate(self.users)
         )
 
 
-def _users(tensor: Any) -> tuple[Any, int]:
+def _users(tensor: Any) -> tuple[Any, int] | None:
     """``tensor``'s storage and its number of users now (the storage object, which keeps
-    the memory in the graph, counts as one)."""
+    the memory in the graph, counts as one); None where torch does not count them (the
+    output is then copied out)."""
     import torch
 
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
     storage = tensor.untyped_storage()
-    return storage, torch._C._storage_Use_Count(storage._cdata)
+    return storage, count(storage._cdata)
 
 
 class Lease:
