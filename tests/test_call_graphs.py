@@ -1,11 +1,12 @@
 """twell._graphs without a GPU: which instantiation of a re-pointed call graph a call
 launches, and when it re-points one (fake instantiations stand in for the driver's; the
-launches themselves run in the GPU tests, test_gpu_serving.py); when a training op graph
-may replay into its outputs' memory (the replays: test_gpu_training_policy.py)."""
+launches themselves run in the GPU tests, test_gpu_serving.py); which lent tensors a
+training op graph copies out before it replays (the replays: test_gpu_training_policy.py)."""
 
 from __future__ import annotations
 
 import types
+import weakref
 
 import pytest
 
@@ -182,48 +183,30 @@ def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monk
     assert block(x) == "eager" and len(captured) == 2
 
 
-def _op_graph(*outputs: torch.Tensor) -> _graphs._OpGraph:
-    """An op graph's bookkeeping over CPU tensors (no captured graph)."""
-    return _graphs._OpGraph(None, (None,), outputs)
+def test_a_replay_first_copies_out_what_later_captures_lent() -> None:
+    """OpGraphs._protect: a graph about to replay may write its scratch where graphs
+    captured after it keep their outputs, so the leases those graphs gave out and that
+    are still held are copied out first; earlier graphs' leases, released ones and ones
+    already copied are left alone."""
+    graphs = _graphs.OpGraphs()
 
+    def lent(order: int, held: bool = True) -> _graphs.Lease:
+        lease = _graphs.Lease([torch.arange(4.0) + order], static=True)
+        if not held:
+            lease.release()
+        leases.append(lease)  # the caller (the training backward) holds them
+        graphs._leases.append((order, weakref.ref(lease)))
+        return lease
 
-def test_an_op_graph_is_free_only_while_nothing_else_uses_its_outputs() -> None:
-    """The liveness rule the op graphs replay by: torch's count of a storage's users.
-    A returned tensor (``detach``), a view of it, or autograd keeping it as ``.grad``
-    holds the graph; dropping them frees it. Small outputs are copied out (not tracked),
-    and lent outputs are left to their lease."""
-    big = torch.zeros(64, 1024)  # over OP_COPY_BYTES
-    small = torch.zeros(4)
-    assert big.numel() * 4 > _graphs.OP_COPY_BYTES >= small.numel() * 4
-    g = _op_graph(big, small)
-    assert g.users[1] is None and g.free(())
-    returned = big.detach()
-    assert not g.free(()) and g.free((0,))  # lent: the lease's business
-    view = returned.view(-1)[::2]
-    del returned
-    assert not g.free(())  # the view still uses the memory
-    del view
-    assert g.free(())
-
-    w = torch.nn.Parameter(torch.zeros(64, 1024))
-
-    class Op(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):  # noqa: ANN001, ANN205
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):  # noqa: ANN001, ANN205
-            return big.detach()  # the graph's memory, as the backward op graphs return it
-
-    Op.apply(w).sum().backward()
-    assert w.grad.data_ptr() == big.data_ptr()  # taken as .grad without a copy
-    assert not g.free(())
-    w.grad = None
-    assert g.free(())
-
-
-def test_without_torchs_use_count_op_graph_outputs_are_copied_out(monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.delattr(torch._C, "_storage_Use_Count")
-    g = _op_graph(torch.zeros(64, 1024))
-    assert g.users == (None,) and g.free(())
+    leases: list[_graphs.Lease] = []
+    early, same, later, released = lent(1), lent(2), lent(3), lent(4, held=False)
+    places = [lease.tensors[0].data_ptr() for lease in leases]
+    graphs._protect(2)
+    assert later.static is False and later.tensors[0].data_ptr() != places[2]
+    assert torch.equal(later.tensors[0], torch.arange(4.0) + 3)  # the values, copied
+    for lease, place in ((early, places[0]), (same, places[1]), (released, places[3])):
+        assert lease.static and lease.tensors[0].data_ptr() == place
+    assert [order for order, _ in graphs._leases] == [1, 2]  # the rest need no more checks
+    del leases[:2], early, same
+    graphs._protect(0)  # gone leases drop out
+    assert graphs._leases == []

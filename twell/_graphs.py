@@ -458,13 +458,6 @@ def _nbytes(tensor: Any) -> int:
 OP_CACHE = 128
 #: Keys remembered as seen once (a key is captured when it comes back).
 OP_SEEN = 256
-#: Graphs captured per key of :class:`OpGraphs`, for calls made while the outputs of
-#: the others are still held.
-SLOTS = 2
-#: Outputs of an op graph up to this size are copied out rather than returned in the
-#: graph's memory: a scalar that the caller keeps between steps (the L1 term a module
-#: holds for its penalty) would otherwise hold a graph's whole output set.
-OP_COPY_BYTES = 1 << 16
 
 
 def _arg_key(arg: Any, pinned: bool) -> Any:
@@ -488,26 +481,22 @@ class OpGraphs:
     key; every other tensor argument is copied into a buffer of the graph before each
     replay (the activations and gradients of a step land at addresses that torch's
     allocator does not repeat reliably). A key's first call runs eagerly; its second
-    captures ``fn`` and replays it; later ones replay. Calls made while the caller is
-    capturing a graph of its own run eagerly (their launches belong to that graph).
-
-    The outputs are returned in the graph's own memory, not copied out (a copy of the
-    weight gradients alone is as much traffic as reading the weights): a replay never
-    changes a tensor that an earlier call returned, because a graph is replayed only
-    when no tensor outside it still uses the memory of its outputs (torch's count of a
-    storage's users, which views and autograd's references to a gradient add to; torch's
-    own CUDA graph trees judge liveness the same way). A key keeps up to :data:`SLOTS`
-    graphs: while the outputs of one are still held (the previous step's output, a
-    gradient accumulated over micro-batches), the next is captured and replayed beside
-    it; with every slot held, the call runs eagerly. Outputs of at most
-    :data:`OP_COPY_BYTES` are copied out.
+    captures ``fn`` and replays it; later ones replay. The outputs live in the graph's
+    memory, so every call returns fresh clones of them (a replay never changes a tensor
+    that an earlier call returned). Calls made while the caller is capturing a graph of
+    its own run eagerly (their launches belong to that graph).
 
     The graphs of one instance share one memory pool and one capture stream per device,
     so their scratch memory is shared and only their input buffers and outputs are kept
     per graph. Replays are therefore stream-ordered on the caller's current stream: two
-    replays of one instance must not run concurrently on different streams. Everything
-    runs with the arguments' device current. A key whose capture failed runs eagerly
-    from then on (the error is raised once, by the call that captured).
+    replays of one instance must not run concurrently on different streams. And a
+    capture takes memory that earlier captures freed, so a graph's scratch may lie where
+    a graph captured after it keeps its outputs: before a graph replays, the tensors that
+    later-captured graphs lent and that are still held are copied out (:meth:`Lease.keep`;
+    two forwards before one backward need this), and outputs that are not lent are
+    returned as copies anyway. Everything runs with the arguments' device current. A key
+    whose capture failed runs eagerly from then on (the error is raised once, by the call
+    that captured).
 
     Args:
         capacity: graphs kept (least recently used dropped first; :meth:`clear` drops
@@ -522,11 +511,16 @@ class OpGraphs:
         self.capacity = capacity
         self.replace = replace
         self._by_rest: dict[tuple, tuple] = {}
-        self._graphs: collections.OrderedDict[tuple, list[_OpGraph]] = collections.OrderedDict()
+        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple, tuple]] = (
+            collections.OrderedDict()
+        )
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._failed: set[tuple] = set()
         self._pool: Any = None
         self._streams: dict[Any, Any] = {}
+        # (capture number of the lending graph, weak reference to the Lease) of the
+        # leases that may still be held
+        self._leases: list[tuple[int, Any]] = []
         self.captures = 0
         self.replays = 0
 
@@ -541,14 +535,15 @@ class OpGraphs:
         self._pool = None
 
     def memory(self) -> int:
-        """Bytes of GPU memory torch holds for these graphs (the segments of their pool:
-        input buffers, outputs, saved activations and shared scratch)."""
+        """Bytes of GPU memory these graphs hold: their input buffers and the segments of
+        their pool (outputs, lent tensors and the scratch they share)."""
         import torch
 
+        buffers = sum(_nbytes(b) for g in self._graphs.values() for b in g.buffers if b is not None)
         if self._pool is None:
-            return 0
+            return buffers
         pool = tuple(self._pool)
-        return sum(
+        return buffers + sum(
             s["total_size"]
             for s in torch.cuda.memory_snapshot()
             if tuple(s.get("segment_pool_id") or ()) == pool
@@ -580,13 +575,12 @@ class OpGraphs:
         if torch.cuda.is_current_stream_capturing() or planned():
             return _eager(fn, args, lend)
         key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
-        slots = self._graphs.get(key)
-        if slots is not None and not _current(slots[0]):
+        found = self._graphs.get(key)
+        if found is not None and not _current(found):
             del self._graphs[key]  # its cuBLAS workspace is gone: captured again next call
             self._seen[key] = None
             return _eager(fn, args, lend)
-        lent = () if lend is None else lend[1]
-        if slots is None:
+        if found is None:
             if key in self._failed:
                 return _eager(fn, args, lend)
             if key not in self._seen:
@@ -595,64 +589,64 @@ class OpGraphs:
                     self._seen.popitem(last=False)
                 return _eager(fn, args, lend)
             del self._seen[key]
-            found = self._capture_slot(fn, args, pinned, device, key)
-            self._graphs[key] = [found]
-            self._replace(key)
+            try:
+                found = self._capture(fn, args, pinned, device)
+            except BaseException:
+                self._failed.add(key)
+                if not self._graphs:
+                    self._pool = None  # released with the failed capture's graph
+                raise
+            self._graphs[key] = found
+            if self.replace:
+                rest = tuple(k for i, k in enumerate(key) if i not in self.replace)
+                old = self._by_rest.get(rest)
+                if old is not None and old != key:
+                    self._graphs.pop(old, None)
+                self._by_rest[rest] = key
+            while len(self._graphs) > self.capacity:
+                dropped, _ = self._graphs.popitem(last=False)
+                if self.replace:
+                    rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
+                    if self._by_rest.get(rest) == dropped:
+                        del self._by_rest[rest]
         else:
             self._graphs.move_to_end(key)
-            found = next((g for g in slots if g.free(lent)), None)
-            if found is None:
-                if len(slots) >= SLOTS:
-                    return _eager(fn, args, lend)  # every slot's outputs are still held
-                found = self._capture_slot(fn, args, pinned, device, key)
-                slots.append(found)
-            else:
-                holder = found.lease() if found.lease is not None else None
-                if holder is not None:
-                    holder.keep()  # its backward has not run yet: copy its values out first
-                for buffer, arg in zip(found.buffers, args, strict=True):
-                    if buffer is not None:
-                        buffer.copy_(arg)
+            holder = found.lease() if found.lease is not None else None
+            if holder is not None:
+                holder.keep()  # its backward has not run yet: copy its values out first
+            self._protect(found.order)
+            for buffer, arg in zip(found.buffers, args, strict=True):
+                if buffer is not None:
+                    buffer.copy_(arg)
         found.graph.replay()
         self.replays += 1
-        outputs = tuple(
-            t if t is None or i in lent else t.clone() if u is None else t.detach()
-            for i, (t, u) in enumerate(zip(found.outputs, found.users, strict=True))
-        )
         if lend is None:
-            return outputs
-        buffers = [found.buffers[i] if found.buffers[i] is not None else args[i] for i in lend[0]]
+            return tuple(None if t is None else t.clone() for t in found.outputs)
+        inputs, lent = lend
+        outputs = tuple(
+            t if i in lent or t is None else t.clone() for i, t in enumerate(found.outputs)
+        )
+        buffers = [found.buffers[i] if found.buffers[i] is not None else args[i] for i in inputs]
         lease = Lease(buffers + [found.outputs[i] for i in lent], static=True)
         found.lease = weakref.ref(lease)
+        self._leases.append((found.order, found.lease))
         return outputs, lease
 
-    def _capture_slot(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int],
-                      device: Any, key: tuple) -> _OpGraph:  # fmt: skip
-        """A new graph of ``key`` (a key that failed to capture runs eagerly from then on)."""
-        try:
-            return self._capture(fn, args, pinned, device)
-        except BaseException:
-            self._failed.add(key)
-            self._graphs.pop(key, None)
-            if not self._graphs:
-                self._pool = None  # released with the failed capture's graph
-            raise
-
-    def _replace(self, key: tuple) -> None:
-        """Drop the graphs that ``key`` replaces (``replace``) and the least recently used
-        beyond ``capacity``."""
-        if self.replace:
-            rest = tuple(k for i, k in enumerate(key) if i not in self.replace)
-            old = self._by_rest.get(rest)
-            if old is not None and old != key:
-                self._graphs.pop(old, None)
-            self._by_rest[rest] = key
-        while len(self._graphs) > self.capacity:
-            dropped, _ = self._graphs.popitem(last=False)
-            if self.replace:
-                rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
-                if self._by_rest.get(rest) == dropped:
-                    del self._by_rest[rest]
+    def _protect(self, order: int) -> None:
+        """Copy out the tensors still lent by graphs captured after capture ``order``,
+        whose replay comes next: its scratch may lie where they do."""
+        if not self._leases:
+            return
+        kept = []
+        for captured, ref in self._leases:
+            lease = ref()
+            if lease is None or not lease.held or not lease.static:
+                continue  # released, gone, or already copied out
+            if captured > order:
+                lease.keep()
+            else:
+                kept.append((captured, ref))
+        self._leases = kept
 
     def _capture(
         self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int], device: Any
@@ -677,51 +671,25 @@ class OpGraphs:
         current = torch.cuda.current_stream()
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        outputs = _capture_into(graph, self._pool, side, fn, *inputs)
-        current.wait_stream(side)
+        try:
+            outputs = _capture_into(graph, self._pool, side, fn, *inputs)
+        finally:
+            current.wait_stream(side)
         self.captures += 1
-        return _OpGraph(graph, buffers, tuple(outputs))
+        return _OpGraph(graph, buffers, tuple(outputs), self.captures)
 
 
 class _OpGraph:
     """One op graph: the captured graph, its input buffers (None where an argument is
-    read in place), its outputs, and the lease of its outputs held by the last call.
+    read in place), its outputs, the lease of its outputs held by the last call, and its
+    capture number in its pool (``order``: later captures may use its scratch memory)."""
 
-    ``users[i]``: output ``i``'s storage and the number of its users while only the graph
-    holds it (:meth:`free`); None for an output copied out (:data:`OP_COPY_BYTES`)."""
+    __slots__ = ("buffers", "epoch", "graph", "lease", "order", "outputs")
 
-    __slots__ = ("buffers", "epoch", "graph", "lease", "outputs", "users")
-
-    def __init__(self, graph: Any, buffers: tuple, outputs: tuple) -> None:
-        self.graph, self.buffers, self.outputs = graph, buffers, outputs
+    def __init__(self, graph: Any, buffers: tuple, outputs: tuple, order: int = 0) -> None:
+        self.graph, self.buffers, self.outputs, self.order = graph, buffers, outputs, order
         self.epoch = _cublas_epoch[0]
         self.lease: Any = None  # a weak reference
-        self.users = tuple(
-            None if t is None or _nbytes(t) <= OP_COPY_BYTES else _users(t) for t in outputs
-        )
-
-    def free(self, lent: tuple[int, ...]) -> bool:
-        """Whether no tensor outside the graph uses the memory of its outputs (the lent
-        ones excepted: a :class:`Lease` copies those out itself)."""
-        import torch
-
-        count = getattr(torch._C, "_storage_Use_Count", None)
-        return all(
-            u is None or i in lent or count(u[0]._cdata) == u[1] for i, u in enumerate(self.users)
-        )
-
-
-def _users(tensor: Any) -> tuple[Any, int] | None:
-    """``tensor``'s storage and its number of users now (the storage object, which keeps
-    the memory in the graph, counts as one); None where torch does not count them (the
-    output is then copied out)."""
-    import torch
-
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
-        return None
-    storage = tensor.untyped_storage()
-    return storage, count(storage._cdata)
 
 
 class Lease:

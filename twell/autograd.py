@@ -35,9 +35,8 @@ them out for an op call).
 
 ``graphs=True`` (CUDA): the op replays a CUDA graph of its launches from the second
 call with the same shapes and weights on (:class:`twell._graphs.OpGraphs`: the weights
-read in place, the other tensors copied into the graph's buffers, the outputs handed
-over in the graph's memory and never overwritten while held; the same numbers as
-without).
+read in place, the other tensors copied into the graph's buffers, fresh output tensors;
+the same numbers as without).
 
 Where they run:
 
@@ -437,9 +436,8 @@ class _EagerTraining(torch.autograd.Function):
     directly (the same numbers as the ops: the same functions run). With op graphs, the
     forward's TwELL words, heavy rows and up products (and its copy of ``x``) are lent to
     the backward in the graph's own memory (:class:`twell._graphs.Lease`), which then
-    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and the
-    scalars ``l1`` and ``l0`` out, nothing else (``y`` and the gradients are handed over
-    in the graphs' memory: :class:`twell._graphs.OpGraphs`)."""
+    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and ``y``,
+    ``l1``, ``l0`` and the gradients out, nothing else."""
 
     @staticmethod
     def forward(ctx: Any, x, w_gate, w_up, w_down, settings: TrainSettings):  # noqa: ANN001, ANN205
@@ -463,6 +461,13 @@ class _EagerTraining(torch.autograd.Function):
     def backward(ctx: Any, dy, dl1, *_unused):  # noqa: ANN001, ANN205
         w_gate, w_up, w_down, *rest = ctx.saved_tensors
         lease = ctx.lease
+        if lease is None and not rest:
+            raise RuntimeError(
+                "twell: a second backward through a training call made with op graphs: its "
+                "saved activations were lent by the graphs and the first backward gave them "
+                "back; build the module with op_graphs=False to backpropagate through a "
+                "call more than once (retain_graph=True)"
+            )
         x, packed, heavy, ids, count, up = rest if lease is None else lease.tensors
         if dy is None and dl1 is None:
             return None, None, None, None, None
@@ -569,10 +574,9 @@ _BACKWARD_WEIGHTS = frozenset({3, 4, 5})
 
 
 def op_graph_memory() -> int:
-    """Bytes of GPU memory the training ops' graphs hold (``op_graphs``; their input
-    buffers, the activations the forward lends the backward, their outputs while nobody
-    else holds them, and their shared scratch): what eager training costs beyond the
-    tensors a step returns."""
+    """Bytes of GPU memory the training ops' graphs hold (``op_graphs``: their input
+    buffers, outputs, the activations the forward lends the backward, and their shared
+    scratch): what eager training keeps beyond the tensors a step returns."""
     return sum(g.memory() for g in (_FORWARD_GRAPHS, _OP_FORWARD_GRAPHS, _BACKWARD_GRAPHS))
 
 

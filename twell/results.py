@@ -202,7 +202,8 @@ def mlp_rows(folder: Path) -> Iterator[Row]:
             notes.append(
                 f"host {r['host_us'] / 1e3:.2f} ms a step (dense {r['host_us_dense'] / 1e3:.2f})"
             )
-        if "mem_ratio" in r:
+        if "mem_ratio" in r and "graph_mb_twell" in r:
+            # (a record without graph_mb_twell left out the memory twell's op graphs keep)
             notes.append(f"extra memory {_x(r['mem_ratio'])}")
         workload = _MLP_WORKLOADS.get(r["workload"], r["workload"])
         case = f"{r['mode']}, {workload}, M={r['M']}, back to back"

@@ -116,18 +116,16 @@ class SparseMLP(nn.Module):
             entries) or ``"per_token"`` (sum over units, mean over tokens).
         op_graphs: whether eager training calls on CUDA replay a CUDA graph of the
             ops' launches (from the second call with the same batch shape and weights
-            on): a replay costs the host about one launch instead of ~40; the
-            activations are copied into the graph's buffers, and the outputs (``y``,
-            ``dx``, the weight gradients) are handed over in the graph's memory, which is
-            replayed into again only once nothing holds them (else a second graph
-            serves). None (default): on for batches of at most :data:`OP_GRAPH_TOKENS`
-            tokens, where the host's launches would otherwise set the step's time.
-            Memory: each layer's graphs keep their own copies of the ops' inputs and the
-            TwELL words per batch shape (:func:`twell.autograd.op_graph_memory` counts
-            it, :func:`twell.autograd.release_op_graphs` frees it); their outputs are
-            the ``.grad`` tensors. Replays of one op must not run on two streams at
-            once (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph
-            capture of the caller's own or under ``torch.compile``.
+            on): a replay costs the host about one launch instead of ~40, and the
+            activations are copied into the graph's buffers and the outputs out of them.
+            None (default): on for batches of at most :data:`OP_GRAPH_TOKENS` tokens,
+            where the host's launches would otherwise set the step's time. Memory: each
+            layer's two graphs keep their own copies of the ops' inputs and outputs
+            (``x``, ``dy``, ``y``, ``dx``, the TwELL words and the weight gradients) per
+            batch shape (:func:`twell.autograd.op_graph_memory` counts it,
+            :func:`twell.autograd.release_op_graphs` frees it). Replays of one op must
+            not run on two streams at once (:class:`twell._graphs.OpGraphs`). No effect
+            inside a CUDA graph capture of the caller's own or under ``torch.compile``.
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden

@@ -20,14 +20,14 @@ from twell.torch import SparseMLP, sparsify  # noqa: E402
 pytestmark = pytest.mark.unpoisoned
 
 
-@pytest.mark.parametrize("grads", ["set_to_none", "zeroed", "accumulated"])
-def test_gpu_sparse_mlp_with_op_graphs_trains_as_without(grads: str) -> None:
+@pytest.mark.parametrize("loop", ["set_to_none", "zeroed", "accumulated", "two_forwards"])
+def test_gpu_sparse_mlp_with_op_graphs_trains_as_without(loop: str) -> None:
     """A small decoder trained eagerly for a few steps with op_graphs on and off, on the
-    same batches: the same gradients at every step and the same parameters, bit for
-    bit. The gradients come back in the graphs' memory (not copied out), so how the loop
-    treats them matters: dropped each step (``zero_grad()``), zeroed in place and kept
-    (``set_to_none=False``: the next backward adds to them), or accumulated over two
-    micro-batches."""
+    same batches: the same gradients at every step and the same parameters, bit for bit.
+    Loops: gradients dropped each step, zeroed in place and kept, accumulated over two
+    micro-batches, or two forwards (two batches, one loss) before one backward, where the
+    first forward's saved tensors sit in the graphs' memory while the second forward's
+    graphs replay (OpGraphs copies them out first)."""
     from twell import autograd
 
     params = []
@@ -35,56 +35,35 @@ def test_gpu_sparse_mlp_with_op_graphs_trains_as_without(grads: str) -> None:
     replays = autograd._FORWARD_GRAPHS.replays, autograd._BACKWARD_GRAPHS.replays
     for op_graphs in (False, True):
         torch.manual_seed(0)
-        model = Decoder(256, 1024, layers=2).cuda()
+        model = Decoder(256, 1024, layers=3).cuda()
         sparsify(model, reduction="per_token", op_graphs=op_graphs)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         start = [p.detach().clone() for p in model.parameters()]
         trace = []
         for i, x in enumerate(batches):
-            if grads != "accumulated" or i % 2 == 0:
-                optimizer.zero_grad(set_to_none=grads != "zeroed")
-            train_step(model, x, x / 512, 1e-3)
+            if loop != "accumulated" or i % 2 == 0:
+                optimizer.zero_grad(set_to_none=loop != "zeroed")
+            if loop == "two_forwards":
+                other = batches[(i + 1) % len(batches)].flip(0)
+                loss = (model(x).float() * x / 512).sum() + (model(other).float() * other).sum()
+                loss.backward()
+            else:
+                train_step(model, x, x / 512, 1e-3)
             trace.append([p.grad.clone() for p in model.parameters()])
-            if grads != "accumulated" or i % 2 == 1:
+            if loop != "accumulated" or i % 2 == 1:
                 optimizer.step()
         params.append((trace, [p.detach().clone() for p in model.parameters()]))
         for a, b in zip(start, params[-1][1], strict=True):
             assert not torch.equal(a, b), "a parameter did not move"
     (trace, last), (trace_graphs, last_graphs) = params
-    for grads_eager, grads_graphs in zip(trace, trace_graphs, strict=True):
-        for a, b in zip(grads_eager, grads_graphs, strict=True):
+    for grads, grads_graphs in zip(trace, trace_graphs, strict=True):
+        for a, b in zip(grads, grads_graphs, strict=True):
             assert torch.isfinite(a).all() and torch.equal(a, b)
     for a, b in zip(last, last_graphs, strict=True):
         assert torch.equal(a, b)
     # Same shapes and weights every step: the ops replayed their graphs.
     assert autograd._FORWARD_GRAPHS.replays > replays[0]
     assert autograd._BACKWARD_GRAPHS.replays > replays[1]
-
-
-def test_gpu_op_graphs_hand_the_weight_gradients_over_without_a_copy() -> None:
-    """In a loop that drops its gradients each step, the backward's graph is replayed
-    into the same memory every step and that memory becomes ``.grad`` itself (torch
-    takes a gradient nobody else holds): no copy, no second slot."""
-    from twell import autograd
-
-    torch.manual_seed(0)
-    model = Decoder(256, 1024, layers=2).cuda()
-    sparsify(model, reduction="per_token", dense_capacity=0.0)  # one graph per layer
-    mlps = [m for m in model.modules() if isinstance(m, SparseMLP)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(512, 256, device="cuda")
-    places = []
-    captures = autograd._BACKWARD_GRAPHS.captures
-    for _ in range(5):
-        optimizer.zero_grad()
-        train_step(model, x, x / 512, 1e-3)
-        places.append([m.up_proj.weight.grad.data_ptr() for m in mlps])
-        optimizer.step()
-    assert places[2] == places[3] == places[4]  # step 0 eager, 1 captures, then replays
-    outputs = {t.data_ptr() for slots in autograd._BACKWARD_GRAPHS._graphs.values()
-               for g in slots for t in g.outputs if t is not None}  # fmt: skip
-    assert set(places[4]) <= outputs
-    assert autograd._BACKWARD_GRAPHS.captures - captures == len(mlps)
 
 
 def test_gpu_auto_capacity_follows_the_previous_call() -> None:
@@ -191,15 +170,13 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
     graphs = OpGraphs(replace=frozenset({1}))
     x = torch.randn(64, device="cuda")
     for c in (1.0, 1.0, 2.0, 2.0, 2.0):  # a value's first call runs eagerly, then capture
-        # (the output is dropped at once: a held one would have the next call take a
-        # second slot)
-        assert torch.equal(graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())[0], x * c)
+        (out,) = graphs(lambda t, c: (t * c,), (x, c), pinned=frozenset())
+        assert torch.equal(out, x * c)
     assert graphs.captures == 2 and graphs.replays == 3  # captures replay at once
     assert len(graphs._graphs) == 1
     for _ in range(2):  # another shape: a graph of its own beside the first
-        other = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())[0]
+        (other,) = graphs(lambda t, c: (t * c,), (x[:32], 2.0), pinned=frozenset())
         assert torch.equal(other, x[:32] * 2.0)
-        del other
     assert len(graphs._graphs) == 2
     for _ in range(2):  # the second shape's value moves: only its own graph is replaced
         graphs(lambda t, c: (t * c,), (x[:32], 3.0), pinned=frozenset())
@@ -209,61 +186,13 @@ def test_gpu_op_graphs_keep_one_graph_per_layer_as_the_capacity_moves() -> None:
     assert not graphs._graphs and not graphs._by_rest
 
 
-def test_gpu_op_graphs_return_their_memory_and_never_overwrite_a_held_output() -> None:
-    """OpGraphs return large outputs in the graph's own memory (no copy) and replay a graph
-    only while nothing outside it holds that memory (a view counts); a second slot serves
-    while the first is held, and with both held the call runs eagerly. Small outputs are
-    copied out."""
-    from twell._graphs import OP_COPY_BYTES, SLOTS, OpGraphs
-
-    assert SLOTS == 2
-    graphs = OpGraphs()
-    x = torch.randn(64, 1024, device="cuda")  # 256 KB outputs: returned in place
-    assert x.numel() * 4 > OP_COPY_BYTES
-
-    def fn(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return t * 2.0, t.sum().reshape(1)
-
-    def call(scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            x.copy_(base * scale)
-        out = graphs(fn, (x,), pinned=frozenset())
-        assert torch.equal(out[0], base * scale * 2.0)
-        return out
-
-    base = x.clone()
-    call(1.0)  # first sight: eager
-    a = call(2.0)  # captured (slot 0) and replayed
-    assert graphs.captures == 1
-    (slot,) = graphs._graphs.values()
-    place = a[0].data_ptr()
-    assert place == slot[0].outputs[0].data_ptr()
-    assert a[1].data_ptr() != slot[0].outputs[1].data_ptr()  # the scalar: copied out
-    del a
-    b = call(3.0)  # slot 0 free again: the same memory, no copy
-    assert graphs.captures == 1 and b[0].data_ptr() == place
-    view = call(4.0)[0].view(-1)  # slot 0 held by b: slot 1; a view of its output kept
-    assert graphs.captures == 2 and view.data_ptr() != place
-    replays = graphs.replays
-    c = call(5.0)  # both slots held: an eager call, nothing overwritten
-    assert graphs.replays == replays and c[0].data_ptr() not in (place, view.data_ptr())
-    torch.cuda.synchronize()
-    assert torch.equal(b[0], base * 6.0) and torch.equal(view, (base * 8.0).view(-1))
-    del view
-    d = call(6.0)  # slot 1 is free once the view is gone
-    assert graphs.replays == replays + 1 and graphs.captures == 2
-    assert torch.equal(b[0], base * 6.0) and torch.equal(d[0], base * 12.0)
-    graphs.clear()
-
-
 def test_gpu_op_graph_memory_is_counted_and_released() -> None:
     """op_graph_memory counts what the training ops' graphs keep between steps (at least
-    their copies of x and dy); release_op_graphs frees it, and the next steps capture again
-    and train as before."""
+    each layer's copies of x and dy); release_op_graphs gives it back to torch's cache,
+    and the next steps capture again and train as before."""
     from twell import autograd
 
     autograd.release_op_graphs()
-    assert autograd.op_graph_memory() == 0
     torch.manual_seed(0)
     model = Decoder(256, 1024, layers=2).cuda()
     sparsify(model, reduction="per_token", op_graphs=True, dense_capacity=0.0)
@@ -273,11 +202,14 @@ def test_gpu_op_graph_memory_is_counted_and_released() -> None:
         model.zero_grad()
         train_step(model, x, x / 512, 1e-3)
         grads.append([p.grad.clone() for p in model.parameters()])
+    buffers = sum(b.numel() * b.element_size()
+                  for graphs in (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS)
+                  for g in graphs._graphs.values() for b in g.buffers if b is not None)  # fmt: skip
     held = autograd.op_graph_memory()
-    assert held >= 2 * x.numel() * 2  # at least two layers' bf16 dy buffers
+    assert buffers >= 2 * 2 * x.numel() * 2  # x and dy of two layers, bf16 at least
+    assert held > buffers  # and the pools' outputs and scratch
     reserved = torch.cuda.memory_reserved()
     autograd.release_op_graphs()
-    assert autograd.op_graph_memory() == 0
     assert torch.cuda.memory_reserved() < reserved
     captures = autograd._BACKWARD_GRAPHS.captures
     for _ in range(3):
@@ -286,3 +218,27 @@ def test_gpu_op_graph_memory_is_counted_and_released() -> None:
         for a, b in zip(grads[-1], [p.grad for p in model.parameters()], strict=True):
             assert torch.equal(a, b)
     assert autograd._BACKWARD_GRAPHS.captures == captures + 2  # one per layer again
+
+
+def test_gpu_a_second_backward_with_op_graphs_says_what_to_do() -> None:
+    """retain_graph=True and a second backward through a call made with op graphs (its
+    saved activations were lent and given back): a clear error naming op_graphs=False,
+    which backpropagates twice."""
+    problem = workloads.make("uniform", 256, 256, 1024, seed=5)
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
+    grads = []
+    for op_graphs in (True, False):
+        mlp = cuda_mlp(problem, torch.bfloat16, "per_token")
+        mlp = SparseMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, reduction="per_token",
+                        dense_capacity=0.0, op_graphs=op_graphs)  # fmt: skip
+        for _ in range(3):  # eager, captured, replayed
+            y = mlp(x.requires_grad_())
+            y.float().sum().backward(retain_graph=True)
+            mlp.zero_grad()
+            if op_graphs:
+                with pytest.raises(RuntimeError, match="op_graphs=False"):
+                    y.float().sum().backward()
+            else:
+                y.float().sum().backward()
+                grads.append(mlp.up_proj.weight.grad.clone())
+    assert torch.isfinite(grads[-1]).all()
