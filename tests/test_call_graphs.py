@@ -210,3 +210,58 @@ def test_a_replay_first_copies_out_what_later_captures_lent() -> None:
     del leases[:2], early, same
     graphs._protect(0)  # gone leases drop out
     assert graphs._leases == []
+
+
+class FakeOpGraph:
+    """Stands in for a captured op graph: a replay runs ``fn`` on the captured inputs
+    into the captured outputs, then writes NaN over ``scratch`` (memory that a graph
+    captured later may have been given for its outputs)."""
+
+    def __init__(self, fn, inputs: tuple, outputs: tuple) -> None:  # noqa: ANN001
+        self.fn, self.inputs, self.outputs, self.scratch = fn, inputs, outputs, []
+
+    def replay(self) -> None:
+        for out, value in zip(self.outputs, self.fn(*self.inputs), strict=True):
+            out.copy_(value)
+        for t in self.scratch:
+            t.fill_(float("nan"))
+
+
+def test_two_forwards_keep_what_the_first_lent(monkeypatch) -> None:  # noqa: ANN001
+    """The op graphs' call path without a GPU (fake graphs): two layers' forwards
+    captured in order, then two forwards before the backward. The first layer's replay
+    writes scratch over the second layer's outputs, which the first forward lent to its
+    backward: they are copied out before, so that forward's lease keeps its values."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    graphs = _graphs.OpGraphs()
+    made: list[FakeOpGraph] = []
+
+    def capture(fn, args, pinned, device):  # noqa: ANN001, ANN202
+        buffers = tuple(None if i in pinned else a.clone() for i, a in enumerate(args))
+        inputs = tuple(a if b is None else b for a, b in zip(args, buffers, strict=True))
+        fake = FakeOpGraph(fn, inputs, tuple(t.clone() for t in fn(*inputs)))
+        made.append(fake)
+        graphs.captures += 1
+        return _graphs._OpGraph(fake, buffers, fake.outputs, graphs.captures)
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    weights = [torch.tensor([2.0]), torch.tensor([3.0])]
+
+    def forward(layer: int, x: torch.Tensor) -> tuple:
+        return graphs._call(lambda x, w: (x * w, x + w), (x, weights[layer]), frozenset({1}),
+                            None, ((0,), (1,)))  # fmt: skip
+
+    x = torch.arange(4.0)
+    for _ in range(2):  # first sight (eager), then captured; the backward releases
+        for layer in (0, 1):
+            forward(layer, x)[1].release()
+    assert graphs.captures == 2
+    made[0].scratch = [made[1].outputs[1]]  # layer 0's scratch lies where layer 1's output is
+    (_, lease0a), (_, lease1a) = forward(0, x), forward(1, x)  # the first forward
+    second = [forward(0, x + 1), forward(1, x + 1)]  # the second forward
+    lease1b = second[1][1]
+    assert graphs.replays == 6 and graphs.captures == 2
+    assert torch.equal(lease1a.tensors[1], x + 3.0)  # copied out before layer 0's replay
+    assert torch.equal(lease0a.tensors[1], x + 2.0)  # copied out before its own replay
+    assert torch.equal(lease1b.tensors[1], x + 4.0)
+    assert not lease1a.static and lease1b.static
