@@ -587,6 +587,21 @@ def test_public_ops_reject_widths_the_kernels_cannot_take(k: int) -> None:
         twell.SparseFFN(w, w, w.T.copy())
 
 
+def kernels_asked(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels looked up (``Source.kernel``) from now to the test's end."""
+    from twell.kernels.compile import Source
+
+    asked: list[str] = []
+    kernel = Source.kernel
+
+    def spy(self: Source, function: str, **params: int) -> object:
+        asked.append(function)
+        return kernel(self, function, **params)
+
+    monkeypatch.setattr(Source, "kernel", spy)
+    return asked
+
+
 @pytest.mark.parametrize("shape", [(2048, 5632), (5632, 2048), (64, 64), (72, 200), (8, 8),
                                    (1, 1), (33, 70), (130, 66), (4096, 14336)])  # fmt: skip
 @pytest.mark.parametrize("offset", [0, 4])
@@ -597,17 +612,9 @@ def test_transpose_gives_every_element(
     the array is 16-byte aligned, the 2-byte one otherwise: ``offset`` elements in)
     against NumPy's transpose, bit for bit, into a poisoned output (the module's
     buffers); the kernel that ran is the one the shape and alignment call for."""
-    from twell.kernels.compile import Source
     from twell.kernels.convert import transpose
 
-    asked: list[str] = []
-    kernel = Source.kernel
-
-    def spy(self: Source, function: str, **params: int) -> object:
-        asked.append(function)
-        return kernel(self, function, **params)
-
-    monkeypatch.setattr(Source, "kernel", spy)
+    asked = kernels_asked(monkeypatch)
     rows, cols = shape
     bits = np.random.default_rng(rows * cols).integers(0, 1 << 16, rows * cols + offset)
     flat = cp.asarray(bits.astype(np.uint16)).view(BF16)
@@ -630,16 +637,7 @@ def test_f32_to_bf16_gives_numpys_rounding(
     into a pool buffer, which is 512-byte aligned) against
     ml_dtypes' round-to-nearest-even, bit for bit: random bits (NaN payloads, Inf,
     subnormals and ties included), every value, into a poisoned pool."""
-    from twell.kernels.compile import Source
-
-    asked: list[str] = []
-    kernel = Source.kernel
-
-    def spy(self: Source, function: str, **params: int) -> object:
-        asked.append(function)
-        return kernel(self, function, **params)
-
-    monkeypatch.setattr(Source, "kernel", spy)
+    asked = kernels_asked(monkeypatch)
     rng = np.random.default_rng(n + offset)
     bits = rng.integers(0, 1 << 32, n + offset, dtype=np.uint64).astype(np.uint32)
     special = np.array([0x7F800000, 0xFF800000, 0x7FC00001, 0x00000001, 0x3F808000,
