@@ -520,6 +520,7 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
         def run(i: int, mlps: list = mlps, xs: list = xs, dy: Any = dy) -> None:
             for mlp, x in zip(mlps, xs, strict=True):
                 mlp(x).backward(dy)
+                x.grad = None  # (an activation: no gradient kept across steps)
                 for p in mlp.parameters():
                     p.grad = None
 
