@@ -560,10 +560,24 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 
 # ---------------------------------------------------------------------- CUDA: kernels
+def _grads_out(args: tuple) -> tuple | None:
+    """Shapes and dtypes of the backward's results that :func:`_backward_cuda` can write
+    into given tensors (``out``), from its arguments: ``(dx, dw_gate, dw_up, dw_down)``,
+    None for the non-gated block's ``dw_gate``; None where it cannot (not all bf16)."""
+    x, w_gate, w_up, w_down = args[2], args[3], args[4], args[5]
+    if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w_gate, w_up, w_down)):
+        return None
+    return tuple(
+        None if t is None else (tuple(t.shape), t.dtype) for t in (x, w_gate, w_up, w_down)
+    )
+
+
 #: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each); ``replace``
-#: is ``dense_capacity``'s position in the implementations' arguments.
+#: is ``dense_capacity``'s position in the implementations' arguments. The backward's hand
+#: their results over (``hand_over``): written into tensors outside the pool, which become
+#: ``dx`` and ``.grad`` without a copy.
 _FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
-_BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}))
+_BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}), hand_over=_grads_out)
 #: The forward op's own graphs (called through the dispatcher with ``graphs=True``: the
 #: outputs of :func:`_forward_cuda`, where the eager path's graphs hold
 #: :func:`_forward_with_l0`'s).
@@ -681,8 +695,11 @@ def _l1_coefficient(dl1: torch.Tensor | None, backward_module: Any) -> Any:
     return float(dl1)
 
 
-def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, *launch):
-    """The backward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`."""
+def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, *launch,
+                   out=None):  # fmt: skip
+    """The backward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`. ``out``: the
+    tensors to write ``(dx, dw_gate, dw_up, dw_down)`` into (:func:`_grads_out`; bf16 x
+    and weights), which are then the results."""
     from twell._interop import on_gpu
     from twell.kernels import backward as kernels_backward
     from twell.kernels.activations import Activations
@@ -701,6 +718,8 @@ def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, 
     }  # fmt: skip
     if w_gate is not None:  # the non-gated block keeps no up products
         arrays["up"] = up.contiguous()
+    if out is not None:
+        arrays.update({f"out{i}": t for i, t in enumerate(out) if t is not None})
     with on_gpu("torch", arrays) as (v, to_caller):
         block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
         saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"],
@@ -708,10 +727,13 @@ def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, 
         # bf16 weights get bf16 gradients straight from the kernels (half the memory of
         # fp32 ones and no second copy); others get fp32, cast below.
         bf16 = all(w is None or w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down))
+        into = None if out is None else tuple(v.get(f"out{i}") for i in range(4))
         grads = kernels_backward.ffn_backward(
             block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=settings.reduction,
-            grad_dtype=v["w_up"].dtype if bf16 else np.float32,
+            grad_dtype=v["w_up"].dtype if bf16 else np.float32, out=into,
         )  # fmt: skip
+        if out is not None:  # written in place: the caller's tensors are the results
+            return (out[0], w_up.new_empty((0,)) if out[1] is None else out[1], *out[2:])
         dx, dwg, dwu, dwd = (None if g is None else _unview(to_caller(g)) for g in grads)
     return (
         dx.to(x.dtype).contiguous(),
