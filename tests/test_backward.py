@@ -176,10 +176,10 @@ def test_l1_loss_and_l0_count_tokens_over_batch_dimensions(h):
     assert reference.l0(batched) == reference.l0(h)
 
 
-def test_the_gpu_backwards_out_is_checked_before_anything_runs():
+def test_the_gpu_backwards_out_is_checked():
     """kernels.backward's ``out`` (the training graphs hand their results over through
-    it): bf16 x and gradients only, the results' shapes, C-contiguous, dw_gate None
-    exactly for the non-gated block."""
+    it): bf16 x and gradients only, the results' shapes, C-contiguous and 16-byte
+    aligned, dw_gate None exactly for the non-gated block."""
     from ml_dtypes import bfloat16
 
     from twell.kernels import backward
@@ -206,3 +206,9 @@ def test_the_gpu_backwards_out_is_checked_before_anything_runs():
     with pytest.raises(ValueError, match="dx must be"):
         backward._check_out((np.zeros((k, m), bfloat16).T, *good[1:]), x, np.dtype(bfloat16),
                             m, n, k, True)  # fmt: skip
+    raw = np.zeros(m * k + 8, bfloat16)
+    start = (-raw.ctypes.data // 2) % 8 + 1  # 2 bytes past a 16-byte boundary
+    shifted = raw[start : start + m * k].reshape(m, k)
+    assert shifted.ctypes.data % 16 == 2
+    with pytest.raises(ValueError, match="aligned"):
+        backward._check_out((shifted, *good[1:]), x, np.dtype(bfloat16), m, n, k, True)

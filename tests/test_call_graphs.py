@@ -378,3 +378,45 @@ def test_without_torchs_use_count_nothing_is_handed_over(monkeypatch) -> None:  
         assert torch.equal(y, x * 2)
     ((slot,),) = graphs._graphs.values()
     assert slot.users == (None,) and y.data_ptr() != slot.outputs[0].data_ptr()
+
+
+def test_a_failed_second_slot_runs_the_call_eagerly(monkeypatch) -> None:  # noqa: ANN001
+    """A second slot whose capture fails (say, out of memory while the first slot's
+    results are held): that call and later busy ones run eagerly, the first slot keeps
+    replaying; once the key's graphs are dropped, it may take two slots again."""
+    _fake_cuda(monkeypatch)
+    captures = []
+    fake = _graphs._capture_into
+
+    def capture_into(graph, pool, side, fn, *args):  # noqa: ANN001, ANN202
+        captures.append(1)
+        if len(captures) == 2:
+            raise RuntimeError("out of memory")
+        return fake(graph, pool, side, fn, *args)
+
+    monkeypatch.setattr(_graphs, "_capture_into", capture_into)
+    graphs = _graphs.OpGraphs(hand_over=lambda args: (((4,), torch.float32),))
+
+    def fn(x, out=None):  # noqa: ANN001, ANN202
+        return (x * 2 if out is None else torch.mul(x, 2, out=out[0]),)
+
+    def call(x):  # noqa: ANN001, ANN202
+        (y,) = graphs._call(fn, (x,), frozenset(), None, None)
+        assert torch.equal(y, x * 2)
+        return y
+
+    x = torch.arange(4.0)
+    call(x)
+    held = call(x + 1)  # slot 0
+    ((slot,),) = graphs._graphs.values()
+    eager = call(x + 2)  # slot 0 held; the second slot's capture fails: eager
+    assert eager.data_ptr() != slot.outputs[0].data_ptr() and len(captures) == 2
+    call(x + 3)  # still held: eager, no second try
+    assert len(captures) == 2 and torch.equal(held, (x + 1) * 2)
+    del held, eager
+    assert call(x + 4).data_ptr() == slot.outputs[0].data_ptr()  # slot 0 replays
+    monkeypatch.setattr(_graphs, "_cublas_epoch", [_graphs._cublas_epoch[0] + 1])
+    call(x)  # the key's graphs dropped (a freed cuBLAS workspace): eager
+    first = call(x)  # captured again
+    second = call(x)  # and a second slot may be tried again
+    assert len(captures) == 4 and first.data_ptr() != second.data_ptr()

@@ -508,7 +508,10 @@ class OpGraphs:
     tensor, a view of one, autograd keeping it as ``.grad``; torch's own CUDA graph trees
     judge liveness the same way). While they are held (gradients accumulated over
     micro-batches, or zeroed in place and kept), a second graph of the key serves
-    (:data:`SLOTS`); with every slot held, the call runs eagerly.
+    (:data:`SLOTS`); with every slot held, the call runs eagerly. Two uses it cannot see:
+    a storage object taken from such a tensor and kept without any tensor, and a read on
+    another stream that has not finished when the tensor is dropped (torch's
+    ``record_stream`` does not hold a graph back: synchronise first).
 
     Args:
         capacity: graphs kept (least recently used dropped first; :meth:`clear` drops
@@ -535,6 +538,7 @@ class OpGraphs:
         self._graphs: collections.OrderedDict[tuple, list[_OpGraph]] = collections.OrderedDict()
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._failed: set[tuple] = set()
+        self._one_slot: set[tuple] = set()  # keys whose second slot failed to capture
         self._pool: Any = None
         self._streams: dict[Any, Any] = {}
         # (capture number of the lending graph, weak reference to the Lease) of the
@@ -549,6 +553,7 @@ class OpGraphs:
         self._by_rest.clear()
         self._seen.clear()
         self._failed.clear()
+        self._one_slot.clear()
         # torch releases a pool with its last graph; its handle cannot be captured into
         # again.
         self._pool = None
@@ -560,7 +565,7 @@ class OpGraphs:
 
         graphs = [g for slots in self._graphs.values() for g in slots]
         buffers = sum(_nbytes(b) for g in graphs for b in g.buffers if b is not None)
-        buffers += sum(_nbytes(t) for g in graphs if g.free() for t in g.homes())
+        buffers += sum(_nbytes(t) for g in graphs for t in g.homes(unused=True))
         if self._pool is None:
             return buffers
         pool = tuple(self._pool)
@@ -599,6 +604,7 @@ class OpGraphs:
         slots = self._graphs.get(key)
         if slots is not None and not _current(slots[0]):
             del self._graphs[key]  # its cuBLAS workspace is gone: captured again next call
+            self._one_slot.discard(key)
             self._seen[key] = None
             return _eager(fn, args, lend)
         if slots is None:
@@ -617,7 +623,7 @@ class OpGraphs:
             self._graphs.move_to_end(key)
             found = next((g for g in slots if g.free()), None)
             if found is None:  # every slot's handed-over outputs are still held
-                if len(slots) >= SLOTS or key in self._failed:
+                if len(slots) >= SLOTS or key in self._one_slot:
                     return _eager(fn, args, lend)
                 found = self._capture_slot(fn, args, pinned, device, key, keep=True)
                 if found is None:
@@ -650,14 +656,15 @@ class OpGraphs:
     def _capture_slot(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int],
                       device: Any, key: tuple, keep: bool = False) -> _OpGraph | None:  # fmt: skip
         """A new graph of ``key``. A key whose first capture failed runs eagerly from then
-        on (the error is raised); a failed second slot (``keep``: the first stays) only
-        stops further slots for the key (None)."""
+        on (the error is raised); a failed second slot (``keep``: the first stays, and the
+        call runs eagerly: None) only stops further slots while the key's graphs last."""
         try:
             return self._capture(fn, args, pinned, device)
         except BaseException as error:
-            self._failed.add(key)
             if keep and isinstance(error, Exception):
+                self._one_slot.add(key)
                 return None
+            self._failed.add(key)
             if not self._graphs:
                 self._pool = None  # released with the failed capture's graph
             raise
@@ -670,9 +677,11 @@ class OpGraphs:
             old = self._by_rest.get(rest)
             if old is not None and old != key:
                 self._graphs.pop(old, None)
+                self._one_slot.discard(old)
             self._by_rest[rest] = key
         while len(self._graphs) > self.capacity:
             dropped, _ = self._graphs.popitem(last=False)
+            self._one_slot.discard(dropped)
             if self.replace:
                 rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
                 if self._by_rest.get(rest) == dropped:
@@ -753,9 +762,7 @@ class _OpGraph:
         self.graph, self.buffers, self.outputs, self.order = graph, buffers, outputs, order
         self.epoch = _cublas_epoch[0]
         self.lease: Any = None  # a weak reference
-        self.users = tuple(
-            t.untyped_storage() if i in handed else None for i, t in enumerate(outputs)
-        )
+        self.users = tuple(_storage(t) if i in handed else None for i, t in enumerate(outputs))
 
     def free(self) -> bool:
         """Whether no tensor outside the graph uses its handed-over outputs' memory (a
@@ -764,14 +771,36 @@ class _OpGraph:
         each add one)."""
         import torch
 
-        if all(u is None for u in self.users):
-            return True
-        count = torch._C._storage_Use_Count
-        return all(u is None or count(u._cdata) <= 2 for u in self.users)
+        return all(u is None or _unused(u, torch) for u in self.users)
 
-    def homes(self) -> list[Any]:
-        """The outputs it hands over."""
-        return [t for t, u in zip(self.outputs, self.users, strict=True) if u is not None]
+    def homes(self, unused: bool = False) -> list[Any]:
+        """The outputs it hands over (``unused``: those nobody else holds now)."""
+        import torch
+
+        return [
+            t
+            for t, u in zip(self.outputs, self.users, strict=True)
+            if u is not None and not (unused and not _unused(u, torch))
+        ]
+
+
+def _storage(tensor: Any) -> Any:
+    """``tensor``'s storage object, with its size noted."""
+    storage = tensor.untyped_storage()
+    storage._twell_nbytes = storage.nbytes()
+    return storage
+
+
+def _unused(storage: Any, torch: Any) -> bool:
+    """Whether nothing but the graph holds a handed-over output's ``storage``: torch
+    counts two users (the graph's output tensor and this storage object; a tensor, a
+    view or autograd's ``.grad`` adds one), and its memory is still the same size (a
+    ``resize_`` would have freed it). Not seen: the storage object itself kept without
+    any tensor (``y.untyped_storage()`` returns this one)."""
+    return (
+        torch._C._storage_Use_Count(storage._cdata) <= 2
+        and storage.nbytes() == storage._twell_nbytes
+    )
 
 
 class Lease:

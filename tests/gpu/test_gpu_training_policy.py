@@ -207,7 +207,8 @@ def test_gpu_op_graph_memory_is_counted_and_released() -> None:
         grads.append([p.grad.clone() for p in model.parameters()])
     buffers = sum(b.numel() * b.element_size()
                   for graphs in (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS)
-                  for g in graphs._graphs.values() for b in g.buffers if b is not None)  # fmt: skip
+                  for slots in graphs._graphs.values() for g in slots
+                  for b in g.buffers if b is not None)  # fmt: skip
     held = autograd.op_graph_memory()
     assert buffers >= 2 * 2 * x.numel() * 2  # x and dy of two layers, bf16 at least
     assert held > buffers  # and the pools' outputs and scratch

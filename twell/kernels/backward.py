@@ -359,6 +359,8 @@ def ffn_backward(
     if grad_dtype not in (np.dtype(np.float32), np.dtype(bfloat16)):
         raise TypeError(f"grad_dtype: expected float32 or bfloat16, got {grad_dtype}")
     coeff = _l1_coefficient(l1_coeff)
+    if out is not None:
+        _check_out(out, x, grad_dtype, x.shape[0], block.n, block.k, block.gated)
     xb, dyb = as_bf16(x), as_bf16(dy)
     n, k, gated = block.n, block.k, block.gated
     if xb.ndim != 2 or xb.shape[1] != k:
@@ -370,8 +372,6 @@ def ffn_backward(
     tiles = n // tile
     nv = 3 if gated else 2
     params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
-    if out is not None:
-        _check_out(out, x, grad_dtype, m, n, k, gated)
     # Weight gradients, [N, K] each: (dw_gate, dw_up, dw_down_t) or (dw_up, dw_down_t).
     dws = [alloc((n, k), np.float32) for _ in range(nv)]
     dx = empty_bf16((m, k)) if out is None else out[0]
@@ -625,7 +625,8 @@ def _l1_coefficient(l1_coeff: Any) -> Any:
 
 def _check_out(out: tuple, x: Any, grad_dtype: np.dtype, m: int, n: int, k: int,
                gated: bool) -> None:  # fmt: skip
-    """``ffn_backward``'s ``out``: bf16, C-contiguous, of the results' shapes."""
+    """``ffn_backward``'s ``out``: bf16, C-contiguous, 16-byte aligned (the kernels store
+    8 values at a time), of the results' shapes."""
     if np.dtype(x.dtype) != bfloat16 or grad_dtype != bfloat16:
         raise TypeError("out: the results are written in place only for bf16 x and gradients")
     if len(out) != 4 or (out[1] is None) == gated:
@@ -636,10 +637,12 @@ def _check_out(out: tuple, x: Any, grad_dtype: np.dtype, m: int, n: int, k: int,
                                   strict=True):  # fmt: skip
         if array is None:
             continue
+        address = array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
         if (np.dtype(array.dtype) != bfloat16 or tuple(array.shape) != shape
-                or not array.flags.c_contiguous):  # fmt: skip
-            raise ValueError(f"out: {name} must be a C-contiguous bf16 array of shape {shape}, "
-                             f"got {array.dtype} {tuple(array.shape)}")  # fmt: skip
+                or not array.flags.c_contiguous or address % 16):  # fmt: skip
+            raise ValueError(f"out: {name} must be a C-contiguous, 16-byte aligned bf16 array "
+                             f"of shape {shape}, got {array.dtype} {tuple(array.shape)} at "
+                             f"{address:#x}")  # fmt: skip
 
 
 def _given(out: tuple, gated: bool) -> list[Any]:
