@@ -67,7 +67,7 @@ count words; not differentiable).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -418,10 +418,11 @@ def _ffn_train(
     return y.reshape(x.shape), l1, l0, count
 
 
-def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest):  # noqa: ANN001, ANN202
+def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # noqa: ANN001, ANN202
     """:func:`_forward_cuda`'s outputs and the L0 (computed on the device, in the same op
-    graph when one is replayed)."""
-    outputs = _forward_cuda(x, w_gate, w_up, w_down, tile, slots, *rest)
+    graph when one is replayed); ``out``: as :func:`_forward_cuda`'s, one entry longer."""
+    outputs = _forward_cuda(x, w_gate, w_up, w_down, tile, slots, *rest,
+                            out=None if out is None else out[:7])  # fmt: skip
     return (*outputs, l0_from_packed(outputs[2], slots))
 
 
@@ -560,6 +561,19 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 
 # ---------------------------------------------------------------------- CUDA: kernels
+def _y_out(outputs: int) -> Callable[[tuple], tuple | None]:
+    """The forward's ``hand_over`` (:class:`OpGraphs`) for an implementation of
+    ``outputs`` outputs: ``y`` (bf16 ``x`` and weights), written into a given tensor."""
+
+    def specs(args: tuple) -> tuple | None:
+        x, w_gate, w_up, w_down = args[:4]
+        if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w_gate, w_up, w_down)):
+            return None
+        return ((tuple(x.shape), x.dtype), *[None] * (outputs - 1))
+
+    return specs
+
+
 def _grads_out(args: tuple) -> tuple | None:
     """Shapes and dtypes of the backward's results that :func:`_backward_cuda` can write
     into given tensors (``out``), from its arguments: ``(dx, dw_gate, dw_up, dw_down)``,
@@ -573,15 +587,15 @@ def _grads_out(args: tuple) -> tuple | None:
 
 
 #: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each); ``replace``
-#: is ``dense_capacity``'s position in the implementations' arguments. The backward's hand
-#: their results over (``hand_over``): written into tensors outside the pool, which become
-#: ``dx`` and ``.grad`` without a copy.
-_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
+#: is ``dense_capacity``'s position in the implementations' arguments. They hand ``y``,
+#: ``dx`` and the weight gradients over (``hand_over``): written into tensors outside the
+#: pool, which the caller gets (``.grad`` too) without a copy.
+_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}), hand_over=_y_out(8))
 _BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}), hand_over=_grads_out)
 #: The forward op's own graphs (called through the dispatcher with ``graphs=True``: the
 #: outputs of :func:`_forward_cuda`, where the eager path's graphs hold
 #: :func:`_forward_with_l0`'s).
-_OP_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
+_OP_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}), hand_over=_y_out(7))
 #: The weights' positions in the ops' arguments: read in place by the graphs.
 _FORWARD_WEIGHTS = frozenset({1, 2, 3})
 _BACKWARD_WEIGHTS = frozenset({3, 4, 5})
@@ -633,8 +647,9 @@ def _check_cuda(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name}: expected a tensor on {device} like x, got {t.device}")
 
 
-def _forward_cuda(x, w_gate, w_up, w_down, *launch):
-    """The forward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`."""
+def _forward_cuda(x, w_gate, w_up, w_down, *launch, out=None):
+    """The forward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`. ``out``: a
+    tensor to write ``y`` into first (bf16 ``x``; the rest None), which is then ``y``."""
     from twell._interop import on_gpu
 
     _check_cuda(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
@@ -644,7 +659,7 @@ def _forward_cuda(x, w_gate, w_up, w_down, *launch):
     options = settings.options()
     if m == 0:
         return (
-            torch.empty_like(x),
+            torch.empty_like(x) if out is None else out[0],
             torch.zeros((), dtype=torch.float32, device=x.device),
             torch.zeros((0, n // tile * slots), dtype=torch.int32, device=x.device),
             torch.zeros((0,), dtype=torch.uint8, device=x.device),
@@ -658,17 +673,22 @@ def _forward_cuda(x, w_gate, w_up, w_down, *launch):
         )
     arrays = {"x": x.contiguous(), "w_gate": _contiguous(w_gate), "w_up": w_up.contiguous(),
               "w_down": w_down.contiguous()}  # fmt: skip
+    if out is not None:
+        arrays["y"] = out[0]
     with on_gpu("torch", arrays) as (v, to_caller):
         block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
-        y, saved = block.forward(v["x"], save=True)
+        y, saved = block.forward(v["x"], save=True, out=v.get("y"))
         outputs = [
             to_caller(a)
             for a in (y, saved.packed.view(np.int32), saved.heavy, saved.ids[:m], saved.count)
         ]
+        del block, y  # (a captured block keeps its buffers: not a view of out's tensor)
         row_l1 = to_caller(saved.row_l1)
         if saved.up is not None:
             outputs.append(to_caller(saved.up))
     y, packed, heavy, ids, count, *up = (_unview(t) for t in outputs)
+    if out is not None:  # written in place: the caller's tensor is y
+        y = out[0]
     if not up:  # the non-gated block keeps none
         up = [torch.zeros((m, 0), dtype=torch.float32, device=x.device)]
     l1 = row_l1.sum() * _l1_scale(reduction, m, n)

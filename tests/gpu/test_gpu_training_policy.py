@@ -251,7 +251,8 @@ def test_gpu_a_second_backward_with_op_graphs_says_what_to_do() -> None:
 def test_gpu_op_graphs_hand_the_weight_gradients_over_without_a_copy() -> None:
     """In a loop that drops its gradients each step, the backward's graph writes them
     into the same tensors every step (allocated outside the graphs' pool) and those
-    become ``.grad`` themselves: no copy, and no second graph."""
+    become ``.grad`` themselves: no copy, and no second graph (nor for the forward, whose
+    ``y`` is handed over the same way)."""
     from twell import autograd
 
     autograd.release_op_graphs()
@@ -271,4 +272,6 @@ def test_gpu_op_graphs_hand_the_weight_gradients_over_without_a_copy() -> None:
     homes = {t.data_ptr() for slots in autograd._BACKWARD_GRAPHS._graphs.values()
              for g in slots for t in g.homes()}  # fmt: skip
     assert set(places[4]) <= homes
-    assert sum(len(slots) for slots in autograd._BACKWARD_GRAPHS._graphs.values()) == len(mlps)
+    for graphs in (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS):  # y handed over too
+        assert sum(len(slots) for slots in graphs._graphs.values()) == len(mlps)
+        assert all(g.homes() for slots in graphs._graphs.values() for g in slots)
