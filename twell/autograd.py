@@ -35,8 +35,9 @@ them out for an op call).
 
 ``graphs=True`` (CUDA): the op replays a CUDA graph of its launches from the second
 call with the same shapes and weights on (:class:`twell._graphs.OpGraphs`: the weights
-read in place, the other tensors copied into the graph's buffers, fresh output tensors;
-the same numbers as without).
+read in place, the other tensors copied into the graph's buffers; ``y``, ``dx`` and the
+bf16 gradients handed over in tensors of the graph's that it writes again only once
+nothing holds them, the other outputs copied; the same numbers as without).
 
 Where they run:
 
@@ -437,8 +438,9 @@ class _EagerTraining(torch.autograd.Function):
     directly (the same numbers as the ops: the same functions run). With op graphs, the
     forward's TwELL words, heavy rows and up products (and its copy of ``x``) are lent to
     the backward in the graph's own memory (:class:`twell._graphs.Lease`), which then
-    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and ``y``,
-    ``l1``, ``l0`` and the gradients out, nothing else."""
+    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and
+    ``l1``, ``l0`` out, nothing else (``y`` and the gradients are handed over:
+    :class:`twell._graphs.OpGraphs`)."""
 
     @staticmethod
     def forward(ctx: Any, x, w_gate, w_up, w_down, settings: TrainSettings):  # noqa: ANN001, ANN205
@@ -563,11 +565,12 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 # ---------------------------------------------------------------------- CUDA: kernels
 def _y_out(outputs: int) -> Callable[[tuple], tuple | None]:
     """The forward's ``hand_over`` (:class:`OpGraphs`) for an implementation of
-    ``outputs`` outputs: ``y`` (bf16 ``x`` and weights), written into a given tensor."""
+    ``outputs`` outputs: ``y`` (bf16 ``x``; the kernels take bf16 copies of other weights),
+    written into a given tensor."""
 
     def specs(args: tuple) -> tuple | None:
-        x, w_gate, w_up, w_down = args[:4]
-        if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w_gate, w_up, w_down)):
+        x = args[0]
+        if x.dtype != torch.bfloat16:
             return None
         return ((tuple(x.shape), x.dtype), *[None] * (outputs - 1))
 

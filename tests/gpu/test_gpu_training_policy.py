@@ -245,6 +245,7 @@ def test_gpu_a_second_backward_with_op_graphs_says_what_to_do() -> None:
             else:
                 y.float().sum().backward()
                 grads.append(mlp.up_proj.weight.grad.clone())
+            del y  # (held, it would keep the graph from replaying: a second slot)
     assert torch.isfinite(grads[-1]).all()
 
 

@@ -191,10 +191,11 @@ class PreparedBlock:
             raise ValueError(f"x: expected K={self.k}, got {k}")
         if out is not None and (
             np.dtype(x.dtype) != bfloat16 or np.dtype(out.dtype) != bfloat16
-            or tuple(out.shape) != (m, k) or not out.flags.c_contiguous
+            or tuple(out.shape) != (m, k) or not out.flags.c_contiguous or out.data.ptr % 16
         ):  # fmt: skip
             raise ValueError(
-                f"out: expected a C-contiguous bf16 array of shape {(m, k)} and bf16 x, got "
+                f"out: expected a C-contiguous, 16-byte aligned bf16 array of shape {(m, k)} "
+                f"and bf16 x, got "
                 f"{out.dtype} {tuple(out.shape)}, x {x.dtype}"
             )
         y = empty_bf16((m, k)) if out is None else out
@@ -245,10 +246,10 @@ class PreparedBlock:
             self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
             self._keep([xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch])
-        out = from_bf16(y, x.dtype)
+        result = from_bf16(y, x.dtype)
         if not save:
-            return out
-        return out, Activations(light.packed, light.heavy, ids, count, row_l1, up)
+            return result
+        return result, Activations(light.packed, light.heavy, ids, count, row_l1, up)
 
 
 def capturing() -> bool:
