@@ -420,3 +420,25 @@ def test_a_failed_second_slot_runs_the_call_eagerly(monkeypatch) -> None:  # noq
     first = call(x)  # captured again
     second = call(x)  # and a second slot may be tried again
     assert len(captures) == 4 and first.data_ptr() != second.data_ptr()
+
+
+def test_the_lease_list_stays_short_without_replays() -> None:
+    """Leases are remembered for later replays; calls that only capture (a setting that
+    moves every call) must not grow the list without bound."""
+    graphs = _graphs.OpGraphs(capacity=4)
+    held = []
+    for i in range(100):
+        lease = _graphs.Lease([torch.zeros(1)], static=True)
+        if i % 10 == 0:
+            held.append(lease)  # a few still held by their backward
+        else:
+            lease.release()
+        graphs._leases.append((i, weakref.ref(lease)))
+        if len(graphs._leases) > 2 * graphs.capacity:
+            graphs._protect(-1, copy=False)
+    # the leases still held, and at most the unpruned tail of the others
+    assert len(graphs._leases) <= len(held) + 2 * graphs.capacity
+    assert all(lease.static for lease in held)  # forgetting copies nothing
+    del held[:]
+    graphs._protect(-1, copy=False)
+    assert graphs._leases == []
