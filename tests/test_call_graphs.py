@@ -426,6 +426,7 @@ def test_the_lease_list_stays_short_without_replays() -> None:
     """Leases are remembered for later replays; calls that only capture (a setting that
     moves every call) must not grow the list without bound."""
     graphs = _graphs.OpGraphs(capacity=4)
+    graphs.captures = 100  # the capture numbers the leases below carry are all past
     held = []
     for i in range(100):
         lease = _graphs.Lease([torch.zeros(1)], static=True)
@@ -435,10 +436,10 @@ def test_the_lease_list_stays_short_without_replays() -> None:
             lease.release()
         graphs._leases.append((i, weakref.ref(lease)))
         if len(graphs._leases) > 2 * graphs.capacity:
-            graphs._protect(-1, copy=False)
+            graphs._protect(graphs.captures)
     # the leases still held, and at most the unpruned tail of the others
     assert len(graphs._leases) <= len(held) + 2 * graphs.capacity
     assert all(lease.static for lease in held)  # forgetting copies nothing
     del held[:]
-    graphs._protect(-1, copy=False)
+    graphs._protect(graphs.captures)
     assert graphs._leases == []

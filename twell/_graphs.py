@@ -652,7 +652,7 @@ class OpGraphs:
         found.lease = weakref.ref(lease)
         self._leases.append((found.order, found.lease))
         if len(self._leases) > 2 * self.capacity:  # (pruned by replays; captures only add)
-            self._protect(-1, copy=False)
+            self._protect(self.captures)  # no graph is newer: this only forgets
         return outputs, lease
 
     def _capture_slot(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int],
@@ -689,10 +689,10 @@ class OpGraphs:
                 if self._by_rest.get(rest) == dropped:
                     del self._by_rest[rest]
 
-    def _protect(self, order: int, copy: bool = True) -> None:
+    def _protect(self, order: int) -> None:
         """Copy out the tensors still lent by graphs captured after capture ``order``,
-        whose replay comes next: its scratch may lie where they do (``copy=False``: only
-        forget the leases no longer held)."""
+        whose replay comes next: its scratch may lie where they do; forget the leases no
+        longer held."""
         if not self._leases:
             return
         kept = []
@@ -700,7 +700,7 @@ class OpGraphs:
             lease = ref()
             if lease is None or not lease.held or not lease.static:
                 continue  # released, gone, or already copied out
-            if copy and captured > order:
+            if captured > order:
                 lease.keep()
             else:
                 kept.append((captured, ref))
