@@ -174,3 +174,41 @@ def test_l1_loss_and_l0_count_tokens_over_batch_dimensions(h):
         reference.l1_loss(h, "per_token"), rel=1e-12
     )
     assert reference.l0(batched) == reference.l0(h)
+
+
+def test_the_gpu_backwards_out_is_checked():
+    """kernels.backward's ``out`` (the training graphs hand their results over through
+    it): bf16 x and gradients only, the results' shapes, C-contiguous and 16-byte
+    aligned, dw_gate None exactly for the non-gated block."""
+    from ml_dtypes import bfloat16
+
+    from twell.kernels import backward
+
+    m, n, k = 6, 512, 16
+    x = np.zeros((m, k), bfloat16)
+
+    def arrays(*shapes):
+        return tuple(None if s is None else np.zeros(s, bfloat16) for s in shapes)
+
+    good = arrays((m, k), (n, k), (n, k), (k, n))
+    backward._check_out(good, x, np.dtype(bfloat16), m, n, k, gated=True)
+    backward._check_out(arrays((m, k), None, (n, k), (k, n)), x, np.dtype(bfloat16), m, n, k,
+                        gated=False)  # fmt: skip
+    with pytest.raises(TypeError, match="bf16"):
+        backward._check_out(good, x.astype(np.float32), np.dtype(bfloat16), m, n, k, True)
+    with pytest.raises(TypeError, match="bf16"):
+        backward._check_out(good, x, np.dtype(np.float32), m, n, k, True)
+    with pytest.raises(ValueError, match="dw_gate None"):
+        backward._check_out(good, x, np.dtype(bfloat16), m, n, k, gated=False)
+    with pytest.raises(ValueError, match="dw_down must be"):
+        backward._check_out(arrays((m, k), (n, k), (n, k), (n, k)), x, np.dtype(bfloat16),
+                            m, n, k, True)  # fmt: skip
+    with pytest.raises(ValueError, match="dx must be"):
+        backward._check_out((np.zeros((k, m), bfloat16).T, *good[1:]), x, np.dtype(bfloat16),
+                            m, n, k, True)  # fmt: skip
+    raw = np.zeros(m * k + 8, bfloat16)
+    start = (-raw.ctypes.data // 2) % 8 + 1  # 2 bytes past a 16-byte boundary
+    shifted = raw[start : start + m * k].reshape(m, k)
+    assert shifted.ctypes.data % 16 == 2
+    with pytest.raises(ValueError, match="aligned"):
+        backward._check_out((shifted, *good[1:]), x, np.dtype(bfloat16), m, n, k, True)

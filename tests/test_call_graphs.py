@@ -267,6 +267,161 @@ def test_two_forwards_keep_what_the_first_lent(monkeypatch) -> None:  # noqa: AN
     assert not lease1a.static and lease1b.static
 
 
+class FakeCaptured:
+    """Stands in for torch.cuda.CUDAGraph: a replay runs the captured call again."""
+
+    def __init__(self) -> None:
+        self.run = None
+
+    def replay(self) -> None:
+        self.run()
+
+
+def _fake_cuda(monkeypatch) -> None:  # noqa: ANN001
+    """OpGraphs' capture path on the CPU: no streams, pools or graphs of CUDA's."""
+
+    class Stream:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    def capture_into(graph, pool, side, fn, *args):  # noqa: ANN001, ANN202
+        captured = fn(*args)
+
+        def run() -> None:  # a replay writes where the capture's outputs lie
+            for mine, value in zip(captured, fn(*args), strict=True):
+                if mine is not value:
+                    mine.copy_(value)
+
+        graph.run = run
+        return captured
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCaptured)
+    monkeypatch.setattr(_graphs, "_capture_into", capture_into)
+
+
+def test_handed_over_outputs_are_replayed_into_only_when_free(monkeypatch) -> None:  # noqa: ANN001
+    """OpGraphs(hand_over=...) on the CPU with fake graphs: the output comes back in the
+    graph's own tensor (allocated outside the pool), no copy; a held result, a view of
+    it or autograd's ``.grad`` keeps the graph from replaying into it: a second slot
+    serves, and with both held the call runs eagerly. Values are right throughout."""
+    _fake_cuda(monkeypatch)
+    graphs = _graphs.OpGraphs(hand_over=lambda args: (((4, 8), torch.float32), None))
+
+    def fn(x, w, out=None):  # noqa: ANN001, ANN202
+        y = x * w if out is None else torch.mul(x, w, out=out[0])
+        return y, (x * w).sum()  # the second output: copied
+
+    def call(x):  # noqa: ANN001, ANN202
+        y, total = graphs._call(fn, (x, w), frozenset({1}), None, None)
+        assert torch.equal(y, x * w) and torch.equal(total, (x * w).sum())
+        return y
+
+    w = torch.full((4, 8), 2.0)
+    x = torch.arange(32.0).reshape(4, 8)
+    call(x)  # first sight: eager
+    a = call(x + 1)  # captured, replayed: the graph's own tensor
+    ((slot,),) = graphs._graphs.values()
+    home = slot.outputs[0]
+    assert a.data_ptr() == home.data_ptr() and graphs.captures == 1
+    del a
+    b = call(x + 2)  # free again: the same memory
+    assert b.data_ptr() == home.data_ptr() and graphs.captures == 1
+    view = call(x + 3).view(-1)  # slot 0 held by b: a second slot; a view of it kept
+    assert graphs.captures == 2 and view.data_ptr() not in (home.data_ptr(),)
+    replays = graphs.replays
+    c = call(x + 4)  # both held: eager
+    assert graphs.replays == replays and graphs.captures == 2
+    assert torch.equal(b, (x + 2) * w) and torch.equal(view, ((x + 3) * w).view(-1))
+    del b
+    d = call(x + 5)  # slot 0 free once b is gone
+    assert d.data_ptr() == home.data_ptr() and torch.equal(view, ((x + 3) * w).view(-1))
+    del c, d, view
+
+    p = torch.nn.Parameter(torch.zeros(4, 8))
+
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p):  # noqa: ANN001, ANN205
+            return p.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            return call(x + 6)  # a gradient handed over by the graph
+
+    Op.apply(p).sum().backward()
+    assert p.grad.data_ptr() == home.data_ptr()  # torch took it as .grad without a copy
+    e = call(x + 7)  # .grad holds slot 0: slot 1 serves
+    assert e.data_ptr() != home.data_ptr() and torch.equal(p.grad, (x + 6) * w)
+    del e
+    p.grad = None
+    assert call(x + 8).data_ptr() == home.data_ptr()
+
+
+def test_without_torchs_use_count_nothing_is_handed_over(monkeypatch) -> None:  # noqa: ANN001
+    _fake_cuda(monkeypatch)
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    graphs = _graphs.OpGraphs(hand_over=lambda args: (((4,), torch.float32),))
+
+    def fn(x, out=None):  # noqa: ANN001, ANN202
+        return (x * 2 if out is None else torch.mul(x, 2, out=out[0]),)
+
+    x = torch.arange(4.0)
+    for _ in range(3):
+        (y,) = graphs._call(fn, (x,), frozenset(), None, None)
+        assert torch.equal(y, x * 2)
+    ((slot,),) = graphs._graphs.values()
+    assert slot.users == (None,) and y.data_ptr() != slot.outputs[0].data_ptr()
+
+
+def test_a_failed_second_slot_runs_the_call_eagerly(monkeypatch) -> None:  # noqa: ANN001
+    """A second slot whose capture fails (say, out of memory while the first slot's
+    results are held): that call and later busy ones run eagerly, the first slot keeps
+    replaying; once the key's graphs are dropped, it may take two slots again."""
+    _fake_cuda(monkeypatch)
+    captures = []
+    fake = _graphs._capture_into
+
+    def capture_into(graph, pool, side, fn, *args):  # noqa: ANN001, ANN202
+        captures.append(1)
+        if len(captures) == 2:
+            raise RuntimeError("out of memory")
+        return fake(graph, pool, side, fn, *args)
+
+    monkeypatch.setattr(_graphs, "_capture_into", capture_into)
+    graphs = _graphs.OpGraphs(hand_over=lambda args: (((4,), torch.float32),))
+
+    def fn(x, out=None):  # noqa: ANN001, ANN202
+        return (x * 2 if out is None else torch.mul(x, 2, out=out[0]),)
+
+    def call(x):  # noqa: ANN001, ANN202
+        (y,) = graphs._call(fn, (x,), frozenset(), None, None)
+        assert torch.equal(y, x * 2)
+        return y
+
+    x = torch.arange(4.0)
+    call(x)
+    held = call(x + 1)  # slot 0
+    ((slot,),) = graphs._graphs.values()
+    eager = call(x + 2)  # slot 0 held; the second slot's capture fails: eager
+    assert eager.data_ptr() != slot.outputs[0].data_ptr() and len(captures) == 2
+    call(x + 3)  # still held: eager, no second try
+    assert len(captures) == 2 and torch.equal(held, (x + 1) * 2)
+    del held, eager
+    assert call(x + 4).data_ptr() == slot.outputs[0].data_ptr()  # slot 0 replays
+    monkeypatch.setattr(_graphs, "_cublas_epoch", [_graphs._cublas_epoch[0] + 1])
+    call(x)  # the key's graphs dropped (a freed cuBLAS workspace): eager
+    first = call(x)  # captured again
+    second = call(x)  # and a second slot may be tried again
+    assert len(captures) == 4 and first.data_ptr() != second.data_ptr()
+
+
 def test_the_lease_list_stays_short_without_replays() -> None:
     """Leases are remembered for later replays; calls that only capture (a setting that
     moves every call) must not grow the list without bound."""

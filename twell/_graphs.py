@@ -458,6 +458,9 @@ def _nbytes(tensor: Any) -> int:
 OP_CACHE = 128
 #: Keys remembered as seen once (a key is captured when it comes back).
 OP_SEEN = 256
+#: Graphs per key of an :class:`OpGraphs` that hands its outputs over: while one's are
+#: still held (gradients accumulated over micro-batches), the next serves.
+SLOTS = 2
 
 
 def _arg_key(arg: Any, pinned: bool) -> Any:
@@ -498,6 +501,18 @@ class OpGraphs:
     whose capture failed runs eagerly from then on (the error is raised once, by the call
     that captured).
 
+    ``hand_over``: outputs that ``fn`` can write into given tensors (its keyword ``out``)
+    are not copied but handed over. Their tensors are allocated outside the pool when a
+    graph is captured, so no graph's scratch lies there, and a graph replays into them
+    only while torch counts no user of their storage outside the graph (a returned
+    tensor, a view of one, autograd keeping it as ``.grad``; torch's own CUDA graph trees
+    judge liveness the same way). While they are held (gradients accumulated over
+    micro-batches, or zeroed in place and kept), a second graph of the key serves
+    (:data:`SLOTS`); with every slot held, the call runs eagerly. Two uses it cannot see:
+    a storage object taken from such a tensor and kept without any tensor, and a read on
+    another stream that has not finished when the tensor is dropped (torch's
+    ``record_stream`` does not hold a graph back: synchronise first).
+
     Args:
         capacity: graphs kept (least recently used dropped first; :meth:`clear` drops
             them all).
@@ -505,17 +520,25 @@ class OpGraphs:
             capacity ``dense_capacity="auto"`` picks): a graph captured for one value
             drops the graph of the same other arguments at another value, so a layer
             keeps one graph per batch shape, not one per value it ever took.
+        hand_over: ``hand_over(args)``: the ``(shape, dtype)`` of each output ``fn`` can
+            write into a given tensor (None at the others), or None for none; ``fn``
+            then returns those tensors as the outputs.
     """
 
-    def __init__(self, capacity: int = OP_CACHE, replace: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        capacity: int = OP_CACHE,
+        replace: frozenset[int] = frozenset(),
+        hand_over: Callable[[tuple], tuple | None] | None = None,
+    ) -> None:
         self.capacity = capacity
         self.replace = replace
+        self.hand_over = hand_over
         self._by_rest: dict[tuple, tuple] = {}
-        self._graphs: collections.OrderedDict[tuple, tuple[Any, tuple, tuple]] = (
-            collections.OrderedDict()
-        )
+        self._graphs: collections.OrderedDict[tuple, list[_OpGraph]] = collections.OrderedDict()
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._failed: set[tuple] = set()
+        self._one_slot: set[tuple] = set()  # keys whose second slot failed to capture
         self._pool: Any = None
         self._streams: dict[Any, Any] = {}
         # (capture number of the lending graph, weak reference to the Lease) of the
@@ -530,6 +553,7 @@ class OpGraphs:
         self._by_rest.clear()
         self._seen.clear()
         self._failed.clear()
+        self._one_slot.clear()
         # torch releases a pool with its last graph; its handle cannot be captured into
         # again.
         self._pool = None
@@ -539,7 +563,9 @@ class OpGraphs:
         their pool (outputs, lent tensors and the scratch they share)."""
         import torch
 
-        buffers = sum(_nbytes(b) for g in self._graphs.values() for b in g.buffers if b is not None)
+        graphs = [g for slots in self._graphs.values() for g in slots]
+        buffers = sum(_nbytes(b) for g in graphs for b in g.buffers if b is not None)
+        buffers += sum(_nbytes(t) for g in graphs for t in g.homes(unused=True))
         if self._pool is None:
             return buffers
         pool = tuple(self._pool)
@@ -575,12 +601,13 @@ class OpGraphs:
         if torch.cuda.is_current_stream_capturing() or planned():
             return _eager(fn, args, lend)
         key = tuple(_arg_key(a, i in pinned) for i, a in enumerate(args))
-        found = self._graphs.get(key)
-        if found is not None and not _current(found):
+        slots = self._graphs.get(key)
+        if slots is not None and not _current(slots[0]):
             del self._graphs[key]  # its cuBLAS workspace is gone: captured again next call
+            self._one_slot.discard(key)
             self._seen[key] = None
             return _eager(fn, args, lend)
-        if found is None:
+        if slots is None:
             if key in self._failed:
                 return _eager(fn, args, lend)
             if key not in self._seen:
@@ -589,43 +616,37 @@ class OpGraphs:
                     self._seen.popitem(last=False)
                 return _eager(fn, args, lend)
             del self._seen[key]
-            try:
-                found = self._capture(fn, args, pinned, device)
-            except BaseException:
-                self._failed.add(key)
-                if not self._graphs:
-                    self._pool = None  # released with the failed capture's graph
-                raise
-            self._graphs[key] = found
-            if self.replace:
-                rest = tuple(k for i, k in enumerate(key) if i not in self.replace)
-                old = self._by_rest.get(rest)
-                if old is not None and old != key:
-                    self._graphs.pop(old, None)
-                self._by_rest[rest] = key
-            while len(self._graphs) > self.capacity:
-                dropped, _ = self._graphs.popitem(last=False)
-                if self.replace:
-                    rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
-                    if self._by_rest.get(rest) == dropped:
-                        del self._by_rest[rest]
+            found = self._capture_slot(fn, args, pinned, device, key)
+            self._graphs[key] = [found]
+            self._replace(key)
         else:
             self._graphs.move_to_end(key)
-            holder = found.lease() if found.lease is not None else None
-            if holder is not None:
-                holder.keep()  # its backward has not run yet: copy its values out first
-            self._protect(found.order)
-            for buffer, arg in zip(found.buffers, args, strict=True):
-                if buffer is not None:
-                    buffer.copy_(arg)
+            found = next((g for g in slots if g.free()), None)
+            if found is None:  # every slot's handed-over outputs are still held
+                if len(slots) >= SLOTS or key in self._one_slot:
+                    return _eager(fn, args, lend)
+                found = self._capture_slot(fn, args, pinned, device, key, keep=True)
+                if found is None:
+                    return _eager(fn, args, lend)
+                slots.append(found)
+            else:
+                holder = found.lease() if found.lease is not None else None
+                if holder is not None:
+                    holder.keep()  # its backward has not run yet: copy its values out first
+                self._protect(found.order)
+                for buffer, arg in zip(found.buffers, args, strict=True):
+                    if buffer is not None:
+                        buffer.copy_(arg)
         found.graph.replay()
         self.replays += 1
-        if lend is None:
-            return tuple(None if t is None else t.clone() for t in found.outputs)
-        inputs, lent = lend
+        lent = () if lend is None else lend[1]
         outputs = tuple(
-            t if i in lent or t is None else t.clone() for i, t in enumerate(found.outputs)
+            t if t is None or i in lent else t.detach() if u is not None else t.clone()
+            for i, (t, u) in enumerate(zip(found.outputs, found.users, strict=True))
         )
+        if lend is None:
+            return outputs
+        inputs = lend[0]
         buffers = [found.buffers[i] if found.buffers[i] is not None else args[i] for i in inputs]
         lease = Lease(buffers + [found.outputs[i] for i in lent], static=True)
         found.lease = weakref.ref(lease)
@@ -633,6 +654,40 @@ class OpGraphs:
         if len(self._leases) > 2 * self.capacity:  # (pruned by replays; captures only add)
             self._protect(self.captures)  # no graph is newer: this only forgets
         return outputs, lease
+
+    def _capture_slot(self, fn: Callable[..., tuple], args: tuple, pinned: frozenset[int],
+                      device: Any, key: tuple, keep: bool = False) -> _OpGraph | None:  # fmt: skip
+        """A new graph of ``key``. A key whose first capture failed runs eagerly from then
+        on (the error is raised); a failed second slot (``keep``: the first stays, and the
+        call runs eagerly: None) only stops further slots while the key's graphs last."""
+        try:
+            return self._capture(fn, args, pinned, device)
+        except BaseException as error:
+            if keep and isinstance(error, Exception):
+                self._one_slot.add(key)
+                return None
+            self._failed.add(key)
+            if not self._graphs:
+                self._pool = None  # released with the failed capture's graph
+            raise
+
+    def _replace(self, key: tuple) -> None:
+        """Drop the graphs that ``key`` replaces (``replace``) and the least recently used
+        beyond ``capacity``."""
+        if self.replace:
+            rest = tuple(k for i, k in enumerate(key) if i not in self.replace)
+            old = self._by_rest.get(rest)
+            if old is not None and old != key:
+                self._graphs.pop(old, None)
+                self._one_slot.discard(old)
+            self._by_rest[rest] = key
+        while len(self._graphs) > self.capacity:
+            dropped, _ = self._graphs.popitem(last=False)
+            self._one_slot.discard(dropped)
+            if self.replace:
+                rest = tuple(k for i, k in enumerate(dropped) if i not in self.replace)
+                if self._by_rest.get(rest) == dropped:
+                    del self._by_rest[rest]
 
     def _protect(self, order: int) -> None:
         """Copy out the tensors still lent by graphs captured after capture ``order``,
@@ -671,28 +726,84 @@ class OpGraphs:
             for i, a in enumerate(args)
         )
         inputs = tuple(a if b is None else b for a, b in zip(args, buffers, strict=True))
+        specs = None
+        if self.hand_over is not None and hasattr(torch._C, "_storage_Use_Count"):
+            specs = self.hand_over(args)
+        if specs is not None:  # outside the pool: no graph's scratch can lie there
+            homes = tuple(
+                None if spec is None else torch.empty(spec[0], dtype=spec[1], device=device)
+                for spec in specs
+            )
+            fn = functools.partial(fn, out=homes)
         current = torch.cuda.current_stream()
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         try:
-            outputs = _capture_into(graph, self._pool, side, fn, *inputs)
+            outputs = tuple(_capture_into(graph, self._pool, side, fn, *inputs))
         finally:
             current.wait_stream(side)
         self.captures += 1
-        return _OpGraph(graph, buffers, tuple(outputs), self.captures)
+        handed = () if specs is None else tuple(i for i, h in enumerate(homes) if h is not None)
+        if specs is not None and any(outputs[i] is not homes[i] for i in handed):
+            raise RuntimeError(f"{fn}: did not return the tensors given as out")
+        return _OpGraph(graph, buffers, outputs, self.captures, handed)
 
 
 class _OpGraph:
     """One op graph: the captured graph, its input buffers (None where an argument is
     read in place), its outputs, the lease of its outputs held by the last call, and its
-    capture number in its pool (``order``: later captures may use its scratch memory)."""
+    capture number in its pool (``order``: later captures may use its scratch memory).
 
-    __slots__ = ("buffers", "epoch", "graph", "lease", "order", "outputs")
+    ``users[i]``: for an output handed over (written into a tensor allocated outside the
+    pool, ``handed``), its storage (:meth:`free`); None for the others, which calls get
+    copies of."""
 
-    def __init__(self, graph: Any, buffers: tuple, outputs: tuple, order: int = 0) -> None:
+    __slots__ = ("buffers", "epoch", "graph", "lease", "order", "outputs", "users")
+
+    def __init__(self, graph: Any, buffers: tuple, outputs: tuple, order: int = 0,
+                 handed: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.graph, self.buffers, self.outputs, self.order = graph, buffers, outputs, order
         self.epoch = _cublas_epoch[0]
         self.lease: Any = None  # a weak reference
+        self.users = tuple(_storage(t) if i in handed else None for i, t in enumerate(outputs))
+
+    def free(self) -> bool:
+        """Whether no tensor outside the graph uses its handed-over outputs' memory (a
+        replay may write them): torch counts no user of each storage but the graph's
+        output tensor and storage object (a returned tensor, a view, autograd's ``.grad``
+        each add one)."""
+        import torch
+
+        return all(u is None or _unused(u, torch) for u in self.users)
+
+    def homes(self, unused: bool = False) -> list[Any]:
+        """The outputs it hands over (``unused``: those nobody else holds now)."""
+        import torch
+
+        return [
+            t
+            for t, u in zip(self.outputs, self.users, strict=True)
+            if u is not None and not (unused and not _unused(u, torch))
+        ]
+
+
+def _storage(tensor: Any) -> Any:
+    """``tensor``'s storage object, with its size noted."""
+    storage = tensor.untyped_storage()
+    storage._twell_nbytes = storage.nbytes()
+    return storage
+
+
+def _unused(storage: Any, torch: Any) -> bool:
+    """Whether nothing but the graph holds a handed-over output's ``storage``: torch
+    counts two users (the graph's output tensor and this storage object; a tensor, a
+    view or autograd's ``.grad`` adds one), and its memory is still the same size (a
+    ``resize_`` would have freed it). Not seen: the storage object itself kept without
+    any tensor (``y.untyped_storage()`` returns this one)."""
+    return (
+        torch._C._storage_Use_Count(storage._cdata) <= 2
+        and storage.nbytes() == storage._twell_nbytes
+    )
 
 
 class Lease:

@@ -35,8 +35,9 @@ them out for an op call).
 
 ``graphs=True`` (CUDA): the op replays a CUDA graph of its launches from the second
 call with the same shapes and weights on (:class:`twell._graphs.OpGraphs`: the weights
-read in place, the other tensors copied into the graph's buffers, fresh output tensors;
-the same numbers as without).
+read in place, the other tensors copied into the graph's buffers; ``y``, ``dx`` and the
+bf16 gradients handed over in tensors of the graph's that it writes again only once
+nothing holds them, the other outputs copied; the same numbers as without).
 
 Where they run:
 
@@ -67,7 +68,7 @@ count words; not differentiable).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -418,10 +419,11 @@ def _ffn_train(
     return y.reshape(x.shape), l1, l0, count
 
 
-def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest):  # noqa: ANN001, ANN202
+def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # noqa: ANN001, ANN202
     """:func:`_forward_cuda`'s outputs and the L0 (computed on the device, in the same op
-    graph when one is replayed)."""
-    outputs = _forward_cuda(x, w_gate, w_up, w_down, tile, slots, *rest)
+    graph when one is replayed); ``out``: as :func:`_forward_cuda`'s, one entry longer."""
+    outputs = _forward_cuda(x, w_gate, w_up, w_down, tile, slots, *rest,
+                            out=None if out is None else out[:7])  # fmt: skip
     return (*outputs, l0_from_packed(outputs[2], slots))
 
 
@@ -436,8 +438,9 @@ class _EagerTraining(torch.autograd.Function):
     directly (the same numbers as the ops: the same functions run). With op graphs, the
     forward's TwELL words, heavy rows and up products (and its copy of ``x``) are lent to
     the backward in the graph's own memory (:class:`twell._graphs.Lease`), which then
-    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and ``y``,
-    ``l1``, ``l0`` and the gradients out, nothing else."""
+    replays a graph that reads them in place: a step copies ``x`` and ``dy`` in and
+    ``l1``, ``l0`` out, nothing else (``y`` and the gradients are handed over:
+    :class:`twell._graphs.OpGraphs`)."""
 
     @staticmethod
     def forward(ctx: Any, x, w_gate, w_up, w_down, settings: TrainSettings):  # noqa: ANN001, ANN205
@@ -560,14 +563,42 @@ def _backward_cpu(dy, dl1, x, w_gate, w_up, w_down, reduction):
 
 
 # ---------------------------------------------------------------------- CUDA: kernels
+def _y_out(outputs: int) -> Callable[[tuple], tuple | None]:
+    """The forward's ``hand_over`` (:class:`OpGraphs`) for an implementation of
+    ``outputs`` outputs: ``y`` (bf16 ``x``; the kernels take bf16 copies of other weights),
+    written into a given tensor."""
+
+    def specs(args: tuple) -> tuple | None:
+        x = args[0]
+        if x.dtype != torch.bfloat16:
+            return None
+        return ((tuple(x.shape), x.dtype), *[None] * (outputs - 1))
+
+    return specs
+
+
+def _grads_out(args: tuple) -> tuple | None:
+    """Shapes and dtypes of the backward's results that :func:`_backward_cuda` can write
+    into given tensors (``out``), from its arguments: ``(dx, dw_gate, dw_up, dw_down)``,
+    None for the non-gated block's ``dw_gate``; None where it cannot (not all bf16)."""
+    x, w_gate, w_up, w_down = args[2], args[3], args[4], args[5]
+    if any(t is not None and t.dtype != torch.bfloat16 for t in (x, w_gate, w_up, w_down)):
+        return None
+    return tuple(
+        None if t is None else (tuple(t.shape), t.dtype) for t in (x, w_gate, w_up, w_down)
+    )
+
+
 #: The ops' CUDA graphs when called with ``graphs=True`` (one memory pool each); ``replace``
-#: is ``dense_capacity``'s position in the implementations' arguments.
-_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
-_BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}))
+#: is ``dense_capacity``'s position in the implementations' arguments. They hand ``y``,
+#: ``dx`` and the weight gradients over (``hand_over``): written into tensors outside the
+#: pool, which the caller gets (``.grad`` too) without a copy.
+_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}), hand_over=_y_out(8))
+_BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}), hand_over=_grads_out)
 #: The forward op's own graphs (called through the dispatcher with ``graphs=True``: the
 #: outputs of :func:`_forward_cuda`, where the eager path's graphs hold
 #: :func:`_forward_with_l0`'s).
-_OP_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}))
+_OP_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}), hand_over=_y_out(7))
 #: The weights' positions in the ops' arguments: read in place by the graphs.
 _FORWARD_WEIGHTS = frozenset({1, 2, 3})
 _BACKWARD_WEIGHTS = frozenset({3, 4, 5})
@@ -619,8 +650,9 @@ def _check_cuda(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name}: expected a tensor on {device} like x, got {t.device}")
 
 
-def _forward_cuda(x, w_gate, w_up, w_down, *launch):
-    """The forward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`."""
+def _forward_cuda(x, w_gate, w_up, w_down, *launch, out=None):
+    """The forward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`. ``out``: a
+    tensor to write ``y`` into first (bf16 ``x``; the rest None), which is then ``y``."""
     from twell._interop import on_gpu
 
     _check_cuda(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
@@ -630,7 +662,7 @@ def _forward_cuda(x, w_gate, w_up, w_down, *launch):
     options = settings.options()
     if m == 0:
         return (
-            torch.empty_like(x),
+            torch.empty_like(x) if out is None else out[0],
             torch.zeros((), dtype=torch.float32, device=x.device),
             torch.zeros((0, n // tile * slots), dtype=torch.int32, device=x.device),
             torch.zeros((0,), dtype=torch.uint8, device=x.device),
@@ -644,17 +676,22 @@ def _forward_cuda(x, w_gate, w_up, w_down, *launch):
         )
     arrays = {"x": x.contiguous(), "w_gate": _contiguous(w_gate), "w_up": w_up.contiguous(),
               "w_down": w_down.contiguous()}  # fmt: skip
+    if out is not None:
+        arrays["y"] = out[0]
     with on_gpu("torch", arrays) as (v, to_caller):
         block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
-        y, saved = block.forward(v["x"], save=True)
+        y, saved = block.forward(v["x"], save=True, out=v.get("y"))
         outputs = [
             to_caller(a)
             for a in (y, saved.packed.view(np.int32), saved.heavy, saved.ids[:m], saved.count)
         ]
+        del block, y  # (a captured block keeps its buffers: not a view of out's tensor)
         row_l1 = to_caller(saved.row_l1)
         if saved.up is not None:
             outputs.append(to_caller(saved.up))
     y, packed, heavy, ids, count, *up = (_unview(t) for t in outputs)
+    if out is not None:  # written in place: the caller's tensor is y
+        y = out[0]
     if not up:  # the non-gated block keeps none
         up = [torch.zeros((m, 0), dtype=torch.float32, device=x.device)]
     l1 = row_l1.sum() * _l1_scale(reduction, m, n)
@@ -681,8 +718,11 @@ def _l1_coefficient(dl1: torch.Tensor | None, backward_module: Any) -> Any:
     return float(dl1)
 
 
-def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, *launch):
-    """The backward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`."""
+def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, up, *launch,
+                   out=None):  # fmt: skip
+    """The backward on CUDA; ``launch``: :meth:`TrainSettings.launch_args`. ``out``: the
+    tensors to write ``(dx, dw_gate, dw_up, dw_down)`` into (:func:`_grads_out`; bf16 x
+    and weights), which are then the results."""
     from twell._interop import on_gpu
     from twell.kernels import backward as kernels_backward
     from twell.kernels.activations import Activations
@@ -701,6 +741,8 @@ def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, 
     }  # fmt: skip
     if w_gate is not None:  # the non-gated block keeps no up products
         arrays["up"] = up.contiguous()
+    if out is not None:
+        arrays.update({f"out{i}": t for i, t in enumerate(out) if t is not None})
     with on_gpu("torch", arrays) as (v, to_caller):
         block = _training_block(v["w_gate"], v["w_up"], v["w_down"], options)
         saved = Activations(v["packed"].view(np.uint32), v["heavy"], v["ids"], v["count"],
@@ -708,10 +750,13 @@ def _backward_cuda(dy, dl1, x, w_gate, w_up, w_down, packed, heavy, ids, count, 
         # bf16 weights get bf16 gradients straight from the kernels (half the memory of
         # fp32 ones and no second copy); others get fp32, cast below.
         bf16 = all(w is None or w.dtype == torch.bfloat16 for w in (w_gate, w_up, w_down))
+        into = None if out is None else tuple(v.get(f"out{i}") for i in range(4))
         grads = kernels_backward.ffn_backward(
             block, v["x"], v["dy"], saved, l1_coeff=coeff, reduction=settings.reduction,
-            grad_dtype=v["w_up"].dtype if bf16 else np.float32,
+            grad_dtype=v["w_up"].dtype if bf16 else np.float32, out=into,
         )  # fmt: skip
+        if out is not None:  # written in place: the caller's tensors are the results
+            return (out[0], w_up.new_empty((0,)) if out[1] is None else out[1], *out[2:])
         dx, dwg, dwu, dwd = (None if g is None else _unview(to_caller(g)) for g in grads)
     return (
         dx.to(x.dtype).contiguous(),

@@ -89,10 +89,11 @@ def assert_same_training_outputs(want: tuple, got: tuple, slots: int) -> None:
 @pytest.mark.parametrize("workload", ["uniform", "heavy"])
 def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -> None:
     """graphs=True: the first call runs eagerly, the second captures, later ones replay;
-    every call returns the eager op's bits in tensors of its own (a replay does not
-    change what an earlier call returned). The weights are read where they lie (changed
-    in place, as an optimizer does); every other input is a new tensor each step, which
-    the graph copies in."""
+    every call returns the eager op's bits, and a replay does not change what an earlier
+    call returned (``y`` and the backward's results are handed over in the graph's own
+    tensors, written again only once nothing holds them; the kept ``y`` holds a slot). The weights
+    are read where they lie (changed in place, as an optimizer does); every other input
+    is a new tensor each step, which the graph copies in."""
     from twell import autograd
 
     p = workloads.make(workload, 333, 256, 1024, seed=3)
@@ -119,10 +120,14 @@ def test_gpu_op_graphs_replay_the_eager_bits_into_fresh_tensors(workload: str) -
             assert torch.equal(a, b)
         kept.append([t.clone() for t in got + got_g])
         kept[-1].append(got[0])  # the returned y itself, to check after later replays
+        # The backward's results are handed over in the graph's own tensors (bf16): held
+        # into the next step they would have it capture a second graph.
+        del got_g, a, b
     for values in kept:
         assert torch.equal(values[-1], values[0])
     assert not torch.equal(kept[0][0], kept[-1][0])
     after = (fw.captures, fw.replays, bw.captures, bw.replays)
     # (an earlier test's graph serves this one if its weights landed at the same places)
-    assert (after[0] - before[0], after[1] - before[1]) in ((1, 3), (0, 4))
+    # The forward's y, kept above, holds its graph: a second slot, then eager calls.
+    assert after[0] - before[0] <= 2 and after[1] - before[1] == 2
     assert (after[2] - before[2], after[3] - before[3]) in ((1, 3), (0, 4))

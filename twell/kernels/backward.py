@@ -317,6 +317,7 @@ def ffn_backward(
     l1_coeff: float = 0.0,
     reduction: str = "mean",
     grad_dtype: Any = np.float32,
+    out: tuple[Any, Any | None, Any, Any] | None = None,
 ) -> tuple[Any, Any | None, Any, Any]:
     """Gradients of ``<dy, y> + l1_coeff · l1_loss(h, reduction)`` for the block's forward
     ``y, saved = block.forward(x, save=True)``.
@@ -333,6 +334,11 @@ def ffn_backward(
         grad_dtype: the weight gradients' dtype, float32 or bf16 (accumulated in fp32
             either way, rounded once at the end; bf16 halves their memory, as torch
             keeps bf16 weights' gradients).
+        out: where to write the results instead of new arrays (bf16 ``x`` and
+            ``grad_dtype`` only): ``(dx, dw_gate, dw_up, dw_down)``, C-contiguous bf16 of
+            the shapes returned (``dw_gate`` None for the non-gated block). Every element
+            is written. The training op graphs hand their results over this way, in
+            memory no other graph's scratch can share.
 
     Returns:
         ``(dx, dw_gate, dw_up, dw_down)``: ``dx`` ``[M, K]`` in ``x``'s dtype; the weight
@@ -353,6 +359,8 @@ def ffn_backward(
     if grad_dtype not in (np.dtype(np.float32), np.dtype(bfloat16)):
         raise TypeError(f"grad_dtype: expected float32 or bfloat16, got {grad_dtype}")
     coeff = _l1_coefficient(l1_coeff)
+    if out is not None:
+        _check_out(out, x, grad_dtype, x.shape[0], block.n, block.k, block.gated)
     xb, dyb = as_bf16(x), as_bf16(dy)
     n, k, gated = block.n, block.k, block.gated
     if xb.ndim != 2 or xb.shape[1] != k:
@@ -366,8 +374,13 @@ def ffn_backward(
     params = {"KDIM": k, "TILE": tile, "SLOTS": slots, "GATED": int(gated)}
     # Weight gradients, [N, K] each: (dw_gate, dw_up, dw_down_t) or (dw_up, dw_down_t).
     dws = [alloc((n, k), np.float32) for _ in range(nv)]
-    dx = empty_bf16((m, k))
+    dx = empty_bf16((m, k)) if out is None else out[0]
     if m == 0:
+        if out is not None:
+            for array in out[1:]:
+                if array is not None:
+                    array.fill(0)
+            return out
         for array in dws:
             array.fill(0)
         return _result(dx, x, dws, grad_dtype, params, gated)
@@ -434,12 +447,15 @@ def ffn_backward(
 
     # 3. Weight gradients of the light pairs (backward_grads.cu; every row of dws written).
     ws = alloc((max(1, lists.extra_cap) * nv, k), np.float32)
-    out = (*dws, *([_NULL] * (3 - nv)))
+    accum = (*dws, *([_NULL] * (3 - nv)))
     # bf16 gradients: where no heavy row is left for the chunks (`count`, on the device),
     # the kernels round dW_gate and dW_up into their outputs themselves, and the rounding
     # pass of step 5 returns at once.
     final_ok = grad_dtype == bfloat16
-    rounded = [empty_bf16((n, k)) for _ in range(nv - 1)] if final_ok else []
+    if out is not None:
+        rounded = _given(out, gated)
+    else:
+        rounded = [empty_bf16((n, k)) for _ in range(nv - 1)] if final_ok else []
     final = (*map(_pointer, rounded), *[_NULL] * (2 - len(rounded)), count, i32(1))
     not_final = (_NULL, _NULL, _NULL, i32(0))
     if not final_ok:
@@ -459,11 +475,11 @@ def ffn_backward(
                 (x16, dy16, lists.tokens, lists.pairs, vals, np.int64(stride),
                  lists.unit_start, lists.seg_start, i32(n), i32(lists.seg),
                  i32(lists.extra_cap), i32(slices), i32(t0), i32(min(m, t0 + rows)),
-                 i32(t0 > 0), *out, ws, *(fold if last else no_fold),
+                 i32(t0 > 0), *accum, ws, *(fold if last else no_fold),
                  *(final if last else not_final), i32(prior)), params)  # fmt: skip
     if lists.extra_cap:
         _launch("twell_bw_weight_grads_finish", (min(lists.extra_cap, sms * 8),), (256,),
-                (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *out, *final),
+                (lists.seg_start, i32(n), i32(lists.extra_cap), ws, *accum, *final),
                 params)  # fmt: skip
 
     # 4. The heavy rows past the capacity (backward_heavy.cu; the count stays on the
@@ -472,11 +488,11 @@ def ffn_backward(
     del vals, lists, ws, tile_off, heavy, folded, fold
     if cap < m:
         _heavy_rows(params, sms, m - cap, n, k, x16, dy16, ids, count, block, w_gate,
-                    w_up, w_down_t, l1, dx, out)  # fmt: skip
-    del out
+                    w_up, w_down_t, l1, dx, accum)  # fmt: skip
+    del accum
 
     # 5. dw_down = dw_down_t transposed (backward_transpose.cu; rounded to grad_dtype).
-    return _result(dx, x, dws, grad_dtype, params, gated, rounded, count)
+    return _result(dx, x, dws, grad_dtype, params, gated, rounded, count, out)
 
 
 def _capacity_rows(
@@ -607,9 +623,36 @@ def _l1_coefficient(l1_coeff: Any) -> Any:
     return check_number("l1_coeff", l1_coeff)
 
 
+def _check_out(out: tuple, x: Any, grad_dtype: np.dtype, m: int, n: int, k: int,
+               gated: bool) -> None:  # fmt: skip
+    """``ffn_backward``'s ``out``: bf16, C-contiguous, 16-byte aligned (the kernels store
+    8 values at a time), of the results' shapes."""
+    if np.dtype(x.dtype) != bfloat16 or grad_dtype != bfloat16:
+        raise TypeError("out: the results are written in place only for bf16 x and gradients")
+    if len(out) != 4 or (out[1] is None) == gated:
+        raise ValueError("out: expected (dx, dw_gate, dw_up, dw_down), dw_gate None exactly "
+                         "for the non-gated block")  # fmt: skip
+    shapes = ((m, k), (n, k), (n, k), (k, n))
+    for name, array, shape in zip(("dx", "dw_gate", "dw_up", "dw_down"), out, shapes,
+                                  strict=True):  # fmt: skip
+        if array is None:
+            continue
+        address = array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
+        if (np.dtype(array.dtype) != bfloat16 or tuple(array.shape) != shape
+                or not array.flags.c_contiguous or address % 16):  # fmt: skip
+            raise ValueError(f"out: {name} must be a C-contiguous, 16-byte aligned bf16 array "
+                             f"of shape {shape}, got {array.dtype} {tuple(array.shape)} at "
+                             f"{address:#x}")  # fmt: skip
+
+
+def _given(out: tuple, gated: bool) -> list[Any]:
+    """The bf16 outputs of dW_gate and dW_up in ``out`` (dW_up only, non-gated)."""
+    return [out[1], out[2]] if gated else [out[2]]
+
+
 def _result(
     dx: Any, x: Any, dws: list[Any], grad_dtype: np.dtype, params: dict[str, int], gated: bool,
-    rounded: list[Any] | None = None, left: Any = None,
+    rounded: list[Any] | None = None, left: Any = None, out: tuple | None = None,
 ) -> tuple:  # fmt: skip
     """Step 5 and the outputs: ``dw_down`` from the ``[N, K]`` accumulator ``dws[-1]``,
     the other accumulators rounded to ``grad_dtype`` one at a time (each fp32 array is
@@ -617,15 +660,15 @@ def _result(
     outputs), rounded into those only where step 3 did not (``left``: the device count of
     heavy rows the chunks took; none: step 3 wrote them)."""
     n, k = dws[-1].shape
-    dw_down = alloc((k, n), grad_dtype)
+    dw_down = alloc((k, n), grad_dtype) if out is None else out[3]
     _launch("twell_bw_transpose_f32", (math.ceil(k / 32), math.ceil(n / 32)), (32, 8),
             (dws.pop(), dw_down, np.int32(n), np.int32(k), np.int32(grad_dtype == bfloat16)),
             params)  # fmt: skip
     if rounded:
-        for f32, out in zip(dws, rounded, strict=True):
+        for f32, target in zip(dws, rounded, strict=True):
             n8 = f32.size // 8
             _launch("twell_bw_round_grads", (grid_1d(n8),), (256,),
-                    (f32, u16(out), np.int64(n8), left, np.int32(1)), params)  # fmt: skip
+                    (f32, u16(target), np.int64(n8), left, np.int32(1)), params)  # fmt: skip
         dws = list(rounded)
     elif grad_dtype == bfloat16:
         dws = [as_bf16(dws.pop(0)) for _ in range(len(dws))]

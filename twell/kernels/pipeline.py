@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from twell import tuning
+from twell._arrays import bfloat16
 from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.activations import Activations, row_capacity
 from twell.kernels.buffers import alloc, empty_bf16, keep_for_graph
@@ -171,8 +172,10 @@ class PreparedBlock:
             return "sliced"
         return path
 
-    def forward(self, x: Any, *, save: bool = False) -> Any:
+    def forward(self, x: Any, *, save: bool = False, out: Any = None) -> Any:
         """The block's output for ``x [M, K]`` (``x``'s dtype); no host synchronisation.
+        ``out``: a C-contiguous bf16 ``[M, K]`` array to write it into (bf16 ``x``; every
+        element written), which is then the output.
 
         With ``save``, returns ``(y, Activations)``: what a backward pass needs (the packed
         gate and the heavy rows), taken from a route that packs TwELL (``"epilogue"`` when
@@ -186,7 +189,16 @@ class PreparedBlock:
         m, k = xb.shape
         if k != self.k:
             raise ValueError(f"x: expected K={self.k}, got {k}")
-        y = empty_bf16((m, k))
+        if out is not None and (
+            np.dtype(x.dtype) != bfloat16 or np.dtype(out.dtype) != bfloat16
+            or tuple(out.shape) != (m, k) or not out.flags.c_contiguous or out.data.ptr % 16
+        ):  # fmt: skip
+            raise ValueError(
+                f"out: expected a C-contiguous, 16-byte aligned bf16 array of shape {(m, k)} "
+                f"and bf16 x, got "
+                f"{out.dtype} {tuple(out.shape)}, x {x.dtype}"
+            )
+        y = empty_bf16((m, k)) if out is None else out
         in_capture = capturing()
         by_unit = not save and self.weights_finite and self._by_unit(m)
         if m and not save and (not self.weights_finite or self.density.go_dense(m, in_capture)):
@@ -234,10 +246,10 @@ class PreparedBlock:
             self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
             self._keep([xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch])
-        out = from_bf16(y, x.dtype)
+        result = from_bf16(y, x.dtype)
         if not save:
-            return out
-        return out, Activations(light.packed, light.heavy, ids, count, row_l1, up)
+            return result
+        return result, Activations(light.packed, light.heavy, ids, count, row_l1, up)
 
 
 def capturing() -> bool:
