@@ -100,7 +100,8 @@ def step_fn(mlp: Any, xs: list, dys: list, mode: str) -> Any:
         def step(i: int) -> None:
             for q in params:
                 q.grad = None
-            xs[i].grad = None  # (x stands for an activation: no gradient kept across steps)
+            for x in xs:  # (x stands for an activation: no gradient kept across steps)
+                x.grad = None
             y = torch.ops.twell.ffn_train_forward(xs[i], *weights, 256, 32, -1, 0.0, "mean",
                                                    False)[0]  # fmt: skip
             y.backward(dys[i])
@@ -115,7 +116,8 @@ def step_fn(mlp: Any, xs: list, dys: list, mode: str) -> Any:
     def step(i: int) -> None:
         for q in params:
             q.grad = None
-        xs[i].grad = None  # (x stands for an activation: no gradient kept across steps)
+        for x in xs:  # (x stands for an activation: no gradient kept across steps)
+            x.grad = None
         y = fn(xs[i])
         y.backward(dys[i])
 

@@ -470,6 +470,9 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
             if name == "twell":  # what the op graphs keep between steps counts too
                 rec["graph_gb_twell"] = autograd.op_graph_memory() / 2**30
+                # graphs kept and their GB in each set (a key keeps a second graph while
+                # the outputs it handed over are still held at its next call)
+                rec["op_graphs_kept"] = [(len(g), g.memory() / 2**30) for g in graphs]
                 rec["peak_extra_gb_twell"] += rec["graph_gb_twell"]
             if mode == "eager" and name == "dense":
                 rec.update(train_mlp_share(m, step, rec["t_dense_ms"]))

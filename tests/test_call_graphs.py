@@ -335,6 +335,7 @@ def test_handed_over_outputs_are_replayed_into_only_when_free(monkeypatch) -> No
     assert b.data_ptr() == home.data_ptr() and graphs.captures == 1
     view = call(x + 3).view(-1)  # slot 0 held by b: a second slot; a view of it kept
     assert graphs.captures == 2 and view.data_ptr() not in (home.data_ptr(),)
+    assert len(graphs) == 2  # one key, two slots
     replays = graphs.replays
     c = call(x + 4)  # both held: eager
     assert graphs.replays == replays and graphs.captures == 2

@@ -558,6 +558,10 @@ class OpGraphs:
         # again.
         self._pool = None
 
+    def __len__(self) -> int:
+        """Graphs kept: every slot of every key."""
+        return sum(len(slots) for slots in self._graphs.values())
+
     def memory(self) -> int:
         """Bytes of GPU memory these graphs hold: their input buffers and the segments of
         their pool (outputs, lent tensors and the scratch they share)."""
