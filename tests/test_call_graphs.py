@@ -336,6 +336,9 @@ def test_handed_over_outputs_are_replayed_into_only_when_free(monkeypatch) -> No
     view = call(x + 3).view(-1)  # slot 0 held by b: a second slot; a view of it kept
     assert graphs.captures == 2 and view.data_ptr() not in (home.data_ptr(),)
     assert len(graphs) == 2  # one key, two slots
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])  # an empty pool
+    # both slots' input buffers and handed-over tensors, the held ones included
+    assert graphs.memory() == 2 * (x.numel() * 4 + home.numel() * 4)
     replays = graphs.replays
     c = call(x + 4)  # both held: eager
     assert graphs.replays == replays and graphs.captures == 2

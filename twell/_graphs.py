@@ -563,13 +563,15 @@ class OpGraphs:
         return sum(len(slots) for slots in self._graphs.values())
 
     def memory(self) -> int:
-        """Bytes of GPU memory these graphs hold: their input buffers and the segments of
-        their pool (outputs, lent tensors and the scratch they share)."""
+        """Bytes of GPU memory these graphs hold: their input buffers, the tensors they
+        hand their outputs over in (held by a caller or not: allocated at capture, not
+        by the calls that return them) and the segments of their pool (the other
+        outputs, lent tensors and the scratch they share)."""
         import torch
 
         graphs = [g for slots in self._graphs.values() for g in slots]
         buffers = sum(_nbytes(b) for g in graphs for b in g.buffers if b is not None)
-        buffers += sum(_nbytes(t) for g in graphs for t in g.homes(unused=True))
+        buffers += sum(_nbytes(t) for g in graphs for t in g.homes())
         if self._pool is None:
             return buffers
         pool = tuple(self._pool)
@@ -780,15 +782,9 @@ class _OpGraph:
 
         return all(u is None or _unused(u, torch) for u in self.users)
 
-    def homes(self, unused: bool = False) -> list[Any]:
-        """The outputs it hands over (``unused``: those nobody else holds now)."""
-        import torch
-
-        return [
-            t
-            for t, u in zip(self.outputs, self.users, strict=True)
-            if u is not None and not (unused and not _unused(u, torch))
-        ]
+    def homes(self) -> list[Any]:
+        """The outputs it hands over."""
+        return [t for t, u in zip(self.outputs, self.users, strict=True) if u is not None]
 
 
 def _storage(tensor: Any) -> Any:

@@ -114,18 +114,21 @@ class SparseMLP(nn.Module):
             (GPU kernels on CUDA, the NumPy reference on CPU); False: dense torch math.
         reduction: the L1 term's reduction, ``"mean"`` (mean of ``|h|`` over the M·N
             entries) or ``"per_token"`` (sum over units, mean over tokens).
-        op_graphs: whether eager training calls on CUDA replay a CUDA graph of the
-            ops' launches (from the second call with the same batch shape and weights
-            on): a replay costs the host about one launch instead of ~40, and the
-            activations are copied into the graph's buffers and the outputs out of them.
-            None (default): on for batches of at most :data:`OP_GRAPH_TOKENS` tokens,
-            where the host's launches would otherwise set the step's time. Memory: each
-            layer's two graphs keep their own copies of the ops' inputs and outputs
-            (``x``, ``dy``, ``y``, ``dx``, the TwELL words and the weight gradients) per
-            batch shape (:func:`twell.autograd.op_graph_memory` counts it,
-            :func:`twell.autograd.release_op_graphs` frees it). Replays of one op must
-            not run on two streams at once (:class:`twell._graphs.OpGraphs`). No effect
-            inside a CUDA graph capture of the caller's own or under ``torch.compile``.
+        op_graphs: whether training calls on CUDA replay a CUDA graph of the ops'
+            launches (from the second call with the same batch shape and weights on),
+            eagerly and in code ``torch.compile`` compiled without CUDA graphs of its
+            own: a replay costs the host about one launch instead of ~40; ``x`` and
+            ``dy`` are copied into the graph's buffers, and ``y``, ``dx`` and bf16
+            weight gradients come back in the graph's own tensors, written again only
+            once nothing holds them. None (default): on for batches of at most
+            :data:`OP_GRAPH_TOKENS` tokens, where the host's launches would otherwise
+            set the step's time. Memory: each layer's graphs keep their buffers, the
+            activations the forward lends the backward and their scratch per batch
+            shape, until :func:`twell.autograd.release_op_graphs` (deleting the model
+            does not free them; :func:`twell.autograd.op_graph_memory` counts them).
+            Replays of one op must not run on two streams at once
+            (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph capture of
+            the caller's own (``reduce-overhead`` included).
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden
