@@ -145,6 +145,10 @@ def test_an_empty_batch_gives_an_empty_result(op, batch):
         assert out.shape == (0, K) and out.dtype == np.float64
     else:
         assert out.shape == (*batch, K) and out.dtype == np.float64
+    if op == "ffn":  # the prepared block too
+        a = arrays()
+        y = twell.SparseFFN(a["w_gate"], a["w_up"], a["w_down"], tile=TILE, slots=SLOTS)(x)
+        assert y.shape == (*batch, K)
 
 
 @pytest.mark.parametrize(("op", "name"), op_argument_pairs({"w_gate", "w_up", "w_down"}))

@@ -102,6 +102,13 @@ def test_the_generator_reads_a_folder_of_its_own(tmp_path: Path) -> None:
     assert t.main(["--root", str(tmp_path), "--gpu", "nothing"]) == 2
 
 
+def test_the_generator_says_where_to_run_it(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Outside a checkout's root (no bench/results/ there): exit 2 saying so, no
+    traceback."""
+    assert tables().main(["--root", str(tmp_path / "bench" / "results")]) == 2
+    assert "run from a twell checkout's root" in capsys.readouterr().err
+
+
 def test_the_models_table_orders_several_models_and_names_their_layers(tmp_path: Path) -> None:
     import json
 

@@ -63,6 +63,18 @@ def test_sparse_mlp_shares_parameters() -> None:
     assert sum(p.numel() for p in sparse.parameters()) == 3 * 32 * 256
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_sparse_mlp_refuses_a_non_floating_input(dtype: torch.dtype, grad: bool) -> None:
+    """An integer, bool or complex x is a TypeError naming x, in training and inference
+    calls alike (the CPU reference would otherwise compute in float64 and cast the result
+    back: zeros for integers, silently)."""
+    mlp = SparseMLP.from_module(LlamaMLP(64, 256))
+    x = torch.ones(2, 64, dtype=dtype)
+    with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="x: expected a bfloat16"):
+        mlp(x)
+
+
 def test_from_module_rejects_other_activations_and_biases() -> None:
     with pytest.raises(ValueError, match="act_fn ReLU"):
         SparseMLP.from_module(LlamaMLP(32, 256, nn.SiLU()))
@@ -100,13 +112,25 @@ def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:
         before = model(x)
     assert sparsify(model) == 3
     assert all(isinstance(layer["mlp"], SparseMLP) for layer in model.layers)
-    assert sparsify(model) == 0  # idempotent
-    assert sparsify(other) == 0
+    assert sparsify(model) == 0  # idempotent, and no warning: its MLPs are sparse already
+    with pytest.warns(UserWarning, match="2 MLP.*activation other than ReLU.*hidden_act='relu'"):
+        assert sparsify(other) == 0
+    with pytest.warns(UserWarning, match="no module has gate_proj"):
+        assert sparsify(nn.Linear(4, 4)) == 0
     with torch.no_grad():
         after = model(x)
     # On the CPU the sparse layers run twell's reference, whose gate values are bf16 (as
     # TwELL stores them): the dense float32 model's output within that rounding.
     assert float((after - before).norm() / before.norm()) < 1e-2
+
+
+def test_sparsify_names_the_layer_that_does_not_fit_and_changes_nothing() -> None:
+    model = TinyDecoder(64, 256, layers=2)
+    model.layers[1]["mlp"] = LlamaMLP(64, 384, nn.ReLU())  # N=384: no multiple of 256
+    with pytest.raises(ValueError, match=r"sparsify: layers\.1\.mlp: .*N=384 .*tile=256"):
+        sparsify(model)
+    assert not any(isinstance(m, SparseMLP) for m in model.modules())
+    assert sparsify(model, tile=128) == 2
 
 
 def test_sparsify_gives_its_options_to_every_layer_and_refuses_others() -> None:

@@ -5,8 +5,8 @@
   the sparse block equals the dense block. Runs the GPU kernels when they can run here
   (CuPy and a Hopper GPU; timed against the dense block when torch has CUDA), else the
   NumPy reference, and says why.
-- ``check``: cross-checks every op against the float64 oracle on every workload and
-  prints a verdict table; exits 1 if anything fails.
+- ``check``: cross-checks the block (``twell.ffn``, gated and not) against float64 dense
+  math on every workload and prints a verdict table; exits 1 if anything fails.
 - ``bench``: the benchmark of docs/benchmark.md (needs a GPU); ``bench --sweep``: its
   batch-size and density sweeps of the public torch API.
 - ``warmup``: compiles, in parallel, the kernels a model's layer shape needs
@@ -441,14 +441,19 @@ def results(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m twell", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m twell",
+        description="twell's command line: one subcommand's --help for its options.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="sparsity report and sparse-vs-dense check")
     p.add_argument("--tokens", type=_positive, default=4096, help="M (default 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="use the NumPy reference even on a GPU")
     p.set_defaults(run=demo)
-    p = commands.add_parser("check", help="cross-check every op and workload, verdict table")
+    p = commands.add_parser(
+        "check", help="the block against float64 math on every workload, verdict table"
+    )
     p.add_argument("--tokens", type=_positive, nargs="+", default=[1, 257])
     p.add_argument("--width", type=_positive, default=512, help="K (default 512)")
     p.add_argument("--ffn", type=_ffn_width, default=1536, help="N (default 1536)")

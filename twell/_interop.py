@@ -49,6 +49,20 @@ def _numpy_to_torch() -> dict[np.dtype, Any]:
     return {v: k for k, v in _torch_dtypes().items()}
 
 
+def check_floating(**tensors: Any) -> None:
+    """``TypeError`` naming the first torch tensor whose dtype is not one the ops take
+    (bfloat16, float16, float32, float64); None entries are skipped. Without it the CPU
+    reference would compute in float64 and cast the result back to an integer dtype."""
+    import torch
+
+    accepted = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in accepted:
+            raise TypeError(
+                f"{name}: expected a bfloat16, float16, float32 or float64 tensor, got {t.dtype}"
+            )
+
+
 def cupy_view(tensor: Any, *, borrow: bool = False) -> Any:
     """A CuPy array over a C-contiguous CUDA tensor's memory. The view keeps the tensor
     alive, unless ``borrow``: then whoever holds the view must make sure the tensor's

@@ -75,6 +75,7 @@ import numpy as np
 import torch
 
 from twell._graphs import OpGraphs
+from twell._interop import check_floating
 from twell._interop import unview as _unview
 from twell.capacity import AUTO, for_weights
 from twell.options import Options, check_geometry
@@ -173,7 +174,9 @@ def _check_args(
     w_down: torch.Tensor,
     settings: TrainSettings,
 ) -> None:
-    """Shapes, geometry and reduction (``ValueError`` naming the argument)."""
+    """Dtypes (``TypeError``), shapes, geometry and reduction (``ValueError``), naming
+    the argument."""
+    check_floating(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
     tile, reduction = settings.tile, settings.reduction
     check_geometry(tile, settings.slots)
     if reduction not in REDUCTIONS:

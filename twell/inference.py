@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from twell._interop import unview
+from twell._interop import check_floating, unview
 from twell.options import Options
 
 __all__ = ["block_for", "ffn", "forget", "op_arguments"]
@@ -202,8 +202,9 @@ def _in_graph_tree(device: torch.device) -> bool:
 # ---------------------------------------------------------------------- the op
 def _check(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
            w_down: torch.Tensor, tile: int) -> None:  # fmt: skip
-    """Shapes (``ValueError`` naming the argument); the rest is checked where the block is
-    prepared."""
+    """Dtypes (``TypeError``) and shapes (``ValueError``), naming the argument; the rest is
+    checked where the block is prepared."""
+    check_floating(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
     if x.dim() < 1:
         raise ValueError(f"x: expected a tensor [..., K], got shape {tuple(x.shape)}")
     if w_up.dim() != 2:

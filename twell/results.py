@@ -494,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--write", type=Path, metavar="FILE", help="rewrite FILE's generated block")
     group.add_argument("--check", type=Path, metavar="FILE", help="exit 1 if FILE's block differs")
     args = parser.parse_args(argv)
+    if not args.root.is_dir():
+        print(
+            f"{args.root}: no such folder; run from a twell checkout's root (the records "
+            "are in bench/results/) or pass --root",
+            file=sys.stderr,
+        )
+        return 2
     try:
         block = render(args.root, args.gpu)
         if args.write or args.check:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 import weakref
 from typing import Any
 
@@ -83,10 +84,14 @@ def _is_relu(act: Any) -> bool:
     return isinstance(act, nn.ReLU) or act in (torch.relu, torch.nn.functional.relu)
 
 
+#: The linear layers of a Llama-style MLP.
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def is_relu_mlp(module: nn.Module) -> bool:
     """Whether ``module`` is a Llama-style MLP (``gate_proj``, ``up_proj``, ``down_proj``
     linear layers without bias) whose activation ``act_fn`` is ReLU."""
-    layers = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    layers = [getattr(module, name, None) for name in _PROJECTIONS]
     if not all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers):
         return False
     return _is_relu(getattr(module, "act_fn", None))
@@ -346,7 +351,9 @@ def sparsify(model: nn.Module, **options: Any) -> int:
     """Replace every Llama-style ReLU MLP inside ``model`` by a :class:`SparseMLP`.
 
     Parameters are shared, not copied, and the state dict keeps its keys. MLPs with
-    another activation are left alone.
+    another activation or with biases are left alone; a model with none to replace and
+    none replaced before gets a :class:`UserWarning` saying why (a transformers model
+    needs ``hidden_act="relu"`` in its config).
 
     Args:
         model: the model, changed in place.
@@ -360,6 +367,8 @@ def sparsify(model: nn.Module, **options: Any) -> int:
     Raises:
         TypeError: an option :class:`SparseMLP` does not take (even when no MLP is
             replaced).
+        ValueError: an MLP the options do not fit (``N`` not a multiple of ``tile``),
+            named by its path in ``model``; nothing is replaced then.
     """
     unknown = sorted(set(options) - _SPARSE_MLP_OPTIONS)
     if unknown:
@@ -373,6 +382,31 @@ def sparsify(model: nn.Module, **options: Any) -> int:
         for name, child in parent.named_children()
         if not isinstance(child, SparseMLP) and is_relu_mlp(child)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, SparseMLP.from_module(child, **options))
+    names = {id(m): name for name, m in model.named_modules()}
+    replacements = []
+    for _, _, child in targets:  # every layer built before any is replaced
+        try:
+            replacements.append(SparseMLP.from_module(child, **options))
+        except ValueError as error:
+            raise ValueError(f"sparsify: {names[id(child)]}: {error}") from error
+    for (parent, name, _), sparse in zip(targets, replacements, strict=True):
+        setattr(parent, name, sparse)
+    if not targets and not any(isinstance(m, SparseMLP) for m in model.modules()):
+        shaped = [
+            name
+            for name, m in model.named_modules()
+            if all(isinstance(getattr(m, p, None), nn.Linear) for p in _PROJECTIONS)
+        ]
+        why = (
+            f"{len(shaped)} MLP(s) with gate_proj/up_proj/down_proj (first: {shaped[0]!r}) "
+            "have an activation other than ReLU, or biased layers"
+            if shaped
+            else "no module has gate_proj/up_proj/down_proj linear layers"
+        )
+        warnings.warn(
+            f"sparsify: nothing replaced: {why}. twell needs ReLU MLPs without biases "
+            "(for a transformers model: hidden_act='relu' in its config)",
+            UserWarning,
+            stacklevel=2,
+        )
     return len(targets)
