@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -73,6 +75,9 @@ def test_sparse_mlp_refuses_a_non_floating_input(dtype: torch.dtype, grad: bool)
     x = torch.ones(2, 64, dtype=dtype)
     with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="x: expected a bfloat16"):
         mlp(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        with pytest.raises(TypeError, match="x: expected a bfloat16"):  # refused, not cast
+            mlp(x)
 
 
 def test_from_module_rejects_other_activations_and_biases() -> None:
@@ -112,11 +117,15 @@ def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:
         before = model(x)
     assert sparsify(model) == 3
     assert all(isinstance(layer["mlp"], SparseMLP) for layer in model.layers)
-    assert sparsify(model) == 0  # idempotent, and no warning: its MLPs are sparse already
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # idempotent, and no warning: its MLPs are sparse
+        assert sparsify(model) == 0
     with pytest.warns(UserWarning, match="2 MLP.*activation other than ReLU.*hidden_act='relu'"):
         assert sparsify(other) == 0
     with pytest.warns(UserWarning, match="no module has gate_proj"):
         assert sparsify(nn.Linear(4, 4)) == 0
+    with pytest.warns(UserWarning, match="itself a ReLU MLP.*SparseMLP.from_module"):
+        assert sparsify(LlamaMLP(64, 256, nn.ReLU())) == 0
     with torch.no_grad():
         after = model(x)
     # On the CPU the sparse layers run twell's reference, whose gate values are bf16 (as
@@ -127,7 +136,7 @@ def test_sparsify_replaces_relu_mlps_only_and_keeps_outputs() -> None:
 def test_sparsify_names_the_layer_that_does_not_fit_and_changes_nothing() -> None:
     model = TinyDecoder(64, 256, layers=2)
     model.layers[1]["mlp"] = LlamaMLP(64, 384, nn.ReLU())  # N=384: no multiple of 256
-    with pytest.raises(ValueError, match=r"sparsify: layers\.1\.mlp: .*N=384 .*tile=256"):
+    with pytest.raises(ValueError, match=r"sparsify: building layers\.1\.mlp: .*N=384 .*tile=256"):
         sparsify(model)
     assert not any(isinstance(m, SparseMLP) for m in model.modules())
     assert sparsify(model, tile=128) == 2

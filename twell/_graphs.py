@@ -571,7 +571,7 @@ class OpGraphs:
 
         graphs = [g for slots in self._graphs.values() for g in slots]
         buffers = sum(_nbytes(b) for g in graphs for b in g.buffers if b is not None)
-        buffers += sum(_nbytes(t) for g in graphs for t in g.homes())
+        buffers += sum(u.nbytes() for g in graphs for u in g.users if u is not None)
         if self._pool is None:
             return buffers
         pool = tuple(self._pool)

@@ -49,13 +49,18 @@ def _numpy_to_torch() -> dict[np.dtype, Any]:
     return {v: k for k, v in _torch_dtypes().items()}
 
 
+@functools.cache
+def _torch_floats() -> frozenset:
+    import torch
+
+    return frozenset((torch.bfloat16, torch.float16, torch.float32, torch.float64))
+
+
 def check_floating(**tensors: Any) -> None:
     """``TypeError`` naming the first torch tensor whose dtype is not one the ops take
     (bfloat16, float16, float32, float64); None entries are skipped. Without it the CPU
     reference would compute in float64 and cast the result back to an integer dtype."""
-    import torch
-
-    accepted = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    accepted = _torch_floats()
     for name, t in tensors.items():
         if t is not None and t.dtype not in accepted:
             raise TypeError(

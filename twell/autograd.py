@@ -608,9 +608,10 @@ _BACKWARD_WEIGHTS = frozenset({3, 4, 5})
 
 
 def op_graph_memory() -> int:
-    """Bytes of GPU memory the training ops' graphs hold (``op_graphs``: their input
-    buffers, outputs, the activations the forward lends the backward, and their shared
-    scratch): what eager training keeps beyond the tensors a step returns."""
+    """Bytes of GPU memory the training ops' graphs hold (``op_graphs``): their input
+    buffers, the activations the forward lends the backward, the tensors they hand
+    ``y``, ``dx`` and the gradients over in (held by the caller or not) and the pools'
+    outputs and shared scratch (:meth:`twell._graphs.OpGraphs.memory`)."""
     return sum(g.memory() for g in (_FORWARD_GRAPHS, _OP_FORWARD_GRAPHS, _BACKWARD_GRAPHS))
 
 

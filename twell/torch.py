@@ -68,6 +68,7 @@ with optional_dependency("torch", "twell.torch"):
     from torch import nn
 
 from twell import inference  # noqa: E402 - after torch
+from twell._interop import check_floating  # noqa: E402
 from twell.autograd import REDUCTIONS, _ffn_train  # noqa: E402
 from twell.capacity import AutoCapacity  # noqa: E402
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options  # noqa: E402
@@ -123,14 +124,16 @@ class SparseMLP(nn.Module):
             launches (from the second call with the same batch shape and weights on),
             eagerly and in code ``torch.compile`` compiled without CUDA graphs of its
             own: a replay costs the host about one launch instead of ~40; ``x`` and
-            ``dy`` are copied into the graph's buffers, and ``y``, ``dx`` and bf16
-            weight gradients come back in the graph's own tensors, written again only
-            once nothing holds them. None (default): on for batches of at most
-            :data:`OP_GRAPH_TOKENS` tokens, where the host's launches would otherwise
-            set the step's time. Memory: each layer's graphs keep their buffers, the
-            activations the forward lends the backward and their scratch per batch
-            shape, until :func:`twell.autograd.release_op_graphs` (deleting the model
-            does not free them; :func:`twell.autograd.op_graph_memory` counts them).
+            ``dy`` are copied into the graph's buffers; ``y`` (bf16 ``x``), and ``dx``
+            and the weight gradients (bf16 ``x`` and weights) come back in the graph's
+            own tensors, written again only once nothing holds them (other dtypes get
+            copies). None (default): on for batches of at most :data:`OP_GRAPH_TOKENS`
+            tokens, where the host's launches would otherwise set the step's time.
+            Memory: each layer's graphs keep their buffers, the activations the
+            forward lends the backward, the tensors they hand outputs over in and
+            their scratch per batch shape, until
+            :func:`twell.autograd.release_op_graphs` (deleting the model does not free
+            them; :func:`twell.autograd.op_graph_memory` counts them).
             Replays of one op must not run on two streams at once
             (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph capture of
             the caller's own (``reduce-overhead`` included).
@@ -259,7 +262,9 @@ class SparseMLP(nn.Module):
         compiling = torch.compiler.is_compiling()
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
             # The op sees the autocast dtype for x; fp32 master weights go in as they are
-            # (the kernels round them to bf16; their gradients come back in fp32).
+            # (the kernels round them to bf16; their gradients come back in fp32). A
+            # non-floating x is refused, not cast.
+            check_floating(x=x)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if not compiling:
             self._forget()  # the weights are about to change: no stale inference block
@@ -367,8 +372,9 @@ def sparsify(model: nn.Module, **options: Any) -> int:
     Raises:
         TypeError: an option :class:`SparseMLP` does not take (even when no MLP is
             replaced).
-        ValueError: an MLP the options do not fit (``N`` not a multiple of ``tile``),
-            named by its path in ``model``; nothing is replaced then.
+        ValueError: an option value :class:`SparseMLP` refuses, or an MLP the options
+            do not fit (``N`` not a multiple of ``tile``), named by the path in
+            ``model`` of the layer being built; nothing is replaced then.
     """
     unknown = sorted(set(options) - _SPARSE_MLP_OPTIONS)
     if unknown:
@@ -388,21 +394,24 @@ def sparsify(model: nn.Module, **options: Any) -> int:
         try:
             replacements.append(SparseMLP.from_module(child, **options))
         except ValueError as error:
-            raise ValueError(f"sparsify: {names[id(child)]}: {error}") from error
+            raise ValueError(f"sparsify: building {names[id(child)]}: {error}") from error
     for (parent, name, _), sparse in zip(targets, replacements, strict=True):
         setattr(parent, name, sparse)
     if not targets and not any(isinstance(m, SparseMLP) for m in model.modules()):
         shaped = [
             name
             for name, m in model.named_modules()
-            if all(isinstance(getattr(m, p, None), nn.Linear) for p in _PROJECTIONS)
+            if name and all(isinstance(getattr(m, p, None), nn.Linear) for p in _PROJECTIONS)
         ]
-        why = (
-            f"{len(shaped)} MLP(s) with gate_proj/up_proj/down_proj (first: {shaped[0]!r}) "
-            "have an activation other than ReLU, or biased layers"
-            if shaped
-            else "no module has gate_proj/up_proj/down_proj linear layers"
-        )
+        if is_relu_mlp(model):
+            why = "model is itself a ReLU MLP (SparseMLP.from_module(model) converts it)"
+        elif shaped:
+            why = (
+                f"{len(shaped)} MLP(s) with gate_proj/up_proj/down_proj (first: {shaped[0]!r}) "
+                "have an activation other than ReLU, or biased layers"
+            )
+        else:
+            why = "no module has gate_proj/up_proj/down_proj linear layers"
         warnings.warn(
             f"sparsify: nothing replaced: {why}. twell needs ReLU MLPs without biases "
             "(for a transformers model: hidden_act='relu' in its config)",
