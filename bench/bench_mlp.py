@@ -216,7 +216,13 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = args.out or record_path("mlp")
-    report: dict[str, Any] = {"gpu": gpu_name(), **versions(), "records": []}
+    # the command that makes these records (where they are written aside)
+    command = " ".join(["python bench/bench_mlp.py", "--M", *map(str, args.M),
+                        "--K", str(args.K), "--N", str(args.N),
+                        "--workloads", *args.workloads, "--modes", *args.modes,
+                        "--reps", str(args.reps)])  # fmt: skip
+    report: dict[str, Any] = {"gpu": gpu_name(), **versions(), "command": command,
+                              "records": []}  # fmt: skip
     failures = 0
     for m in args.M:
         for workload in args.workloads:
