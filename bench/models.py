@@ -53,7 +53,8 @@ Records (one per line of the README's table) go to ``bench/results/<gpu>/models.
 ``tokens``, ``batch``, ``t_twell_ms``, ``t_dense_ms``, ``speedup`` and, where they
 apply, ``energy_ratio``, ``tokens_match``, ``loss_rel_diff``, ``peak_mem_ratio`` (a
 training step's extra peak memory, twell's counting what its op graphs keep between
-steps: ``graph_gb_twell``), ``l0``. ``--plot FILE`` draws the speedups (needs matplotlib).
+steps: ``graph_gb_twell``, and ``op_graphs_kept``: graphs and GB of each set), ``l0``.
+``--plot FILE`` draws the speedups (needs matplotlib).
 """
 
 from __future__ import annotations
