@@ -65,7 +65,7 @@ def test_sparse_mlp_shares_parameters() -> None:
     assert sum(p.numel() for p in sparse.parameters()) == 3 * 32 * 256
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn])
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_sparse_mlp_refuses_a_non_floating_input(dtype: torch.dtype, grad: bool) -> None:
     """An integer, bool or complex x is a TypeError naming x, in training and inference
@@ -78,6 +78,21 @@ def test_sparse_mlp_refuses_a_non_floating_input(dtype: torch.dtype, grad: bool)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
         with pytest.raises(TypeError, match="x: expected a bfloat16"):  # refused, not cast
             mlp(x)
+
+
+def test_sparse_mlp_compiles_whole_under_autocast_without_warnings() -> None:
+    """The autocast branch's dtype check is traced by dynamo: fullgraph, no warning (a
+    cached helper there made dynamo warn), and the gradients flow."""
+    mlp = SparseMLP.from_module(LlamaMLP(64, 256))
+    compiled = torch.compile(mlp, fullgraph=True, backend="eager")
+    x = torch.randn(8, 64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = compiled(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_from_module_rejects_other_activations_and_biases() -> None:
