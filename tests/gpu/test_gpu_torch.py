@@ -37,6 +37,18 @@ def test_sparse_mlp_runs_the_kernels_on_cuda_and_follows_weight_updates() -> Non
     assert relative_error(y2.float().cpu().numpy(), 2 * expected) < 1e-2
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_sparse_mlp_on_cuda_refuses_a_non_floating_input(grad: bool) -> None:
+    """An integer x on CUDA: a TypeError naming x before anything launches, in training
+    and inference calls alike."""
+    problem = workloads.uniform(64, 256, 1024, seed=5)
+    sparse = SparseMLP.from_module(mlp_from_problem(problem).cuda().bfloat16())
+    x = torch.ones(64, 256, dtype=torch.int32, device="cuda")
+    with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="x: expected a bfloat16"):
+        sparse(x)
+    torch.cuda.synchronize()  # nothing launched that could fail later
+
+
 def test_sparse_ffn_accepts_torch_and_returns_torch_on_the_current_stream() -> None:
     problem = workloads.uniform(300, 128, 512, seed=2)
     weights = [torch.from_numpy(w.astype(np.float32)).cuda().bfloat16() for w in problem.arrays()]
