@@ -49,19 +49,6 @@ def _numpy_to_torch() -> dict[np.dtype, Any]:
     return {v: k for k, v in _torch_dtypes().items()}
 
 
-def check_floating(**tensors: Any) -> None:
-    """``TypeError`` naming the first torch tensor whose dtype is not one the ops take
-    (bfloat16, float16, float32, float64: floating and at least 2 bytes, which leaves out
-    complex and float8); None entries are skipped. Without it the CPU reference would
-    compute in float64 and cast the result back to an integer dtype. (Plain attribute
-    reads: ``torch.compile`` traces it inside ``SparseMLP.forward``.)"""
-    for name, t in tensors.items():
-        if t is not None and not (t.is_floating_point() and t.element_size() >= 2):
-            raise TypeError(
-                f"{name}: expected a bfloat16, float16, float32 or float64 tensor, got {t.dtype}"
-            )
-
-
 def cupy_view(tensor: Any, *, borrow: bool = False) -> Any:
     """A CuPy array over a C-contiguous CUDA tensor's memory. The view keeps the tensor
     alive, unless ``borrow``: then whoever holds the view must make sure the tensor's

@@ -38,6 +38,7 @@ __all__ = [
     "check_accumulation",
     "check_activation",
     "check_dtype",
+    "check_floating",
     "check_gpu_arrays",
     "check_inputs",
     "check_like_output",
@@ -92,12 +93,22 @@ def array_library(named: dict[str, Any]) -> str:
     return next(iter(libraries.values()))
 
 
+def check_floating(**tensors: Any) -> None:
+    """``TypeError`` naming the first torch tensor whose dtype is not one of
+    :data:`TORCH_FLOATS` (floating and at least 2 bytes: complex and float8 are not);
+    None entries are skipped. Plain attribute reads: ``torch.compile`` traces it inside
+    ``SparseMLP.forward``. (The torch ops' CPU reference would otherwise compute in
+    float64 and cast the result back to an integer dtype.)"""
+    for name, t in tensors.items():
+        if t is not None and not (t.is_floating_point() and t.element_size() >= 2):
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise TypeError(f"{name}: expected a floating dtype {TORCH_FLOATS}, got {dtype}")
+
+
 def check_dtype(name: str, array: Any, library: str) -> None:
     """A floating dtype (and, for torch, a CUDA device)."""
     if library == "torch":
-        dtype = str(array.dtype).removeprefix("torch.")
-        if dtype not in TORCH_FLOATS:
-            raise TypeError(f"{name}: expected a floating dtype {TORCH_FLOATS}, got {dtype}")
+        check_floating(**{name: array})
         if array.device.type != "cuda":
             raise TypeError(
                 f"{name}: torch tensors must live on a CUDA device (got {array.device}); "

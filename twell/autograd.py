@@ -75,8 +75,8 @@ import numpy as np
 import torch
 
 from twell._graphs import OpGraphs
-from twell._interop import check_floating
 from twell._interop import unview as _unview
+from twell._validation import check_floating
 from twell.capacity import AUTO, for_weights
 from twell.options import Options, check_geometry
 

@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from twell._interop import check_floating, unview
+from twell._interop import unview
+from twell._validation import check_floating
 from twell.options import Options
 
 __all__ = ["block_for", "ffn", "forget", "op_arguments"]

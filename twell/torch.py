@@ -68,7 +68,7 @@ with optional_dependency("torch", "twell.torch"):
     from torch import nn
 
 from twell import inference  # noqa: E402 - after torch
-from twell._interop import check_floating  # noqa: E402
+from twell._validation import check_floating  # noqa: E402
 from twell.autograd import REDUCTIONS, _ffn_train  # noqa: E402
 from twell.capacity import AutoCapacity  # noqa: E402
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options  # noqa: E402
