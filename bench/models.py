@@ -624,7 +624,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--decode-modes", nargs="+", default=list(DECODE_MODES), choices=DECODE_MODES)
     p.add_argument("--train-tokens", type=int, nargs="*", default=[4096, 16384])
-    p.add_argument("--compiled-train-tokens", type=int, nargs="*", default=[4096])
+    p.add_argument("--compiled-train-tokens", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--l1", type=float, default=1e-4)
     p.add_argument("--lr", type=float, default=0.0)
     p.add_argument("--train-warmup", type=int, default=10)
