@@ -68,7 +68,7 @@ import numpy as np
 from twell._arrays import bfloat16
 from twell._validation import check_number, check_reduction
 from twell.kernels.activations import Activations, row_capacity  # importable from here too
-from twell.kernels.buffers import alloc, empty_bf16, grid_1d, u16
+from twell.kernels.buffers import alloc, check_out, empty_bf16, grid_1d, u16
 from twell.kernels.compile import Source, declare, device_info
 from twell.kernels.convert import as_bf16, from_bf16
 from twell.kernels.cublas import gemm_f32, gemm_f32_available, gemm_nt
@@ -635,14 +635,8 @@ def _check_out(out: tuple, x: Any, grad_dtype: np.dtype, m: int, n: int, k: int,
     shapes = ((m, k), (n, k), (n, k), (k, n))
     for name, array, shape in zip(("dx", "dw_gate", "dw_up", "dw_down"), out, shapes,
                                   strict=True):  # fmt: skip
-        if array is None:
-            continue
-        address = array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
-        if (np.dtype(array.dtype) != bfloat16 or tuple(array.shape) != shape
-                or not array.flags.c_contiguous or address % 16):  # fmt: skip
-            raise ValueError(f"out: {name} must be a C-contiguous, 16-byte aligned bf16 array "
-                             f"of shape {shape}, got {array.dtype} {tuple(array.shape)} at "
-                             f"{address:#x}")  # fmt: skip
+        if array is not None:
+            check_out(f"out: {name}", array, shape)
 
 
 def _given(out: tuple, gated: bool) -> list[Any]:

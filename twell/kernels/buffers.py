@@ -85,6 +85,18 @@ def empty_bf16(shape: tuple[int, ...]) -> Any:
     return alloc(shape, np.uint16).view(bfloat16)
 
 
+def check_out(name: str, array: Any, shape: tuple[int, ...]) -> None:
+    """``ValueError`` naming ``name`` unless ``array`` (CuPy, or NumPy in CPU tests) is a
+    C-contiguous, 16-byte aligned bf16 array of ``shape``: a caller's buffer that kernels
+    write 8 values at a time into."""
+    address = array.ctypes.data if isinstance(array, np.ndarray) else array.data.ptr
+    if (np.dtype(array.dtype) != bfloat16 or tuple(array.shape) != tuple(shape)
+            or not array.flags.c_contiguous or address % 16):  # fmt: skip
+        raise ValueError(f"{name} must be a C-contiguous, 16-byte aligned bf16 array of shape "
+                         f"{tuple(shape)}, got {array.dtype} {tuple(array.shape)} at "
+                         f"{address:#x}")  # fmt: skip
+
+
 def u16(array: Any) -> Any:
     """A bf16 (or any 2-byte) array's bits as uint16 (a view, no copy)."""
     return array.view(np.uint16)

@@ -56,7 +56,7 @@ from twell import tuning
 from twell._arrays import bfloat16
 from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
 from twell.kernels.activations import Activations, row_capacity
-from twell.kernels.buffers import alloc, empty_bf16, keep_for_graph
+from twell.kernels.buffers import alloc, check_out, empty_bf16, keep_for_graph
 from twell.kernels.convert import as_bf16, from_bf16, transpose
 from twell.kernels.cublas import gemm_nt
 from twell.kernels.density import (  # noqa: F401 - the policy's names, importable here too
@@ -189,15 +189,10 @@ class PreparedBlock:
         m, k = xb.shape
         if k != self.k:
             raise ValueError(f"x: expected K={self.k}, got {k}")
-        if out is not None and (
-            np.dtype(x.dtype) != bfloat16 or np.dtype(out.dtype) != bfloat16
-            or tuple(out.shape) != (m, k) or not out.flags.c_contiguous or out.data.ptr % 16
-        ):  # fmt: skip
-            raise ValueError(
-                f"out: expected a C-contiguous, 16-byte aligned bf16 array of shape {(m, k)} "
-                f"and bf16 x, got "
-                f"{out.dtype} {tuple(out.shape)}, x {x.dtype}"
-            )
+        if out is not None:
+            if np.dtype(x.dtype) != bfloat16:
+                raise ValueError(f"out: y is written in place only for bf16 x, got x {x.dtype}")
+            check_out("out", out, (m, k))
         y = empty_bf16((m, k)) if out is None else out
         in_capture = capturing()
         by_unit = not save and self.weights_finite and self._by_unit(m)
