@@ -114,6 +114,10 @@ class DensitySwitch:
         self.estimate: float | None = None  # mean active units per light row (light_mean)
         self.heavy_share = 0.0  # share of heavy rows
         self.dense = False
+        #: Calls of more tokens than this decide on the device, each from its own rows
+        #: (pipeline: ``PreparedBlock.decide``): for them :meth:`go_dense` says no and
+        #: :meth:`capacity` is 0. None: every call follows the statistics.
+        self.per_call_above: int | None = None
         self._pending: tuple[Any, Any] | None = None
         self._calls = 0
         self._due = False
@@ -135,6 +139,7 @@ class DensitySwitch:
         low, high = HEAVY_DENSE
         self.dense = (
             self.enabled
+            and not self.decides_per_call(m)
             and self.estimate is not None
             and (
                 self.estimate > self.threshold(m)
@@ -143,6 +148,11 @@ class DensitySwitch:
             )
         )
         return self.dense
+
+    def decides_per_call(self, m: int) -> bool:
+        """Whether an ``m``-token call takes its decision on the device from its own rows
+        (:attr:`per_call_above`)."""
+        return self.enabled and self.per_call_above is not None and m > self.per_call_above
 
     def decision(self, m: int, read: bool) -> tuple[bool, float]:
         """What an ``m``-token call would do now, as a hashable key (the call graphs,
@@ -184,7 +194,7 @@ class DensitySwitch:
         """``dense_capacity="auto"`` for an ``m``-token call: the capacity
         (:func:`twell.options.auto_capacity`) for the heavy rows the statistics in force
         expect, ``heavy_share * m`` (0 before the first statistics or with the switch off)."""
-        if not self.enabled or self.estimate is None:
+        if not self.enabled or self.estimate is None or self.decides_per_call(m):
             return 0.0
         return auto_capacity(math.floor(self.heavy_share * m + 0.5), m)
 

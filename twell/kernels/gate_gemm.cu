@@ -19,6 +19,15 @@
 // their waits for a full tile, the last tile's packing, the tiles, the packers' time to
 // their end).
 //
+// TWELL_OUTPUT 6, the *count* build, is dense math for a number of rows known only on
+// the device (the heavy rows of a call, pipeline.heavy_rows_counted): the rows are
+// min(M, *rows) (`rows` may be given to the other builds too), and the reduction is split
+// over S parts, S a function of that row count (twell_count_splits: enough work units to
+// fill SPLIT_UNITS SMs); each part stores its fp32 sums in `part` ([S, rows rounded up to
+// BM, N]) for twell_gate_gemm_reduce to add in a fixed order. With S = 1 the bf16 tile goes
+// out as in TWELL_OUTPUT 1 (both builds: row m to `out_ids[m]` when given, else m), as
+// bf16(relu(g) * u) when a gate is given (g: row gate_ids[m], or m, of `gate`).
+//
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
 // issues TMA loads of x [128 x 64] and w [256 x 64] (128-byte swizzle) into a STAGES-deep
@@ -61,6 +70,8 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define EPI_BYTES (TWELL_OUTPUT == 2 ? 0 : BM * EPI_PITCH)  // the main loop alone needs no tile
 #define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
 #define PROFILE (TWELL_OUTPUT == 5)
+#define COUNTED (TWELL_OUTPUT == 6)
+#define GATE_ROWS (COUNTED ? 8 : 1)  // rows a packer warp stores per step (their gate loads)
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
 static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
@@ -194,13 +205,67 @@ __device__ __forceinline__ void pack_rows(uint32_t tile_addr, int g, int warps, 
   }
 }
 
+// The rows a launch computes: min(M, *rows), or M without a device count.
+__device__ __forceinline__ int rows_in(const int* __restrict__ rows, int M) {
+  return rows == nullptr ? M : min(M, max(rows[0], 0));
+}
+
+// The parts of the reduction of the count build for `m_rows` rows (1 in the other builds):
+// the most parts, at most max_splits, that keep the work units (row tiles x column tiles
+// x parts) within SPLIT_UNITS, with no empty part. A function of the row count and the
+// shape alone (not of the GPU), so the bits are too; gate_gemm.py's count_splits mirrors it.
+__device__ __forceinline__ int twell_count_splits(int m_rows, int tiles_n, int kblocks,
+                                                  int max_splits) {
+  const int units = ((m_rows + BM - 1) / BM) * tiles_n;
+  if (!COUNTED || units == 0) return 1;
+  const int s = max(1, min(max_splits, min(kblocks, TWELL_SPLIT_UNITS / units)));
+  const int per = (kblocks + s - 1) / s;
+  return (kblocks + per - 1) / per;
+}
+
+// Work unit `t` of a launch: its output tile (m0, n0), its part of the reduction and the
+// k blocks [kb0, kb1) that part sums; units run part-major, then row tiles, n fastest.
+struct Unit {
+  int m0, n0, part, kb0, kb1;
+};
+__device__ __forceinline__ Unit unit_of(int t, int tiles_mn, int tiles_n, int per, int kblocks) {
+  Unit u;
+  u.part = t / tiles_mn;
+  const int r = t - u.part * tiles_mn;
+  u.m0 = (r / tiles_n) * BM;
+  u.n0 = (r % tiles_n) * BN;
+  u.kb0 = u.part * per;
+  u.kb1 = min(kblocks, u.kb0 + per);
+  return u;
+}
+
+// bf16(relu(g) * u) for eight bf16 pairs (relu keeps NaN, as twell_relu_mul).
+__device__ __forceinline__ uint4 relu_mul8(uint4 g, uint4 u) {
+  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+  uint32_t h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t g0 = gw[i] & 0xffffu, g1 = gw[i] >> 16;
+    h[i] = twell_pack_bf16x2(
+        (twell_relu_keeps(g0) ? __uint_as_float(g0 << 16) : 0.f) * __uint_as_float(uw[i] << 16),
+        (twell_relu_keeps(g1) ? __uint_as_float(g1 << 16) : 0.f) *
+            __uint_as_float(uw[i] & 0xffff0000u));
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
                 uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0, 5)
                 uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (0, 5)
-                uint16_t* __restrict__ pre,             // [M, N] bf16 (1); uint64 [grid, 8] (5)
-                int M, int N, int K) {
+                uint16_t* __restrict__ pre,             // [M, N] bf16 (1, 6); uint64 [grid, 8] (5)
+                float* __restrict__ part,               // [S, M rounded up to BM, N] (6)
+                const int* __restrict__ rows,           // device row count, or null: M
+                const int* __restrict__ out_ids,        // bf16 row m -> out_ids[m] (1, 6), or null
+                const uint16_t* __restrict__ gate,      // [*, N] bf16 (6, one part), or null
+                const int* __restrict__ gate_ids,       // row m's gate: gate_ids[m], or null: m
+                int M, int N, int K, int max_splits) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = twell_smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
@@ -210,8 +275,13 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   const uint32_t empty_bar = full_bar + STAGES * 8;
 
   const int tiles_n = (N + BN - 1) / BN;
-  const int tiles = ((M + BM - 1) / BM) * tiles_n;
   const int kblocks = (K + BK - 1) / BK;
+  const int m_rows = rows_in(rows, M);
+  const int tiles_m = (m_rows + BM - 1) / BM;
+  const int splits = twell_count_splits(m_rows, tiles_n, kblocks, max_splits);
+  const int per = (kblocks + splits - 1) / splits;
+  const int tiles_mn = tiles_m * tiles_n;
+  const int tiles = tiles_mn * splits;  // work units
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
@@ -231,24 +301,26 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     if (tid == 0) {  // the producer: TMA loads into the ring
       int it = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
-        for (int kb = 0; kb < kblocks; ++kb, ++it) {
+        const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
+        for (int kb = u.kb0; kb < u.kb1; ++kb, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) twell_mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
           const uint32_t a = sbase + s * STAGE_BYTES;
           twell_mbar_expect_tx(full_bar + 8 * s, STAGE_BYTES);
-          twell_tma_load_2d(a, &map_x, kb * BK, m0, full_bar + 8 * s);
-          twell_tma_load_2d(a + A_BYTES, &map_w, kb * BK, n0, full_bar + 8 * s);
+          twell_tma_load_2d(a, &map_x, kb * BK, u.m0, full_bar + 8 * s);
+          twell_tma_load_2d(a + A_BYTES, &map_w, kb * BK, u.n0, full_bar + 8 * s);
         }
       }
     }
-    if (tid < 32 || TWELL_OUTPUT == 2) return;
+    // The parts of a split reduction store from the consumers' registers: no bf16 tile.
+    if (tid < 32 || TWELL_OUTPUT == 2 || splits > 1) return;
     // Packer warps: drain each finished bf16 tile while the consumers compute the next.
     const int pw = tid / 32 - 1;
     long long wait_full = 0, busy = 0, last = 0;
     bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+      const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
+      const int m0 = u.m0, n0 = u.n0;
       const int cols = min(BN, N - n0);
       const long long t0 = PROFILE ? clock64() : 0;
       bar_sync(BAR_TILE_FULL);
@@ -262,12 +334,34 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         pack_rows(twell_smem_addr(tile_smem), pw,
                   final_tile(tile, tiles) ? ALL_WARPS : PACKER_WARPS, m0, n0, cols, M, N, lane,
                   packed, heavy);
-      } else if (TWELL_OUTPUT == 1) {
-        for (int r = pw; r < BM; r += PACKER_WARPS) {
-          const long long m = (long long)m0 + r;
-          if (m < M && lane * 8 < cols)
-            *reinterpret_cast<uint4*>(pre + m * N + n0 + lane * 8) =
-                *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
+      } else if (TWELL_OUTPUT == 1 || COUNTED) {
+        // GATE_ROWS rows per step, their gate rows' loads all in flight before any use
+        // (one row at a time, the packers' load latency outlasted the main loop).
+        for (int r0 = pw; r0 < BM; r0 += PACKER_WARPS * GATE_ROWS) {
+          uint4 g[GATE_ROWS];
+          if (COUNTED && gate != nullptr) {
+            long long g_row[GATE_ROWS];
+#pragma unroll
+            for (int i = 0; i < GATE_ROWS; ++i) {
+              const int m = min(m0 + r0 + i * PACKER_WARPS, m_rows - 1);
+              g_row[i] = gate_ids == nullptr ? m : gate_ids[m];
+            }
+#pragma unroll
+            for (int i = 0; i < GATE_ROWS; ++i)
+              g[i] = lane * 8 < cols
+                         ? *reinterpret_cast<const uint4*>(gate + g_row[i] * N + n0 + lane * 8)
+                         : make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int i = 0; i < GATE_ROWS; ++i) {
+            const int r = r0 + i * PACKER_WARPS, m = m0 + r;
+            if (r < BM && m < m_rows && lane * 8 < cols) {
+              uint4 v = *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
+              if (COUNTED && gate != nullptr) v = relu_mul8(g[i], v);
+              const long long o = out_ids == nullptr ? m : out_ids[m];
+              *reinterpret_cast<uint4*>(pre + o * N + n0 + lane * 8) = v;
+            }
+          }
         }
       }
       if (PROFILE) {
@@ -292,12 +386,13 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   int it = 0;
   long long wait_free = 0, epilogue = 0, count = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * BN;
+    const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
+    const int m0 = u.m0, n0 = u.n0;
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;
     twell_wgmma_fence_regs(d);
-    for (int kb = 0; kb < kblocks; ++kb, ++it) {
+    for (int kb = u.kb0; kb < u.kb1; ++kb, ++it) {
       const int s = it % STAGES;
       twell_mbar_wait(full_bar + 8 * s, (it / STAGES) & 1);
       const uint32_t a = sbase + s * STAGE_BYTES + c * (64 * 128);
@@ -308,7 +403,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         wgmma_m64n256k16(d, twell_wgmma_desc(a + 32 * k), twell_wgmma_desc(b + 32 * k));
       twell_wgmma_commit();
       twell_wgmma_wait<1>();  // the previous stage's wgmma has retired: hand its stage back
-      if (kb > 0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
+      if (kb > u.kb0 && tid == 0) twell_mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));
     }
     twell_wgmma_wait<0>();
     twell_wgmma_fence_regs(d);
@@ -327,8 +422,22 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       if (TWELL_OUTPUT == 2) continue;  // the main loop alone
     }
 
-    // Round to bf16 into the shared tile (this thread holds rows r and r + 8, columns
-    // 8j + 2(lane % 4) + {0, 1}: the wgmma accumulator layout), then hand it over.
+    // This thread holds rows r and r + 8 of the tile, columns 8j + 2(lane % 4) + {0, 1}
+    // (the wgmma accumulator layout).
+    if (COUNTED && splits > 1) {  // a part's fp32 sums, straight from the registers
+      const int r = m0 + c * 64 + warp * 16 + lane / 4;
+      float* p = part + ((long long)u.part * tiles_m * BM + r) * N + n0 + (lane % 4) * 2;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (n0 + 8 * j + (lane % 4) * 2 < N) {
+          if (r < m_rows) *reinterpret_cast<float2*>(p + 8 * j) = make_float2(d[4 * j], d[4 * j + 1]);
+          if (r + 8 < m_rows)
+            *reinterpret_cast<float2*>(p + 8 * N + 8 * j) = make_float2(d[4 * j + 2], d[4 * j + 3]);
+        }
+      }
+      continue;
+    }
+    // Round to bf16 into the shared tile, then hand it over.
     const long long t0 = PROFILE ? clock64() : 0;
     bar_sync(BAR_TILE_FREE);
     const long long t1 = PROFILE ? clock64() : 0;
@@ -358,5 +467,79 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     prof[1] = wait_free;
     prof[2] = epilogue;
     prof[6] = count;
+  }
+}
+
+// ---- around the count build (pipeline.heavy_rows_counted) ------------------------------
+// The count build's output for its min(M, *rows) rows, rows i of out[out_ids[i]] (or
+// out[i]), N bf16 wide:
+//   v = the sum of the parts (fp32, part 0 first) where the launch split its reduction
+//       (part: [S, M rounded up to BM, N]), else the bf16 the launch stored (`single`,
+//       [M, N]); neither given: v = 1;
+//   out = bf16(relu(g) * bf16(v)) with g = gate[gate_ids[i]] (or gate[i]) when `gate` is
+//       given (relu keeps NaN: twell_relu_mul's h), else bf16(v).
+// S is the launch's own (twell_count_splits of the same rows, N, K and max_splits); a
+// launch of one part wrote its output itself (given the same gate), and this kernel does
+// nothing. N % 2 == 0.
+extern "C" __global__ void __launch_bounds__(256)
+twell_gate_gemm_reduce(const float* __restrict__ part, const uint16_t* __restrict__ single,
+                       const int* __restrict__ rows, int M, int N, int K, int max_splits,
+                       const uint16_t* __restrict__ gate, const int* __restrict__ gate_ids,
+                       const int* __restrict__ out_ids, uint16_t* __restrict__ out) {
+  const int m_rows = rows_in(rows, M);
+  const int has_source = part != nullptr || single != nullptr;
+  const int splits =
+      has_source ? twell_count_splits(m_rows, (N + BN - 1) / BN, (K + BK - 1) / BK, max_splits)
+                 : 1;
+  if (has_source && splits == 1) return;
+  const long long stride = (long long)((m_rows + BM - 1) / BM) * BM * N;  // one part
+  const int pairs = N / 2;
+  const long long total = (long long)m_rows * pairs;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(k / pairs);
+    const int col = 2 * (int)(k - (long long)i * pairs);
+    float v0 = 1.f, v1 = 1.f;
+    if (has_source && splits > 1) {
+      const float* p = part + (long long)i * N + col;
+      v0 = 0.f;
+      v1 = 0.f;
+      for (int s = 0; s < splits; ++s) {
+        const float2 q = *reinterpret_cast<const float2*>(p + s * stride);
+        v0 += q.x;
+        v1 += q.y;
+      }
+    } else if (has_source) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(single + (long long)i * N + col);
+      v0 = __uint_as_float(w << 16);
+      v1 = __uint_as_float(w & 0xffff0000u);
+    }
+    if (gate != nullptr) {
+      const long long g_row = gate_ids == nullptr ? i : gate_ids[i];
+      const uint32_t gw = *reinterpret_cast<const uint32_t*>(gate + g_row * N + col);
+      const uint32_t g0 = gw & 0xffffu, g1 = gw >> 16;
+      // bf16(v) first: the up product rounds to bf16 as the capacity GEMMs' does
+      v0 = (twell_relu_keeps(g0) ? __uint_as_float(g0 << 16) : 0.f) *
+           __bfloat162float(__float2bfloat16_rn(v0));
+      v1 = (twell_relu_keeps(g1) ? __uint_as_float(g1 << 16) : 0.f) *
+           __bfloat162float(__float2bfloat16_rn(v1));
+    }
+    const long long o = out_ids == nullptr ? i : out_ids[i];
+    *reinterpret_cast<uint32_t*>(out + o * N + col) = twell_pack_bf16x2(v0, v1);
+  }
+}
+
+// dst[i] = src[ids[i]] for i < min(*rows, M) (rows `width` bf16 wide, width % 8 == 0);
+// the rows of dst past the count are left as they are (the count build never stores them).
+extern "C" __global__ void __launch_bounds__(256)
+twell_gather_counted(const uint16_t* __restrict__ src, int width, const int* __restrict__ ids,
+                     const int* __restrict__ rows, int M, uint16_t* __restrict__ dst) {
+  const int per_row = width / 8;
+  const long long total = (long long)rows_in(rows, M) * per_row;
+  for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+       k += (long long)gridDim.x * blockDim.x) {
+    const int i = (int)(k / per_row), c = (int)(k % per_row);
+    reinterpret_cast<uint4*>(dst + (long long)i * width)[c] =
+        reinterpret_cast<const uint4*>(src + (long long)ids[i] * width)[c];
   }
 }

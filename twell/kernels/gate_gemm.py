@@ -32,6 +32,13 @@ _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
 #: or the packed output plus clock64 cycles of the parts per CTA (8 uint64 each in ``pre``).
 OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY = 0, 1, 2, 3, 4
 OUTPUT_PROFILE = 5
+#: The count build: dense math for a row count read on the device, its reduction split
+#: into parts by that count (twell.kernels.heavy_gemm).
+OUTPUT_COUNTED = 6
+#: The count build splits its reduction until this many work units (row tiles x column
+#: tiles x parts) would be exceeded: the SMs of an H100 or H200. A constant, not the
+#: device's SM count, so that the parts (and the bits) do not depend on the GPU model.
+SPLIT_UNITS = 132
 
 
 def smem_bytes(stages: int = STAGES, output: int = OUTPUT_PACKED) -> int:
@@ -53,6 +60,7 @@ SOURCE = declare(
         parameters=("TILE", "SLOTS", "OUTPUT", "STAGES", "SMEM_BYTES"),
         constants={
             "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "CONSUMERS": CONSUMERS,
+            "SPLIT_UNITS": SPLIT_UNITS,
         },
         examples=tuple(
             {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "STAGES": STAGES,
@@ -60,7 +68,8 @@ SOURCE = declare(
             for t, s in [(256, 32), (256, 64), (256, 128), (128, 16), (64, 8), (32, 2)]
         ) + tuple({"TILE": 256, "SLOTS": 32, "OUTPUT": o, "STAGES": st,
                    "SMEM_BYTES": smem_bytes(st, o)}
-                  for o, st in ((OUTPUT_DENSE, STAGES), (OUTPUT_NONE, STAGES), (OUTPUT_NONE, 4),
+                  for o, st in ((OUTPUT_DENSE, STAGES), (OUTPUT_COUNTED, STAGES),
+                                (OUTPUT_NONE, STAGES), (OUTPUT_NONE, 4),
                                 (OUTPUT_TILE_ONLY, STAGES), (OUTPUT_HANDOVER_ONLY, STAGES),
                                 (OUTPUT_PROFILE, STAGES))),
     )
@@ -130,6 +139,33 @@ def ctas(m: int, n: int) -> int:
     return max(1, min(tiles(m, n), device_info().multiprocessors))
 
 
+def count_splits(rows: int, n: int, k: int, max_splits: int) -> int:
+    """The parts the count build splits the reduction of ``rows`` rows into, for ``w
+    [n, k]`` (the kernel's ``twell_count_splits``): the most, at most ``max_splits``, that
+    keep row tiles x column tiles x parts within :data:`SPLIT_UNITS`, none empty."""
+    kblocks = math.ceil(k / BLOCK_K)
+    units = math.ceil(rows / BLOCK_M) * math.ceil(n / BLOCK_N)
+    if units == 0:
+        return 1
+    s = max(1, min(max_splits, kblocks, SPLIT_UNITS // units))
+    per = math.ceil(kblocks / s)
+    return math.ceil(kblocks / per)
+
+
+@functools.lru_cache(maxsize=256)
+def part_rows(m: int, n: int, k: int, max_splits: int) -> int:
+    """Rows of the fp32 parts buffer a count launch of at most ``m`` rows needs (parts x
+    rows rounded up to ``BLOCK_M``, the most over the counts it may find; 0 when no count
+    splits)."""
+    most = 0
+    for tiles_m in range(1, math.ceil(m / BLOCK_M) + 1):
+        s = count_splits(tiles_m * BLOCK_M, n, k, max_splits)
+        if s == 1:
+            break
+        most = max(most, s * tiles_m * BLOCK_M)
+    return most
+
+
 def launch(
     x: Any,
     w: Any,
@@ -141,6 +177,13 @@ def launch(
     heavy: Any | None = None,
     pre: Any | None = None,
     stages: int = STAGES,
+    part: Any | None = None,
+    rows: Any | None = None,
+    out_ids: Any | None = None,
+    gate: Any | None = None,
+    gate_ids: Any | None = None,
+    max_splits: int = 1,
+    grid: int | None = None,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
@@ -152,6 +195,15 @@ def launch(
     ``pre`` (uint64 ``[grid, 8]``, grid = :func:`ctas`, viewed as uint16).
     ``stages``: the ring's depth (timing of the main loop only; the other builds' shared
     memory has room for ``STAGES``).
+
+    ``OUTPUT_DENSE`` and ``OUTPUT_COUNTED`` take a device row count ``rows`` (int32, one
+    element: the rows ``min(M, rows[0])``; None: M) and ``out_ids`` (int32: bf16 row ``m``
+    goes to row ``out_ids[m]`` of ``pre``; None: row m). ``OUTPUT_COUNTED`` splits the
+    reduction into :func:`count_splits` parts (at most ``max_splits``) and, split, writes
+    fp32 parts to ``part`` (``[part_rows, N]``) for :func:`reduce_counted` instead of
+    ``pre``; unsplit, with ``gate`` (bf16 ``[*, N]``) it writes ``bf16(relu(g) * out)``,
+    ``g`` row ``gate_ids[m]`` (None: m) of ``gate``.
+    ``grid``: CTAs of the persistent grid (default :func:`ctas` of M, N).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -164,7 +216,11 @@ def launch(
     smem = smem_bytes(stages, output)
     if stages < 2 or smem > 232448:
         raise ValueError(f"launch: a ring of {stages} stages does not work with this build")
-    grid = (ctas(m, n),)
+    if output == OUTPUT_COUNTED and (
+        pre is None or (part is None and part_rows(m, n, k, max_splits) > 0)
+    ):
+        raise ValueError("launch: OUTPUT_COUNTED needs pre, and part when it may split")
+    grid = (grid or ctas(m, n),)
     if output == OUTPUT_PROFILE and pre.nbytes < grid[0] * 64:
         raise ValueError(f"launch: OUTPUT_PROFILE needs {grid[0] * 64} bytes of pre")
     fn = SOURCE.kernel(
@@ -178,8 +234,103 @@ def launch(
         (
             tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N),
             null if packed is None else packed, null if heavy is None else heavy,
-            null if pre is None else pre.view(np.uint16),
-            np.int32(m), np.int32(n), np.int32(k),
+            null if pre is None else pre.view(np.uint16), null if part is None else part,
+            null if rows is None else rows, null if out_ids is None else out_ids,
+            null if gate is None else gate.view(np.uint16),
+            null if gate_ids is None else gate_ids,
+            np.int32(m), np.int32(n), np.int32(k), np.int32(max_splits),
         ),
         shared_mem=smem,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- counted rows
+#: Most parts the count build splits a reduction into.
+MAX_SPLITS = 16
+_REDUCE_THREADS = 256
+
+
+def _aux(name: str) -> Any:
+    """A kernel of the source besides the GEMM (any build has it; the count build's)."""
+    return SOURCE.kernel(
+        name, TILE=256, SLOTS=32, OUTPUT=OUTPUT_COUNTED, STAGES=STAGES,
+        SMEM_BYTES=smem_bytes(STAGES, OUTPUT_COUNTED),
+    )  # fmt: skip
+
+
+def matmul_counted(
+    a: Any,
+    w: Any,
+    rows: Any,
+    out: Any,
+    *,
+    out_ids: Any | None = None,
+    gate: Any | None = None,
+    gate_ids: Any | None = None,
+) -> Any:
+    """``a[i] @ w.T`` for the rows ``i < min(M, rows[0])`` of bf16 ``a [M, K]`` (``w
+    [N, K]``; ``rows`` an int32 device count), on tensor cores, the reduction split into
+    :func:`count_splits` parts. One part: bf16 into row ``out_ids[i]`` (or ``i``) of
+    ``out`` (with ``gate``: ``bf16(relu(g) * bf16(v))`` as :func:`reduce_counted`);
+    several: fp32 parts into the returned buffer (None when no count of at most M rows
+    splits), which :func:`reduce_counted`, given the same gate, finishes. Grid and
+    buffers are sized on the host for M rows; the kernel reads the count (no
+    synchronisation)."""
+    m, k = a.shape
+    n = w.shape[0]
+    rows_part = part_rows(m, n, k, MAX_SPLITS)
+    part = alloc((rows_part, n), np.float32) if rows_part else None
+    if m:
+        launch(
+            a, w, tile=256, slots=32, output=OUTPUT_COUNTED, pre=out, part=part, rows=rows,
+            out_ids=out_ids, gate=gate, gate_ids=gate_ids, max_splits=MAX_SPLITS,
+            grid=device_info().multiprocessors,
+        )  # fmt: skip
+    return part
+
+
+def reduce_counted(
+    part: Any | None,
+    single: Any | None,
+    rows: Any,
+    m: int,
+    k: int,
+    out: Any,
+    *,
+    gate: Any | None = None,
+    gate_ids: Any | None = None,
+    out_ids: Any | None = None,
+) -> None:
+    """The output of a :func:`matmul_counted` of ``m`` rows and reduction ``k`` for its
+    rows ``i < min(m, rows[0])``: ``v`` = the sum of its parts (``part``, fp32, in a fixed order)
+    or, unsplit, its bf16 ``single`` (``[M, N]``); then ``out[out_ids[i]]`` (or
+    ``out[i]``) = ``bf16(relu(g) * bf16(v))``, ``g = gate[gate_ids[i]]`` (or
+    ``gate[i]``), or ``bf16(v)`` without a gate. ``part`` and ``single`` both None:
+    ``v = 1`` (``out = relu(g)``). Unsplit, the GEMM wrote the output itself and the
+    kernel returns at once."""
+    n = out.shape[1]
+    if not m:
+        return
+    none = np.uint64(0)
+    _aux("twell_gate_gemm_reduce")(
+        (device_info().multiprocessors * 8,), (_REDUCE_THREADS,),
+        (
+            none if part is None else part, none if single is None else single.view(np.uint16),
+            rows, np.int32(m), np.int32(n), np.int32(k),
+            np.int32(MAX_SPLITS if part is not None or single is not None else 1),
+            none if gate is None else gate.view(np.uint16),
+            none if gate_ids is None else gate_ids, none if out_ids is None else out_ids,
+            out.view(np.uint16),
+        ),
+    )  # fmt: skip
+
+
+def gather_counted(src: Any, ids: Any, rows: Any, out: Any) -> None:
+    """``out[i] = src[ids[i]]`` for ``i < min(M, rows[0])`` (``M`` = rows of ``out``;
+    bf16 rows of the same width); the rest of ``out`` is left as it is."""
+    m, width = out.shape
+    if m:
+        _aux("twell_gather_counted")(
+            (device_info().multiprocessors * 8,), (_REDUCE_THREADS,),
+            (src.view(np.uint16), np.int32(width), ids, rows, np.int32(m), out.view(np.uint16)),
+        )  # fmt: skip

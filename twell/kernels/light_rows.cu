@@ -241,13 +241,18 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
                  const uint16_t* __restrict__ w_up,      // [N, K] (gated only)
                  const uint16_t* __restrict__ w_down_t,  // [N, K]
                  uint16_t* __restrict__ y,               // [M, K] out (light rows)
-                 int M, int N, int max_row_nnz) {
+                 int M, int N, int max_row_nnz,
+                 const int* __restrict__ dense) {        // the call's decision, or null
   twell_grid_wait();  // launched after the gate GEMM (compile.launch_after)
   twell_grid_release();  // the heavy-row stage's CTAs may take SMs as they free up
   __shared__ Shared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long row = (long long)blockIdx.x * TWELL_ROW_WARPS + warp;
   if (row >= M) return;
+  if (dense != nullptr && *dense) {  // every row to the dense math of the heavy-row stage
+    if (lane == 0) heavy[row] = 1;
+    return;
+  }
   const int tiles = N / TWELL_TILE;
   const uint16_t* src = pre + row * (long long)N;
   uint32_t* list = sm.list[warp];
@@ -295,13 +300,17 @@ __device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
                                           const uint16_t* __restrict__ w_up,
                                           const uint16_t* __restrict__ w_down_t,
                                           uint16_t* __restrict__ y, int M, int N,
-                                          int max_row_nnz) {
+                                          int max_row_nnz, const int* __restrict__ dense) {
   twell_grid_wait();
   twell_grid_release();
   __shared__ WideShared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const long long row = blockIdx.x;
   if (row >= M) return;
+  if (dense != nullptr && *dense) {
+    if (threadIdx.x == 0) heavy[row] = 1;
+    return;
+  }
   if (warp == 0) {
     int total = 0;
     const bool is_heavy = scan_row(pre + row * (long long)N, N / TWELL_TILE, lane, sm.list,
@@ -368,17 +377,17 @@ __device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
       const uint16_t *__restrict__ w_up,     /* [N, K] (gated only) */                    \
       const uint16_t *__restrict__ w_down_t, /* [N, K] */                                 \
       uint16_t *__restrict__ y,              /* [M, K] out (light rows) */                \
-      int M, int N, int max_row_nnz
+      int M, int N, int max_row_nnz, const int *__restrict__ dense
 
 extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
 twell_light_rows_from_pre_wide(TWELL_WIDE_ARGS) {
-  wide_rows<1>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz);
+  wide_rows<1>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz, dense);
 }
 
 #if NCH <= 8  // K <= 2048: two units' rows fit in registers (244 at K = 2048, no spills)
 extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
 twell_light_rows_from_pre_wide2(TWELL_WIDE_ARGS) {
-  wide_rows<2>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz);
+  wide_rows<2>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz, dense);
 }
 #endif
 
@@ -444,4 +453,85 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
   gather_list(list, total, lane, N, xs, w_up, w_down_t, acc, l1, up_row, done, up_cap);
   store_row(y, row, lane, acc);
   if (row_l1 != nullptr && lane == 0) row_l1[row] = l1;
+}
+
+// The density switch of one call, from its own rows (twell.kernels.density): `rows` rows
+// of the batch, start + j * step, sampled; a row's active units are its positive gate
+// pre-activations (`pre`, bf16 [M, N]) or the sum of its TwELL count words (`packed`, with
+// the packer's row flags `heavy`). Rows over `row_limit` units, non-finite (pre) or
+// flagged by the packer are heavy; the mean over the others (over all when every sampled
+// row is heavy) above `threshold` makes the call dense: dense[0] = 1, and with `packed`
+// every row is flagged heavy (the light-row kernels then skip them all and the heavy-row
+// stage computes the batch); from_pre reads dense[0] itself.
+// One block per sampled row writes its counts to units[j]; the last block to finish (a
+// ticket in dense[1], zero on entry and left zero) adds them in row order: the decision
+// is a function of the call's rows. At most 64 rows.
+extern "C" __global__ void __launch_bounds__(256)
+twell_light_rows_decide(const uint16_t* __restrict__ pre, const uint32_t* __restrict__ packed,
+                        uint8_t* __restrict__ heavy, int M, int N, int start, int step,
+                        int rows, int row_limit, float threshold, int* __restrict__ dense,
+                        int* __restrict__ units_out) {
+  __shared__ int s_warp[8];
+  __shared__ int s_bad;
+  __shared__ int s_last;
+  __shared__ int s_dense;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long row = start + (long long)blockIdx.x * step;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  int units = 0;
+  bool bad = false;
+  if (packed != nullptr) {
+    const int tiles = N / TWELL_TILE;
+    const uint32_t* words = packed + row * tiles * TWELL_SLOTS;
+    for (int t = threadIdx.x; t < tiles; t += blockDim.x) units += (int)words[t * TWELL_SLOTS];
+    bad = threadIdx.x == 0 && heavy[row] != 0;
+  } else {
+    const uint4* src = reinterpret_cast<const uint4*>(pre + row * N);
+    for (int q = threadIdx.x; q < N / 8; q += blockDim.x) {
+      const uint4 v = src[q];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t b = (w[i / 2] >> (16 * (i % 2))) & 0xffffu;
+        units += (b & 0x8000u) == 0u && b != 0u;  // positive (as the host's sample counts)
+        bad |= (b & 0x7f80u) == 0x7f80u;
+      }
+    }
+  }
+  units = __reduce_add_sync(0xffffffffu, units);
+  if (__any_sync(0xffffffffu, bad) && lane == 0) s_bad = 1;
+  if (lane == 0) s_warp[warp] = units;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) total += s_warp[w];
+    // negative: a heavy row (the mean leaves it out), as its count minus one, so 0 units
+    // stays distinguishable
+    units_out[blockIdx.x] = (s_bad || total > row_limit) ? -1 - total : total;
+    __threadfence();
+    s_last = atomicAdd(dense + 1, 1) == rows - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    float light = 0.f, all = 0.f;
+    int kept = 0;
+    for (int j = 0; j < rows; ++j) {
+      const int u = ((volatile int*)units_out)[j];
+      all += (float)(u < 0 ? -1 - u : u);
+      if (u >= 0) {
+        light += (float)u;
+        ++kept;
+      }
+    }
+    const float mean = kept ? light / (float)kept : all / (float)max(rows, 1);
+    s_dense = mean > threshold ? 1 : 0;
+    dense[0] = s_dense;
+    dense[1] = 0;  // the ticket, for the next call that reuses this buffer
+  }
+  __syncthreads();
+  if (s_dense && packed != nullptr)
+    for (long long r = threadIdx.x; r < M; r += blockDim.x) heavy[r] = 1;
 }

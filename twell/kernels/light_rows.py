@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from twell.kernels import light_rows_decode
-from twell.kernels.buffers import u16
+from twell.kernels.buffers import alloc, u16
 from twell.kernels.compile import Source, declare, device_info, launch_after, planned
 from twell.options import LIST_CAPACITY
 
@@ -103,13 +103,16 @@ def _registers_allow(function: str, k: int, tile: int, slots: int, gated: bool) 
 def _launch(
     function: str, grid: int, block: int, x: Any | None, source: Any, heavy: Any,
     w_up: Any | None, w_down_t: Any, y: Any, tile: int, slots: int, max_row_nnz: int,
-    extra: tuple = (), *, after_gemm: bool = False,
+    extra: tuple = (), *, after_gemm: bool = False, dense: Any | None = None,
 ) -> None:  # fmt: skip
     """``after_gemm``: the kernel reads the gate GEMM's output and is launched to start as
-    that GEMM ends (compile.launch_after)."""
+    that GEMM ends (compile.launch_after). ``dense``: the call's decision (:func:`decide`)
+    for the kernels that read the pre-activation (they flag every row heavy when set)."""
     m, k = y.shape
     gated = w_up is not None
     kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
+    if function.startswith("twell_light_rows_from_pre"):
+        extra = (_NULL if dense is None else dense,)
     args = (
         u16(x) if gated else _NULL, source, heavy, u16(w_up) if gated else _NULL,
         u16(w_down_t), u16(y), np.int32(m), np.int32(w_down_t.shape[0]),
@@ -120,11 +123,13 @@ def _launch(
 
 def from_pre(
     x: Any | None, pre: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
-    tile: int, slots: int, max_row_nnz: int,
+    tile: int, slots: int, max_row_nnz: int, dense: Any | None = None,
 ) -> None:  # fmt: skip
     """Light rows of ``y`` straight from the bf16 pre-activation ``pre [M, N]``; writes
     ``heavy[m]`` (1: the row is left to the dense path) for every row. Gated if ``w_up``
-    is given. Up to ``light_rows_decode.DECODE_ROWS_BELOW`` tokens (decode), the cluster
+    is given. ``dense``: the call's decision (:func:`decide`; above the decode bound):
+    when set, every row is flagged heavy and none gathered. Up to
+    ``light_rows_decode.DECODE_ROWS_BELOW`` tokens (decode), the cluster
     kernel of light_rows_decode.cu runs; above, a block of four warps per token with two
     units in flight each (``WIDE2``, while those blocks fit in one wave), a block of
     :func:`wide_warps` warps per token, or a warp per token. The kernels give a row
@@ -138,6 +143,8 @@ def from_pre(
     # one "light rows from pre" contract, so every caller (the route, tests, benches) gets
     # the same choice, and the route stays a composition of stages.
     if m <= light_rows_decode.DECODE_ROWS_BELOW:
+        if dense is not None:
+            raise ValueError("from_pre: a per-call decision needs more than the decode rows")
         light_rows_decode.from_pre(x, pre, heavy, w_up, w_down_t, y, tile=tile, slots=slots,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
         return
@@ -152,7 +159,7 @@ def from_pre(
             if warps > 1:
                 function, grid, block = WIDE, m, warps
     _launch(function, grid, 32 * block, x, u16(pre), heavy, w_up, w_down_t, y, tile, slots,
-            max_row_nnz, after_gemm=True)  # fmt: skip
+            max_row_nnz, after_gemm=True, dense=dense)  # fmt: skip
 
 
 def from_twell(
@@ -180,3 +187,40 @@ def from_twell(
             heavy, w_up, w_down_t, y, tile, slots, limit,
             (_NULL if row_l1 is None else row_l1, _NULL if up is None else up,
              np.int32(0 if up is None else up.shape[1])))  # fmt: skip
+
+
+def decide(
+    m: int, n: int, *, pre: Any | None = None, packed: Any | None = None,
+    heavy: Any | None = None, tile: int, slots: int, row_limit: int, threshold: float,
+    kdim: int, gated: bool,
+) -> Any:  # fmt: skip
+    """The density switch's decision for this call, on the device, from its own rows
+    (``twell_light_rows_decide``): int32 ``[1]``, 1 where the mean active units of the
+    light rows of a strided sample (density.sample_rows, as the statistics of
+    :class:`twell.kernels.density.DensitySwitch` take it) exceed ``threshold``. From the
+    bf16 pre-activation ``pre [m, n]``, or from TwELL words ``packed`` and the packer's
+    row flags ``heavy``, which are then all set when the call goes dense. ``kdim`` and
+    ``gated``: the block's (the kernel comes from the module its light rows use)."""
+    from twell.kernels.density import DensitySwitch, sample_rows
+
+    if (pre is None) == (packed is None) or (packed is not None and heavy is None):
+        raise ValueError("decide: give pre, or packed with heavy")
+    sample = sample_rows(m, DensitySwitch.SAMPLE_ROWS)
+    start, step = sample.start, sample.step
+    rows = min(DensitySwitch.SAMPLE_ROWS, len(range(start, m, step)))
+    # [decision, ticket, counts of the sampled rows]
+    dense = alloc((2 + DensitySwitch.SAMPLE_ROWS,), np.int32)
+    dense[1:2].fill(0)
+    kernel = SOURCE.kernel(
+        "twell_light_rows_decide", KDIM=kdim, TILE=tile, SLOTS=slots, GATED=int(gated)
+    )
+    kernel(
+        (rows,), (256,),
+        (
+            _NULL if pre is None else u16(pre), _NULL if packed is None else packed,
+            _NULL if heavy is None else heavy, np.int32(m), np.int32(n), np.int32(start),
+            np.int32(step), np.int32(rows), np.int32(row_limit), np.float32(threshold), dense,
+            dense[2:],
+        ),
+    )  # fmt: skip
+    return dense[:1]

@@ -81,12 +81,15 @@ class LightRows:
             None: then the heavy rows' pre-activations are recomputed from ``x``.
         packed: the TwELL words of ``relu(pre)`` when the route packed them, else None.
         scratch: other buffers the route's kernels use (kept alive with a captured call).
+        dense: the call's own density decision (int32 ``[1]`` on the device,
+            light_rows.decide) when the route took one: set, every row is heavy.
     """
 
     heavy: Any
     pre: Any | None = None
     packed: Any | None = None
     scratch: list[Any] = field(default_factory=list)
+    dense: Any | None = None
 
 
 class PreparedBlock:
@@ -127,7 +130,13 @@ class PreparedBlock:
         self.density = DensitySwitch(
             self.n, self.max_row_nnz, options.density_switch, options.auto_capacity
         )
+        if options.auto_capacity:  # those calls decide on the device, from their own rows
+            self.density.per_call_above = heavy_rows.FLAG_ROWS
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
+        #: Inference calls of more than ``heavy_rows.FLAG_ROWS`` tokens with
+        #: ``dense_capacity="auto"`` do their heavy rows by count (heavy_rows_counted);
+        #: False: through the density switch's capacity (comparisons).
+        self.counted = True
 
     def _keep(self, buffers: list[Any]) -> None:
         """Keep a captured call's buffers alive as long as this block (a graph of its own,
@@ -149,6 +158,18 @@ class PreparedBlock:
     def w_first(self) -> Any:
         """The weight whose relu'd product is the hidden activation's pattern."""
         return self.w_up if self.w_gate is None else self.w_gate
+
+    def decide(
+        self, m: int, *, pre: Any | None = None, packed: Any | None = None, heavy: Any = None
+    ) -> Any:
+        """This call's density decision on the device, from its own rows
+        (light_rows.decide, against the switch's threshold at ``m`` tokens): int32
+        ``[1]``."""
+        return light_rows.decide(
+            m, self.n, pre=pre, packed=packed, heavy=heavy, tile=self.options.tile,
+            slots=self.options.slots, row_limit=self.max_row_nnz,
+            threshold=self.density.threshold(m), kdim=self.k, gated=self.gated,
+        )  # fmt: skip
 
     def _by_unit(self, m: int) -> bool:
         """Whether an inference call of ``m`` tokens takes decode_units.py's kernels (the
@@ -196,6 +217,11 @@ class PreparedBlock:
         y = empty_bf16((m, k)) if out is None else out
         in_capture = capturing()
         by_unit = not save and self.weights_finite and self._by_unit(m)
+        auto = not save and self.options.auto_capacity
+        # Heavy rows by count (heavy_rows_counted), and the density decision taken on the
+        # device from the call's own rows: no statistics of earlier calls involved.
+        counted = auto and self.counted and m > heavy_rows.FLAG_ROWS
+        per_call = counted and self.density.decides_per_call(m)
         if m and not save and (not self.weights_finite or self.density.go_dense(m, in_capture)):
             scratch = dense_block(self, xb, y)
             if in_capture:
@@ -221,9 +247,12 @@ class PreparedBlock:
             r = row_capacity(self.max_row_nnz, self.n, self.options.tile, self.options.slots, m)
             up = alloc((m, r), np.float32)
         targets = SaveTargets(row_l1, up) if save else None
-        light = ROUTES[path](self, xb, y, targets) if m else LightRows(alloc((0,), np.uint8))
-        auto = not save and self.options.auto_capacity
-        capacity = self.options.capacity_rows(m, self.density.capacity(m) if auto else None)
+        light = (
+            ROUTES[path](self, xb, y, targets, per_call) if m else LightRows(alloc((0,), np.uint8))
+        )
+        capacity = self.options.capacity_rows(
+            m, self.density.capacity(m) if auto and not self.counted else None
+        )
         if not save and m <= heavy_rows.FLAG_ROWS and not capacity:
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
@@ -232,15 +261,20 @@ class PreparedBlock:
         # The heavy-row kernels start while the kernel before them ends where no heavy row
         # is expected (they then find none and end at once).
         overlap = not self.density.expects_heavy(m)
-        scratch = (
-            heavy_rows_stage(self, xb, light, ids, count, y, row_l1, capacity, overlap=overlap)
-            if m
-            else []
-        )
-        if m and not in_capture:
+        if not m:
+            scratch = []
+        elif counted:
+            scratch = heavy_rows_counted(self, xb, light, ids, count, y)
+        else:
+            scratch = heavy_rows_stage(
+                self, xb, light, ids, count, y, row_l1, capacity, overlap=overlap
+            )
+        if m and not in_capture and not per_call:
             self.density.observe(light.packed, light.pre, self.options.slots, light.heavy)
         if in_capture:
-            self._keep([xb, y, light.pre, light.packed, *light.scratch, row_l1, up, *scratch])
+            self._keep(
+                [xb, y, light.pre, light.packed, light.dense, *light.scratch, row_l1, up, *scratch]
+            )
         result = from_bf16(y, x.dtype)
         if not save:
             return result
@@ -295,9 +329,11 @@ class SaveTargets:
     up: Any | None
 
 
-#: ``route(block, x, y, save)``; ``save`` (:class:`SaveTargets` or None) says where the
-#: training forward wants its extra outputs (a route that packs TwELL takes it).
-Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
+#: ``route(block, x, y, save, decide)``; ``save`` (:class:`SaveTargets` or None) says
+#: where the training forward wants its extra outputs (a route that packs TwELL takes it);
+#: ``decide``: the route takes the density decision from the call's own rows, on the
+#: device, between its gate and its gather (:meth:`PreparedBlock.decide`).
+Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None, bool], LightRows]
 
 
 # The "fused" path keeps cuBLAS + scan at every batch size, though the epilogue route
@@ -306,19 +342,22 @@ Route = Callable[[PreparedBlock, Any, Any, SaveTargets | None], LightRows]
 # 1.13-1.24 for the epilogue route; the same order on an H200).
 
 
-def _route_fused(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
+def _route_fused(
+    block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None, decide: bool = False
+) -> LightRows:
     if save is not None:
         raise ValueError(
             "the fused route writes no TwELL, row_l1 or up products (use epilogue or pack)"
         )
     pre = gemm_nt(x, block.w_first)
     heavy = alloc((x.shape[0],), np.uint8)
+    dense = block.decide(x.shape[0], pre=pre) if decide else None
     light_rows.from_pre(
         x if block.gated else None, pre, heavy, block.w_up if block.gated else None,
         block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
-        max_row_nnz=block.max_row_nnz,
+        max_row_nnz=block.max_row_nnz, dense=dense,
     )  # fmt: skip
-    return LightRows(heavy, pre=pre)
+    return LightRows(heavy, pre=pre, dense=dense)
 
 
 def _from_twell(
@@ -333,28 +372,43 @@ def _from_twell(
     return light
 
 
-def _route_epilogue(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
+def _decided(block: PreparedBlock, packed: Any, heavy: Any, decide: bool) -> Any | None:
+    """The call's own decision from its TwELL words (every row flagged heavy when dense),
+    or None when the route takes none."""
+    return block.decide(packed.shape[0], packed=packed, heavy=heavy) if decide else None
+
+
+def _route_epilogue(
+    block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None, decide: bool = False
+) -> LightRows:
     packed, heavy = gate_gemm.gate_pack(x, block.w_first, block.options.tile, block.options.slots)
-    return _from_twell(block, x, y, LightRows(heavy, packed=packed), save)
+    dense = _decided(block, packed, heavy, decide)
+    return _from_twell(block, x, y, LightRows(heavy, packed=packed, dense=dense), save)
 
 
-def _route_pack(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
+def _route_pack(
+    block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None, decide: bool = False
+) -> LightRows:
     pre = gemm_nt(x, block.w_first)
     packed, heavy = pack(pre, block.options.tile, block.options.slots)
-    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed), save)
+    dense = _decided(block, packed, heavy, decide)
+    return _from_twell(block, x, y, LightRows(heavy, pre=pre, packed=packed, dense=dense), save)
 
 
-def _route_sliced(block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None) -> LightRows:
+def _route_sliced(
+    block: PreparedBlock, x: Any, y: Any, save: SaveTargets | None, decide: bool = False
+) -> LightRows:
     if save is not None:
         raise ValueError("the sliced route writes no row_l1 or up products (use epilogue)")
     pre = gemm_nt(x, block.w_first)
     packed, heavy = pack(pre, block.options.tile, block.options.slots)
+    dense = _decided(block, packed, heavy, decide)
     scratch = light_rows_sliced.from_twell(
         x if block.gated else None, packed, heavy, block.w_up if block.gated else None,
         block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
         max_row_nnz=block.max_row_nnz,
     )  # fmt: skip
-    return LightRows(heavy, pre=pre, packed=packed, scratch=scratch)
+    return LightRows(heavy, pre=pre, packed=packed, scratch=scratch, dense=dense)
 
 
 #: The light-row stage of each ``path``.
@@ -430,6 +484,41 @@ def heavy_rows_stage(
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=True)
     return scratch
+
+
+def heavy_rows_counted(
+    block: PreparedBlock, x: Any, light: LightRows, ids: Any, count: Any, y: Any
+) -> list[Any]:
+    """Dense math for the heavy rows ``ids[:count]`` whose cost follows their count:
+    their x rows gathered, then the count build of the tensor-core GEMM
+    (gate_gemm.matmul_counted) for the up product (and the gate, when the route wrote no
+    pre-activation), ``h = relu(g) * bf16(u)``, and the down product written to their
+    rows of ``y``. Every kernel reads the count on the device; with no heavy row each
+    returns at once. A row's bits depend on the count only through the parts its
+    reductions split into (gate_gemm.count_splits): on this call's rows, never on
+    earlier calls. Returns the scratch buffers."""
+    m, n, k = x.shape[0], block.n, block.k
+    x_c = empty_bf16((m, k))
+    gate_gemm.gather_counted(x, ids, count, x_c)
+    scratch: list[Any] = [light.heavy, ids, count, x_c]
+    if light.pre is None:  # the gate (or the non-gated block's up product) of these rows
+        g = empty_bf16((m, n))
+        part = gate_gemm.matmul_counted(x_c, block.w_first, count, g)
+        gate_gemm.reduce_counted(part, g, count, m, k, g)
+        g_ids = None
+        scratch += [g, part]
+    else:
+        g, g_ids = light.pre, ids
+    h = empty_bf16((m, n))
+    if block.gated:
+        part = gate_gemm.matmul_counted(x_c, block.w_up, count, h, gate=g, gate_ids=g_ids)
+        gate_gemm.reduce_counted(part, h, count, m, k, h, gate=g, gate_ids=g_ids)
+        scratch.append(part)
+    else:
+        gate_gemm.reduce_counted(None, None, count, m, k, h, gate=g, gate_ids=g_ids)
+    part = gate_gemm.matmul_counted(h, block.w_down, count, y, out_ids=ids)
+    gate_gemm.reduce_counted(part, y, count, m, n, y, out_ids=ids)
+    return [*scratch, h, part]
 
 
 def _capacity_gemms(
