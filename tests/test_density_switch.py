@@ -279,3 +279,19 @@ def test_a_batch_mostly_of_heavy_rows_runs_dense(share: float, m: int) -> None:
         assert s.go_dense(m, False)
     elif m >= high and 8.0 <= s.threshold(m):
         assert not s.go_dense(m, False)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_calls_above_the_per_call_bound_leave_the_statistics_alone(enabled: bool) -> None:
+    """Calls of more than ``per_call_above`` tokens decide on the device from their own
+    rows: whatever the statistics say, the switch sends them nowhere and sizes no
+    capacity for them; below the bound (and with the switch off) nothing changes."""
+    s = switch(estimate=0.5 * N, heavy_share=0.5, enabled=enabled, auto=True)
+    s.per_call_above = 1024
+    assert s.decides_per_call(1025) is enabled and not s.decides_per_call(1024)
+    assert not s.go_dense(4096, False)
+    assert s.capacity(4096) == 0.0
+    assert s.go_dense(512, False) is enabled
+    assert s.decision(4096, read=False) == (False, 0.0)
+    s.per_call_above = None
+    assert s.go_dense(4096, False) is enabled

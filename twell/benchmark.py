@@ -231,9 +231,11 @@ def bench_config(
             timing="per_call",
             # what twell.SparseFFN(w_gate, w_up, w_down) runs
             default=blocks[0][path].options == Options(dense_capacity="auto"),
-            dense_path=bool(blocks[0][path].density.dense),
+            dense_path=blocks[0][path].takes_dense(xs[0]),
             capacity_in_force=(
-                blocks[0][path].density.capacity(m) if b.options.auto_capacity else None
+                blocks[0][path].density.capacity(m)
+                if b.options.auto_capacity and not b.counts_heavy_rows(m)
+                else None
             ),
             rotation_sets=sets,
             **versions(),

@@ -28,6 +28,7 @@ with optional_dependency("torch", "the benchmark sweeps"):
     import torch.nn.functional as F  # noqa: N812
 
 import twell
+from twell._interop import cupy_view
 from twell.benchmark import make_problem
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
@@ -90,7 +91,9 @@ def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> lis
         r = dict(gpu=gpu_name(), op="ffn_forward", api=api, workload=workload, M=m, K=k, N=n,
                  tile=256, slots=32, path="fused", default=True, timing=timing, t_ms=t,
                  t_dense_ms=td, speedup=td / t, rel_err=rel,
-                 dense_path=None if api == "ffn" else bool(blocks[0]._prepared.density.dense),
+                 dense_path=(
+                     None if api == "ffn" else blocks[0]._prepared.takes_dense(cupy_view(x))
+                 ),
                  density_estimate=None if api == "ffn" else blocks[0]._prepared.density.estimate,
                  **versions())  # fmt: skip
         if workload.startswith("density="):

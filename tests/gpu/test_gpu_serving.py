@@ -181,15 +181,10 @@ def test_non_finite_weight_of_an_idle_unit_poisons_like_dense_math(which: str) -
 
 
 def _decision(block: twell.SparseFFN, x: torch.Tensor) -> int:
-    """The per-call decision the block's call takes on ``x`` (fused route: from the gate
-    pre-activation, on the device), read back."""
+    """The decision the block's call takes on ``x`` on the device, read back."""
     from twell._interop import cupy_view
-    from twell.kernels.convert import as_bf16
-    from twell.kernels.cublas import gemm_nt
 
-    prepared = block._prepared
-    pre = gemm_nt(as_bf16(cupy_view(x.contiguous())), prepared.w_first)
-    return int(prepared.decide(x.shape[0], pre=pre)[0])
+    return int(block._prepared.takes_dense(cupy_view(x.contiguous())))
 
 
 def _bits(y: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,7 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
 #define PROFILE (TWELL_OUTPUT == 5)
 #define COUNTED (TWELL_OUTPUT == 6)
-#define GATE_ROWS (COUNTED ? 8 : 1)  // rows a packer warp stores per step (their gate loads)
+#define GATE_ROWS (COUNTED ? TWELL_GATE_ROWS : 1)  // rows a packer warp stores per step
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
 static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,

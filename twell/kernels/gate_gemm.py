@@ -39,6 +39,9 @@ OUTPUT_COUNTED = 6
 #: tiles x parts) would be exceeded: the SMs of an H100 or H200. A constant, not the
 #: device's SM count, so that the parts (and the bits) do not depend on the GPU model.
 SPLIT_UNITS = 132
+#: Rows a packer warp of the count build stores per step, their gate rows' loads in
+#: flight together.
+GATE_ROWS = 16
 
 
 def smem_bytes(stages: int = STAGES, output: int = OUTPUT_PACKED) -> int:
@@ -60,7 +63,7 @@ SOURCE = declare(
         parameters=("TILE", "SLOTS", "OUTPUT", "STAGES", "SMEM_BYTES"),
         constants={
             "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "CONSUMERS": CONSUMERS,
-            "SPLIT_UNITS": SPLIT_UNITS,
+            "SPLIT_UNITS": SPLIT_UNITS, "GATE_ROWS": GATE_ROWS,
         },
         examples=tuple(
             {"TILE": t, "SLOTS": s, "OUTPUT": OUTPUT_PACKED, "STAGES": STAGES,

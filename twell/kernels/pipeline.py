@@ -171,6 +171,26 @@ class PreparedBlock:
             threshold=self.density.threshold(m), kdim=self.k, gated=self.gated,
         )  # fmt: skip
 
+    def counts_heavy_rows(self, m: int) -> bool:
+        """Whether an inference call of ``m`` tokens does its heavy rows by count
+        (:func:`heavy_rows_counted`): ``dense_capacity="auto"`` above
+        ``heavy_rows.FLAG_ROWS`` tokens."""
+        return self.options.auto_capacity and self.counted and m > heavy_rows.FLAG_ROWS
+
+    def takes_dense(self, x: Any) -> bool:
+        """Whether an inference call on ``x`` (CuPy ``[M, K]``) runs dense math: by the
+        call's own decision where it takes one on the device (computed here from its gate
+        and read back: a synchronisation, for reports and tests), else as the statistics
+        in force say (the decision of the last call, :attr:`DensitySwitch.dense`, for a
+        call that ran)."""
+        m = x.shape[0]
+        if not self.weights_finite:
+            return True
+        if self.counts_heavy_rows(m) and self.density.decides_per_call(m):
+            pre = gemm_nt(as_bf16(x), self.w_first)
+            return bool(int(self.decide(m, pre=pre)[0]))
+        return bool(self.density.dense)
+
     def _by_unit(self, m: int) -> bool:
         """Whether an inference call of ``m`` tokens takes decode_units.py's kernels (the
         ``"fused"`` path at most ``decode_units.MAX_ROWS`` tokens)."""
@@ -220,7 +240,7 @@ class PreparedBlock:
         auto = not save and self.options.auto_capacity
         # Heavy rows by count (heavy_rows_counted), and the density decision taken on the
         # device from the call's own rows: no statistics of earlier calls involved.
-        counted = auto and self.counted and m > heavy_rows.FLAG_ROWS
+        counted = auto and self.counts_heavy_rows(m)
         per_call = counted and self.density.decides_per_call(m)
         if m and not save and (not self.weights_finite or self.density.go_dense(m, in_capture)):
             scratch = dense_block(self, xb, y)
