@@ -3,11 +3,13 @@
 # Hypothesis GPU tests run plainly. Usage (device machine, repo root):
 #   bash bench/sanitize.sh            # every subset below; logs under $OUT (or /tmp/twell_out)
 #   bash bench/sanitize.sh decode     # the decode kernels' subset only (exits with its status)
+#   bash bench/sanitize.sh counted    # the per-call decisions' subset only (likewise)
 set -u
-case "${1:-all}" in all | decode) ;; *) echo "usage: $0 [decode]" >&2; exit 2 ;; esac
+case "${1:-all}" in all | decode | counted) ;; *) echo "usage: $0 [decode|counted]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/twell_out}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/twell_cupy_cache
+if [ "${1:-all}" != counted ]; then
 # The by-unit decode kernels: both gates (mma.sync, the default up to 16 tokens, and the
 # wgmma gate's TMA ring, at K = 264 and 2048), both down kernels, heavy rows, NaN/Inf, K past the last 64-wide box, a ring
 # holding a previous call's rows past M.
@@ -20,6 +22,17 @@ timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode
 status=${PIPESTATUS[0]}
 echo "memcheck (decode) exit: $status"
 [ "${1:-}" = decode ] && exit "$status"
+fi
+# The count build (split and unsplit counts, rows to ids, the gate in its epilogue), the
+# per-call decision from pre-activations and TwELL words, heavy rows by count at every
+# share and NaN rows.
+COUNTED='(computes_the_counted_rows_only and (512-264 or 768-40)) or scatters or decides or heavy_shares'
+timeout "${SAN_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_counted.py -k "$COUNTED" \
+  2>&1 | tee "$OUT/memcheck_counted.log" | grep -v "Warning" | tail -5
+status=${PIPESTATUS[0]}
+echo "memcheck (counted) exit: $status"
+[ "${1:-}" = counted ] && exit "$status"
 timeout "${HYP_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py \
   -k hypothesis 2>&1 | tee "$OUT/hypothesis.log" | tail -25
 SUBSET='(ffn_matches_dense_float64 and (129 or 300 or 257 or 70 or 2000)) or graph or gate_gemm_epilogue or (other_paths and epilogue and 300) or fixed_size'
