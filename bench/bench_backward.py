@@ -109,9 +109,10 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
 
     from twell import reference, workloads
     from twell.benchmark import to_device
+    from twell.capacity import train_capacity
     from twell.kernels import backward, buffers
     from twell.kernels.pipeline import PreparedBlock
-    from twell.options import Options, auto_capacity
+    from twell.options import Options
 
     m, k, n = args.M, args.K, args.N
     rec: dict[str, Any] = {"workload": workload, "gated": gated, "M": m, "K": k, "N": n,
@@ -132,7 +133,7 @@ def bench_case(workload: str, gated: bool, args: argparse.Namespace) -> dict[str
         # as SparseMLP's default in a training loop: the capacity the last step's heavy
         # rows ask for (here: a first forward's)
         count = int(block.forward(xs[0], save=True)[1].count[0])
-        options = Options(dense_capacity=auto_capacity(count, m))
+        options = Options(dense_capacity=train_capacity(count, m))
         block = PreparedBlock(to_device(w_gate), to_device(w_up), to_device(w_down), options)
         rec["auto_capacity"] = options.dense_capacity
 
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Options.dense_capacity: the first ceil(f*M) heavy rows of the "
                         "forward and the backward through cuBLAS GEMMs; 'auto' (default, "
                         "as SparseMLP): the capacity a first forward's heavy rows ask for "
-                        "(twell.options.auto_capacity)")  # fmt: skip
+                        "(twell.capacity.train_capacity)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=220.0, help="seconds; later cases skip")
     parser.add_argument(
         "--out", default=None, help="JSON record (default: bench/results/<gpu>/backward.json)"

@@ -25,9 +25,9 @@ N = 5632
 
 
 def switch(  # noqa: ANN201
-    estimate: float | None, heavy_share: float = 0.0, enabled: bool = True, auto: bool = False
+    estimate: float | None, heavy_share: float = 0.0, enabled: bool = True
 ):
-    s = DensitySwitch(N, row_limit=168, enabled=enabled, auto=auto)
+    s = DensitySwitch(N, row_limit=168, enabled=enabled)
     s.estimate, s.heavy_share = estimate, heavy_share
     return s
 
@@ -92,16 +92,6 @@ def test_no_statistics_or_switched_off_means_sparse() -> None:
     assert switch(N).go_dense(1, True)  # inside a capture the statistics in force decide
 
 
-def test_auto_capacity_holds_the_heavy_rows_it_expects() -> None:
-    assert switch(None).capacity(16384) == 0.0  # no statistics yet
-    assert switch(28.0, heavy_share=0.0).capacity(16384) == 0.0
-    # 1% heavy at 16384 tokens: 164 rows, 1.25 x 164 fit in 16384/64 = 256
-    assert switch(28.0, heavy_share=0.01).capacity(16384) == pytest.approx(1 / 64)
-    # 2% at 16384: 328 rows need 410 > 256, so 1/16
-    assert switch(28.0, heavy_share=0.02).capacity(16384) == pytest.approx(1 / 16)
-    assert switch(28.0, heavy_share=0.02, enabled=False).capacity(16384) == 0.0
-
-
 def test_options_take_auto_capacity() -> None:
     from twell.options import Options
 
@@ -130,10 +120,6 @@ def test_a_share_from_too_few_rows_leaves_the_share_in_force() -> None:
     assert s.estimate == 12.0 and s.heavy_share == pytest.approx(0.01)
     s._pending = (np.array([12.0, 0.0], np.float32), _Landed())
     assert not s.go_dense(1024, False) and s.heavy_share == 0.0
-
-
-def test_auto_capacity_counts_half_a_row_as_one() -> None:
-    assert switch(10.0, heavy_share=0.5 / 64).capacity(64) > 0.0  # what go_dense expects
 
 
 def test_the_training_ops_refuse_auto_capacity() -> None:
@@ -173,15 +159,14 @@ def test_the_old_names_are_importable_from_the_pipeline() -> None:
 
 
 def test_the_decision_is_the_key_of_a_graph() -> None:
-    """What the call graphs (twell._graphs) read: ``decision(m, read)`` is ``(dense,
-    capacity)``, the capacity of ``"auto"`` only on sparse calls; ``refresh_every`` is
-    None with the switch off."""
-    share = 0.02  # 2% heavy at 16384 tokens: capacity 1/16
-    assert switch(28.0, share, auto=True).decision(16384, True) == (False, pytest.approx(1 / 16))
-    assert switch(28.0, share).decision(16384, True) == (False, 0.0)  # a fixed capacity
-    dense = switch(N, share, auto=True)
-    assert dense.decision(16384, True) == (True, 0.0)
-    hash(dense.decision(16384, False))
+    """What the call graphs (twell._graphs) read: ``decision(m, read)`` is whether the
+    call runs dense math (False where the call decides on the device: one graph holds
+    both ways); ``refresh_every`` is None with the switch off."""
+    assert switch(28.0, 0.02).decision(16384, True) is False
+    dense = switch(N, 0.02)
+    assert dense.decision(16384, True) is True
+    dense.per_call_above = 1024
+    assert dense.decision(16384, True) is False
     assert switch(None).refresh_every == REFRESH_EVERY
     assert switch(None, enabled=False).refresh_every is None
 
@@ -191,8 +176,8 @@ def test_the_decision_reads_landed_statistics_only_when_asked() -> None:
 
     s = switch(10.0)
     s._pending = (np.array([float(N), 0.0], np.float32), _Landed())
-    assert s.decision(256, False) == (False, 0.0)  # a capture: the statistics in force
-    assert s.decision(256, True) == (True, 0.0)  # taken in
+    assert s.decision(256, False) is False  # a capture: the statistics in force
+    assert s.decision(256, True) is True  # taken in
 
 
 def test_plain_reductions_overlapping_on_two_threads_restore_cupys_setting(
@@ -268,10 +253,9 @@ def test_the_estimate_leaves_heavy_rows_to_their_share() -> None:
 
 @given(st.floats(0.0, 1.0), st.sampled_from([1, 8, 64, 1024, 2048, 16384, 65536]))
 def test_a_batch_mostly_of_heavy_rows_runs_dense(share: float, m: int) -> None:
-    """Past WHOLE_BATCH_SHARE (0.2: where "auto" would give the whole batch to the
-    capacity GEMMs) a batch of HEAVY_DENSE[0] tokens or more runs dense math whatever its
-    light rows' mean; under it, a light mean under the crossover keeps the sparse path
-    from HEAVY_DENSE[1] tokens on."""
+    """Past WHOLE_BATCH_SHARE (0.2) a batch of HEAVY_DENSE[0] tokens or more that follows
+    the statistics runs dense math whatever its light rows' mean; under it, a light mean
+    under the crossover keeps the sparse path from HEAVY_DENSE[1] tokens on."""
     assert WHOLE_BATCH_SHARE == pytest.approx(0.2)
     s = switch(8.0, heavy_share=share)
     low, high = HEAVY_DENSE
@@ -284,14 +268,13 @@ def test_a_batch_mostly_of_heavy_rows_runs_dense(share: float, m: int) -> None:
 @pytest.mark.parametrize("enabled", [True, False])
 def test_calls_above_the_per_call_bound_leave_the_statistics_alone(enabled: bool) -> None:
     """Calls of more than ``per_call_above`` tokens decide on the device from their own
-    rows: whatever the statistics say, the switch sends them nowhere and sizes no
-    capacity for them; below the bound (and with the switch off) nothing changes."""
-    s = switch(estimate=0.5 * N, heavy_share=0.5, enabled=enabled, auto=True)
+    rows: whatever the statistics say, the switch sends them nowhere; below the bound
+    (and with the switch off) nothing changes."""
+    s = switch(estimate=0.5 * N, heavy_share=0.5, enabled=enabled)
     s.per_call_above = 1024
     assert s.decides_per_call(1025) is enabled and not s.decides_per_call(1024)
     assert not s.go_dense(4096, False)
-    assert s.capacity(4096) == 0.0
     assert s.go_dense(512, False) is enabled
-    assert s.decision(4096, read=False) == (False, 0.0)
+    assert s.decision(4096, read=False) is False
     s.per_call_above = None
     assert s.go_dense(4096, False) is enabled

@@ -15,24 +15,6 @@ from torch_helpers import LlamaMLP  # noqa: E402
 from twell.torch import SparseMLP  # noqa: E402
 
 
-def test_auto_capacity_covers_the_last_count_with_headroom() -> None:
-    from twell.options import AUTO_CAPACITIES, auto_capacity
-
-    m = 16384
-    assert auto_capacity(0, m) == 0.0
-    assert auto_capacity(1, m) == 1 / 64
-    assert auto_capacity(164, m) == 1 / 64  # heavy 1%: 256 rows hold 1.25 x 164
-    assert auto_capacity(256, m) == 1 / 16
-    assert auto_capacity(3000, m) == 1 / 4
-    assert auto_capacity(m // 2, m) == 1.0
-    assert auto_capacity(m, m) == 1.0
-    assert auto_capacity(5, 0) == 0.0
-    for count in range(0, 200, 7):  # the capacity holds the headroom, or is all of M
-        f = auto_capacity(count, 100)
-        assert f in AUTO_CAPACITIES
-        assert f == 1.0 or math.ceil(f * 100) >= 1.25 * count
-
-
 def test_train_capacity_holds_the_headroom_in_steps_of_1_64() -> None:
     from twell.capacity import STEP, train_capacity
 

@@ -232,11 +232,7 @@ def bench_config(
             # what twell.SparseFFN(w_gate, w_up, w_down) runs
             default=blocks[0][path].options == Options(dense_capacity="auto"),
             dense_path=blocks[0][path].takes_dense(xs[0]),
-            capacity_in_force=(
-                blocks[0][path].density.capacity(m)
-                if b.options.auto_capacity and not b.counts_heavy_rows(m)
-                else None
-            ),
+            heavy_rows_by_count=b.counts_heavy_rows(m),
             rotation_sets=sets,
             **versions(),
         )

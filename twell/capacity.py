@@ -53,11 +53,10 @@ def train_capacity(count: int, m: int) -> float:
     ``ceil(f * m)`` rows, which hold that many.
 
     Every capacity row costs a dense row's forward and backward whether a heavy row fills
-    it or not, so the steps are finer than inference's ladder
-    (:data:`twell.options.AUTO_CAPACITIES`, whose estimates waver from call to call):
-    with 6% of tokens heavy the ladder's next rung is a quarter of the batch, the steps
-    stop at 5/64. :class:`AutoCapacity` moves up at once and down only after
-    ``AUTO_PATIENCE`` calls, so a layer settles on one capacity (one op graph)."""
+    it or not, so the steps are fine: with 6% of tokens heavy they stop at 5/64 of the
+    batch (a ladder of 1/64, 1/16, 1/4 would take a quarter). :class:`AutoCapacity`
+    moves up at once and down only after ``AUTO_PATIENCE`` calls, so a layer settles on
+    one capacity (one op graph)."""
     if count <= 0 or m <= 0:
         return 0.0
     steps = math.ceil(AUTO_HEADROOM * count / (STEP * m))

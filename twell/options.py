@@ -27,9 +27,8 @@ MAX_K = 4096
 LIST_CAPACITY = 1024
 #: The GPU pipelines of a prepared block; see docs/design.md.
 PATHS = ("fused", "epilogue", "pack", "sliced")
-#: The dense capacities (fractions of M) that ``dense_capacity="auto"`` picks from.
-AUTO_CAPACITIES = (0.0, 1 / 64, 1 / 16, 1 / 4, 1.0)
-#: ``"auto"`` sizes the capacity for this many times the heavy rows it last saw.
+#: Training's ``"auto"`` sizes the capacity for this many times the heavy rows it last
+#: saw (twell.capacity).
 AUTO_HEADROOM = 1.25
 #: ``"auto"`` steps down to a smaller capacity after this many calls in a row asked for
 #: less (up at once).
@@ -69,21 +68,6 @@ def check_width(k: int, name: str = "x") -> None:
         )
 
 
-def auto_capacity(count: int, m: int) -> float:
-    """The dense capacity ``dense_capacity="auto"`` gives an ``m``-token call after a call
-    with ``count`` heavy rows: the smallest of :data:`AUTO_CAPACITIES` whose fixed-size
-    GEMMs hold ``AUTO_HEADROOM * count`` rows (0.0 with no heavy rows). Any capacity
-    gives the block's result: rows past it take twell's own kernels; the capacity rows'
-    GEMMs round their products to bf16 (as dense bf16 math does), so the bits differ."""
-    if count <= 0 or m <= 0:
-        return 0.0
-    need = AUTO_HEADROOM * count
-    for fraction in AUTO_CAPACITIES[1:]:
-        if math.ceil(fraction * m) >= need:
-            return fraction
-    return AUTO_CAPACITIES[-1]
-
-
 def default_max_row_nnz(n: int) -> int:
     """Active units per token above which a token takes the dense path.
 
@@ -114,14 +98,18 @@ class Options:
         dense_capacity: a fraction f of M: the first ``ceil(f * M)`` heavy rows go
             through fixed-size cuBLAS GEMMs, the rest through twell's heavy-row kernels,
             in the forward and in the training backward alike. ``"auto"`` (the default
-            of :class:`twell.SparseFFN`, not of this class): an inference block sizes it
-            per call from the heavy rows its density switch measured
-            (:func:`auto_capacity`; 0 with the switch off); training needs a layer's
-            history of calls (:class:`twell.torch.SparseMLP` keeps one,
+            of :class:`twell.SparseFFN`, not of this class): an inference call of more
+            than ``heavy_rows.FLAG_ROWS`` tokens computes its heavy rows by count on
+            tensor cores, whatever their number (pipeline.heavy_rows_counted), a smaller
+            one through twell's heavy-row kernels; training needs a layer's history of
+            calls (:class:`twell.torch.SparseMLP` keeps one,
             :class:`twell.capacity.AutoCapacity`), so ``twell.autograd.ffn_train``
             refuses it.
-        density_switch: run the whole batch in dense math when earlier calls saw more
-            active units per row than the sparse path pays for (docs/design.md).
+        density_switch: run the whole batch in dense math when it has more active units
+            per row than the sparse path pays for: decided on the device from the call's
+            own rows for inference calls of more than ``heavy_rows.FLAG_ROWS`` tokens
+            with ``dense_capacity="auto"``, else from the statistics of earlier calls
+            (docs/design.md).
     """
 
     tile: int = DEFAULT_TILE

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from twell import tuning
-from twell.options import AUTO_CAPACITIES, AUTO_HEADROOM, auto_capacity
 
 #: Where the sparse path stops paying, by batch size: ``(M, mean active units per row as
 #: a fraction of N)`` at which the route a block takes and dense math take the same time
@@ -45,13 +44,12 @@ CROSSOVER: tuple[tuple[int, float], ...] = tuning.value("density.CROSSOVER")
 #: of the sparse path's gain below ``high`` tokens; in the by-unit route a token with
 #: hundreds of units holds up its token group from ``low`` tokens on.
 HEAVY_DENSE: tuple[int, int] = tuning.value("density.HEAVY_DENSE")
-#: Share of heavy rows above which a batch of at least ``HEAVY_DENSE[0]`` tokens runs
-#: dense math: past it ``dense_capacity="auto"`` would send every row through the
-#: capacity GEMMs after the sparse stages had run (the last rung of
-#: :data:`twell.options.AUTO_CAPACITIES` below the whole batch, over its headroom: 0.2),
-#: and with a fixed capacity the rows past it take the heavy-row tiles, slower per row
-#: than cuBLAS. Either costs more than dense math alone.
-WHOLE_BATCH_SHARE = AUTO_CAPACITIES[-2] / AUTO_HEADROOM
+#: Share of heavy rows above which a batch of at least ``HEAVY_DENSE[0]`` tokens that
+#: follows the statistics runs dense math: its heavy rows take twell's heavy-row tiles
+#: (or a fixed capacity's cuBLAS GEMMs after the sparse stages), slower per row than
+#: dense math alone. Calls that decide per call do their heavy rows by count, at about a
+#: dense row's cost each, and need no such rule.
+WHOLE_BATCH_SHARE = 0.2
 #: Every REFRESH_EVERY-th call of a block replayed from a CUDA graph runs eagerly and
 #: measures the statistics (twell._graphs; none with the switch off): a replayed call
 #: costs a few µs of host time, an eager one tens.
@@ -106,17 +104,16 @@ class DensitySwitch:
     #: Fewest rows whose share of heavy rows is taken.
     SHARE_ROWS = 16
 
-    def __init__(self, n: int, row_limit: int, enabled: bool = True, auto: bool = False) -> None:
+    def __init__(self, n: int, row_limit: int, enabled: bool = True) -> None:
         self.n = n
         self.row_limit = row_limit
         self.enabled = enabled
-        self.auto = auto  # dense_capacity="auto": decision() carries the capacity
         self.estimate: float | None = None  # mean active units per light row (light_mean)
         self.heavy_share = 0.0  # share of heavy rows
         self.dense = False
         #: Calls of more tokens than this decide on the device, each from its own rows
-        #: (pipeline: ``PreparedBlock.decide``): for them :meth:`go_dense` says no and
-        #: :meth:`capacity` is 0. None: every call follows the statistics.
+        #: (pipeline: ``PreparedBlock.decide``): for them :meth:`go_dense` says no.
+        #: None: every call follows the statistics.
         self.per_call_above: int | None = None
         self._pending: tuple[Any, Any] | None = None
         self._calls = 0
@@ -154,14 +151,13 @@ class DensitySwitch:
         (:attr:`per_call_above`)."""
         return self.enabled and self.per_call_above is not None and m > self.per_call_above
 
-    def decision(self, m: int, read: bool) -> tuple[bool, float]:
-        """What an ``m``-token call would do now, as a hashable key (the call graphs,
-        twell._graphs, capture a graph per key): ``(dense, capacity)``, the capacity of
-        ``dense_capacity="auto"`` (0.0 for a dense call or a fixed capacity). With
-        ``read``, after taking in statistics that have landed; without, from the
-        statistics in force (what a capture runs)."""
-        dense = self.go_dense(m, capturing=not read)
-        return dense, self.capacity(m) if self.auto and not dense else 0.0
+    def decision(self, m: int, read: bool) -> bool:
+        """What an ``m``-token call would do now, the key of its graph (the call graphs,
+        twell._graphs, capture a graph per key): whether it runs dense math (False for
+        a call that decides on the device: its graph holds both ways). With ``read``,
+        after taking in statistics that have landed; without, from the statistics in
+        force (what a capture runs)."""
+        return self.go_dense(m, capturing=not read)
 
     @property
     def refresh_every(self) -> int | None:
@@ -189,14 +185,6 @@ class DensitySwitch:
             return False
         self._due = False
         return True
-
-    def capacity(self, m: int) -> float:
-        """``dense_capacity="auto"`` for an ``m``-token call: the capacity
-        (:func:`twell.options.auto_capacity`) for the heavy rows the statistics in force
-        expect, ``heavy_share * m`` (0 before the first statistics or with the switch off)."""
-        if not self.enabled or self.estimate is None or self.decides_per_call(m):
-            return 0.0
-        return auto_capacity(math.floor(self.heavy_share * m + 0.5), m)
 
     def observe_masks(self, masks: Any) -> None:
         """:meth:`observe` from decode_units.py's kept-unit bit masks (uint16 ``[M, N/16]``,
@@ -244,8 +232,8 @@ class DensitySwitch:
             share = (heavy != 0).mean(dtype=cupy.float32)
         else:
             # Every row where the share decides the path (a sample misses the rare heavy
-            # rows); above, the sample (the share then only sizes "auto", and counting
-            # every row would take a temporary of M x N bytes).
+            # rows); above, the sample (the share then only says whether heavy rows are
+            # expected, and counting every row would take a temporary of M x N bytes).
             rows_in = pre if m < HEAVY_DENSE[1] else pre[rows][: self.SAMPLE_ROWS]
             units = (rows_in.view(cupy.int16) > 0).sum(axis=1, dtype=cupy.int32)
             share = (units > self.row_limit).mean(dtype=cupy.float32)

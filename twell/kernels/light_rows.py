@@ -201,6 +201,8 @@ def decide(
     bf16 pre-activation ``pre [m, n]``, or from TwELL words ``packed`` and the packer's
     row flags ``heavy``, which are then all set when the call goes dense. ``kdim`` and
     ``gated``: the block's (the kernel comes from the module its light rows use)."""
+    import cupy
+
     from twell.kernels.density import DensitySwitch, sample_rows
 
     if (pre is None) == (packed is None) or (packed is not None and heavy is None):
@@ -210,7 +212,8 @@ def decide(
     rows = min(DensitySwitch.SAMPLE_ROWS, len(range(start, m, step)))
     # [decision, ticket, counts of the sampled rows]
     dense = alloc((2 + DensitySwitch.SAMPLE_ROWS,), np.int32)
-    dense[1:2].fill(0)
+    stream = cupy.cuda.get_current_stream().ptr
+    cupy.cuda.runtime.memsetAsync(dense.data.ptr + 4, 0, 4, stream)  # the ticket
     kernel = SOURCE.kernel(
         "twell_light_rows_decide", KDIM=kdim, TILE=tile, SLOTS=slots, GATED=int(gated)
     )

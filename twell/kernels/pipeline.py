@@ -127,16 +127,10 @@ class PreparedBlock:
         self.weights_finite: bool | None = (
             _all_finite(self.w_gate, self.w_up, self.w_down) if check_weights else None
         )
-        self.density = DensitySwitch(
-            self.n, self.max_row_nnz, options.density_switch, options.auto_capacity
-        )
+        self.density = DensitySwitch(self.n, self.max_row_nnz, options.density_switch)
         if options.auto_capacity:  # those calls decide on the device, from their own rows
             self.density.per_call_above = heavy_rows.FLAG_ROWS
         self._graph_scratch: list[list[Any]] = []  # buffers of captured calls
-        #: Inference calls of more than ``heavy_rows.FLAG_ROWS`` tokens with
-        #: ``dense_capacity="auto"`` do their heavy rows by count (heavy_rows_counted);
-        #: False: through the density switch's capacity (comparisons).
-        self.counted = True
 
     def _keep(self, buffers: list[Any]) -> None:
         """Keep a captured call's buffers alive as long as this block (a graph of its own,
@@ -175,7 +169,7 @@ class PreparedBlock:
         """Whether an inference call of ``m`` tokens does its heavy rows by count
         (:func:`heavy_rows_counted`): ``dense_capacity="auto"`` above
         ``heavy_rows.FLAG_ROWS`` tokens."""
-        return self.options.auto_capacity and self.counted and m > heavy_rows.FLAG_ROWS
+        return self.options.auto_capacity and m > heavy_rows.FLAG_ROWS
 
     def takes_dense(self, x: Any) -> bool:
         """Whether an inference call on ``x`` (CuPy ``[M, K]``) runs dense math: by the
@@ -270,9 +264,7 @@ class PreparedBlock:
         light = (
             ROUTES[path](self, xb, y, targets, per_call) if m else LightRows(alloc((0,), np.uint8))
         )
-        capacity = self.options.capacity_rows(
-            m, self.density.capacity(m) if auto and not self.counted else None
-        )
+        capacity = self.options.capacity_rows(m)  # "auto": 0 (small batches: the tiles)
         if not save and m <= heavy_rows.FLAG_ROWS and not capacity:
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
