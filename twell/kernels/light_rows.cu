@@ -463,15 +463,16 @@ twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (g
 // row is heavy) above `threshold` makes the call dense: dense[0] = 1, and with `packed`
 // every row is flagged heavy (the light-row kernels then skip them all and the heavy-row
 // stage computes the batch); from_pre reads dense[0] itself.
-// One block per sampled row writes its counts to units[j]; the last block to finish (a
+// One block per sampled row (a thread per 8 units: one load each) writes its counts to
+// units[j]; the last block to finish (a
 // ticket in dense[1], zero on entry and left zero) adds them in row order: the decision
 // is a function of the call's rows. At most 64 rows.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(1024)
 twell_light_rows_decide(const uint16_t* __restrict__ pre, const uint32_t* __restrict__ packed,
                         uint8_t* __restrict__ heavy, int M, int N, int start, int step,
                         int rows, int row_limit, float threshold, int* __restrict__ dense,
                         int* __restrict__ units_out) {
-  __shared__ int s_warp[8];
+  __shared__ int s_warp[32];
   __shared__ int s_bad;
   __shared__ int s_last;
   __shared__ int s_dense;

@@ -217,8 +217,9 @@ def decide(
     kernel = SOURCE.kernel(
         "twell_light_rows_decide", KDIM=kdim, TILE=tile, SLOTS=slots, GATED=int(gated)
     )
+    threads = min(1024, -(-n // 8 // 32) * 32)  # one 16-byte load of the row per thread
     kernel(
-        (rows,), (256,),
+        (rows,), (threads,),
         (
             _NULL if pre is None else u16(pre), _NULL if packed is None else packed,
             _NULL if heavy is None else heavy, np.int32(m), np.int32(n), np.int32(start),
