@@ -20,12 +20,14 @@ pass has two stages (docs/design.md draws them):
      takes it for large batches of weights far larger than L2
      (``light_rows_sliced.pays``).
 
-2. **Heavy rows** — :func:`heavy_rows_stage`: the heavy rows' ids are compacted on the
-   device (by a kernel of their own, or, for inference batches of at most
-   ``heavy_rows.FLAG_ROWS`` tokens without ``dense_capacity``, inside the tensor-core
-   kernels that do their dense math: one launch less) and their dense math runs on
-   tensor cores (heavy_rows.cu), the first ``ceil(dense_capacity * M)`` of them
-   optionally through fixed-size cuBLAS GEMMs.
+2. **Heavy rows** — the heavy rows' ids are compacted on the device (by a kernel of their
+   own, or, for inference batches of at most ``heavy_rows.FLAG_ROWS`` tokens without
+   ``dense_capacity``, inside the tensor-core kernels that do their dense math: one
+   launch less). Inference calls of more tokens with ``dense_capacity="auto"`` do their
+   dense math by count (:func:`heavy_rows_counted`: the gate GEMM's count build, whose
+   cost follows the number of heavy rows); the others through :func:`heavy_rows_stage`
+   (heavy_rows.cu's tiles, the first ``ceil(dense_capacity * M)`` rows optionally
+   through fixed-size cuBLAS GEMMs).
 
 Inference calls of the ``"fused"`` path with at most ``decode_units.MAX_ROWS`` tokens
 (decode) take neither stage: decode_units.py computes the whole block in two launches,
@@ -37,10 +39,16 @@ cuBLAS GEMMs and one elementwise kernel, the dense block's own rounding points):
 
 - a weight holds NaN or Inf (checked once, when the block is prepared): dense math then
   spreads it to outputs no sparse path would touch (``0 * NaN``), and twell keeps that;
-- the activations are too dense for the sparse path to pay (twell.kernels.density).
+- the activations are too dense for the sparse path to pay (twell.kernels.density), as
+  the statistics of earlier calls say. An inference call of more than
+  ``heavy_rows.FLAG_ROWS`` tokens with ``dense_capacity="auto"`` decides instead on the
+  device from its own rows (:meth:`PreparedBlock.decide`, between its route's gate and
+  gather), and a dense decision sends every row through the count build.
 
 Nothing synchronises with the host, so a forward pass can be captured in a CUDA graph;
-no step uses atomics, so the same inputs give the same output bits.
+no sum depends on the order blocks finish in, so the same inputs give the same output
+bits for the same decisions (and those calls that decide on their own rows, whatever
+ran before).
 """
 
 from __future__ import annotations
