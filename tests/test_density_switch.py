@@ -97,7 +97,6 @@ def test_options_take_auto_capacity() -> None:
 
     auto = Options(dense_capacity="auto")
     assert auto.auto_capacity and auto.fixed_capacity == 0.0 and auto.capacity_rows(100) == 0
-    assert auto.capacity_rows(100, 1 / 16) == 7
     fixed = Options(dense_capacity=0.25)
     assert not fixed.auto_capacity and fixed.capacity_rows(100) == 25
     assert auto != Options()

@@ -172,8 +172,7 @@ class Options:
         """``dense_capacity`` as a fraction (0.0 for ``"auto"``)."""
         return 0.0 if self.auto_capacity else float(self.dense_capacity)
 
-    def capacity_rows(self, m: int, fraction: float | None = None) -> int:
-        """Heavy rows of an ``m``-token call that go through the fixed-size GEMMs (at
-        ``fraction`` of M when given, else :attr:`fixed_capacity`)."""
-        f = self.fixed_capacity if fraction is None else fraction
-        return min(m, math.ceil(f * m))
+    def capacity_rows(self, m: int) -> int:
+        """Heavy rows of an ``m``-token call that go through the fixed-size GEMMs
+        (:attr:`fixed_capacity` of M; none for ``"auto"``)."""
+        return min(m, math.ceil(self.fixed_capacity * m))
