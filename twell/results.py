@@ -96,7 +96,7 @@ _DECODE_MODES = {
     "static_cache": "generate, static cache, compiled",
     "eager": "generate, dynamic cache, eager",
 }
-_MODEL_MODES = {"eager": "eager", "compiled": "compiled"}
+_MODEL_MODES = {"eager": "eager", "compiled": "compiled", "compiled_layers": "compiled by layer"}
 
 
 def _layers(model: str) -> int:
