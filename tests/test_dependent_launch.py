@@ -69,8 +69,8 @@ def test_every_dependent_kernel_is_checked():
     assert names == {
         "twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
         "twell_units_down_scan128", "twell_heavy_rows_matmul", "twell_compact_rows",
-        "twell_light_rows_from_pre", "twell_light_rows_from_pre_wide",
-        "twell_light_rows_from_pre_wide2", "twell_light_rows_decode",
+        "twell_light_rows_from_pre", "twell_light_rows_from_pre_cols",
+        "twell_light_rows_decode",
     }  # fmt: skip
 
 
@@ -82,9 +82,7 @@ def test_dependent_kernels_wait_before_touching_global_memory(source, params):
     (so every CTA runs it on every path) and before the first global memory access."""
     functions = _functions(kc.compile_ptx(source, params))
     for name in source.dependent:
-        if name not in functions:  # a kernel the configuration does not build (wide2)
-            assert name == "twell_light_rows_from_pre_wide2", name
-            continue
+        assert name in functions, f"{name}: not built by {params}"
         lines = functions[name].splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         assert not lines[wait].lstrip().startswith("@"), f"{name}: a predicated wait"

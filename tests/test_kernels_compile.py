@@ -159,15 +159,14 @@ def test_fused_path_routes_by_shape() -> None:
     assert route(8192, path="pack") == "pack" and route(8192, path="pack", save=True) == "pack"
 
 
-def test_wide_warps_fill_one_wave() -> None:
-    """The light rows' warps per token (CPU: the launcher's rule, no compile)."""
+def test_cols_warps_by_tokens_and_width() -> None:
+    """The by-columns light-row kernel's warps per token (CPU: the launcher's rule)."""
     from twell.kernels import light_rows
 
-    sms = 132
-    assert [light_rows.wide_warps(m, sms, 16) for m in (65, 528, 529, 1056, 1057, 65536)] == [
-        4, 4, 2, 2, 1, 1,
-    ]  # fmt: skip
-    assert [light_rows.wide_warps(m, sms, 8) for m in (264, 265, 528, 529)] == [4, 2, 2, 1]
+    rows = light_rows.COLS_WIDE_ROWS
+    assert [light_rows.cols_warps(m, 2048) for m in (65, rows, rows + 1, 4096)] == [8, 8, 4, 4]
+    assert [light_rows.cols_warps(m, k) for m, k in ((1, 8), (1, 264), (1, 4096))] == [1, 2, 8]
+    assert light_rows.cols_warps(rows + 1, 264) == 2
 
 
 def test_weight_gradient_slices_bound_the_slice_and_fit_the_width() -> None:

@@ -129,17 +129,6 @@ def test_planning_records_modules_launches_nothing_and_stays_on_its_thread() -> 
     assert modules == {(source.name, tuple(sorted(source.defines(params).items()))): source}
 
 
-def test_a_plan_asks_for_no_register_count_and_caches_no_guess() -> None:
-    from twell.kernels import compile as kc
-    from twell.kernels import light_rows
-
-    cached = light_rows._registers_allow.cache_info().currsize
-    with kc.planning() as modules:
-        assert light_rows._wide_warps_per_sm("any_function", 2048, 256, 32, True) > 0
-    assert len(modules) == 1
-    assert light_rows._registers_allow.cache_info().currsize == cached
-
-
 def test_a_planned_training_step_runs_on_the_planning_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

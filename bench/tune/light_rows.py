@@ -1,7 +1,7 @@
 """Probe ``light_rows``: ``light_rows_decode.DECODE_ROWS_BELOW``, the most tokens whose light
 rows from a pre-activation run in the cluster kernel (light_rows_decode.cu) rather than in
-light_rows.cu's kernels (a block of four warps per token with two units in flight, of
-``light_rows.wide_warps`` warps, or a warp per token, as ``light_rows.from_pre`` picks).
+light_rows.cu's kernels (a block of ``light_rows.cols_warps`` warps per token, or a warp
+per token, as ``light_rows.from_pre`` picks).
 
 The light-row stage alone, one launch per weight set replayed from a CUDA graph,
 ``uniform`` at K=2048, N=5632 (no heavy rows), its output checked against float32 math

@@ -1,5 +1,5 @@
-"""The decode kernel (light_rows_decode.cu) against light_rows.cu's wide kernel and float64
-dense math (skipped without a GPU).
+"""The decode kernel (light_rows_decode.cu) against light_rows.cu's by-columns and one-warp
+kernels and float64 dense math (skipped without a GPU).
 
 Every buffer comes from ``twell.kernels.buffers.alloc``, poisoned with 0xFF bytes (NaN in
 bf16), so an element the kernel forgot to write fails, and heavy rows of ``y`` must still
@@ -114,8 +114,8 @@ def dense_rows(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t
 def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
         w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int, warps: int = 8
         ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """``(heavy, y bits)`` from the decode kernel or the wide kernel (``warps`` warps per
-    token; 1: the one-warp kernel; ``"wide2"``: its two-units-in-flight variant), on
+    """``(heavy, y bits)`` from the decode kernel (``"decode"``), the one-warp kernel
+    (``"row"``) or the by-columns kernel (``"cols"``, ``warps`` warps per token), on
     poisoned buffers."""
     m, k = pre.shape[0], w_down_t.shape[1]
     gated = x is not None
@@ -127,9 +127,8 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
         light_rows_decode.from_pre(xg, pg, heavy, wu, wdt, y, tile=tile, slots=slots,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
     else:
-        function = "twell_light_rows_from_pre" if warps == 1 else "twell_light_rows_from_pre_wide"
-        if kernel == "wide2":
-            function = "twell_light_rows_from_pre_wide2"
+        function, warps = (light_rows.COLS, warps) if kernel == "cols" else (
+            "twell_light_rows_from_pre", 1)  # fmt: skip
         light_rows._launch(function, m, 32 * warps, xg, u16(pg), heavy, wu, wdt, y, tile, slots,
                            max_row_nnz)  # fmt: skip
     return heavy.get().astype(bool), y.get()
@@ -142,7 +141,7 @@ def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 def check(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t: np.ndarray, *,
           tile: int, slots: int, max_row_nnz: int) -> np.ndarray:  # fmt: skip
     """The decode kernel on one problem: heavy flags by the routing rule and equal to the
-    wide kernel's; light rows close to float64 math and to the wide kernel, rows without
+    by-columns kernel's; light rows close to float64 math and to that kernel, rows without
     active units zero; heavy rows of y untouched; the same bits on a second run. Returns
     the heavy flags."""
     kw = {"tile": tile, "slots": slots, "max_row_nnz": max_row_nnz}
@@ -160,9 +159,9 @@ def check(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t: np.
     again_heavy, again = run("decode", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(again_heavy, heavy)
     np.testing.assert_array_equal(again, y)  # bit for bit (heavy rows: both poison)
-    wide_heavy, wide = run("wide", x, pre, w_up, w_down_t, **kw)
-    np.testing.assert_array_equal(wide_heavy, heavy)
-    want = values(wide[light])
+    cols_heavy, cols = run("cols", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(cols_heavy, heavy)
+    want = values(cols[light])
     if np.linalg.norm(want) > 0:
         assert rel_err(got, want) <= TOL
     else:
@@ -178,7 +177,7 @@ N_MAIN = 4608  # 18 tiles of 256, 36 of 128 (two scan windows)
 @pytest.mark.parametrize("k", [8, 264, 2048])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("m", [1, 2, 7, 37, 64])
-def test_decode_matches_wide_kernel_and_dense_math(m: int, gated: bool, k: int, tile: int,
+def test_decode_matches_cols_kernel_and_dense_math(m: int, gated: bool, k: int, tile: int,
                                                    slots: int) -> None:  # fmt: skip
     rng = np.random.default_rng(1000 * m + k)
     limit = default_max_row_nnz(N_MAIN)
@@ -240,7 +239,7 @@ def test_any_cluster_count_is_correct(clusters: int) -> None:
     y = buffers.alloc((m, k), np.uint16)
     light_rows_decode._launch(x, cp.asarray(pre), heavy, cp.asarray(w_up), cp.asarray(w_down_t),
                               y, tile=256, slots=32, max_row_nnz=40, clusters=clusters)  # fmt: skip
-    want_heavy, want = run("wide", x.get(), pre, w_up, w_down_t, tile=256, slots=32,
+    want_heavy, want = run("cols", x.get(), pre, w_up, w_down_t, tile=256, slots=32,
                            max_row_nnz=40)  # fmt: skip
     np.testing.assert_array_equal(heavy.get().astype(bool), want_heavy)
     light = ~want_heavy
@@ -248,39 +247,51 @@ def test_any_cluster_count_is_correct(clusters: int) -> None:
     assert rel_err(values(y.get()[light]), values(want[light])) <= TOL
 
 
-@pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
-@pytest.mark.parametrize("k", [264, 2048])
-def test_wide_kernel_at_every_warp_count(warps: int, gated: bool, k: int) -> None:
-    """The light rows of the fused route at W warps per token (what ``from_pre`` picks
-    above the decode bound): heavy flags by the routing rule, float64 math on the light
-    rows, heavy rows untouched, the same bits on a second run, and close to W = 8."""
-    m = 133
-    rng = np.random.default_rng(warps * 100 + k)
+def cols_problem(m: int, k: int, gated: bool, seed: int, p: float = 0.01) -> tuple:
+    """A fused-route problem with heavy rows of every kind and rows of many entries."""
+    rng = np.random.default_rng(seed)
     limit = default_max_row_nnz(N_MAIN)
-    pre = random_pre(rng, m, N_MAIN, 0.01)
+    pre = random_pre(rng, m, N_MAIN, p)
     special_rows(pre, 256, 32, limit)
     pre[20:40] = random_pre(rng, 20, N_MAIN, 0.025)  # ~115 entries: many a warp, light
-    w_up, w_down_t = weights(N_MAIN, k, seed=k)
+    w_up, w_down_t = weights(N_MAIN, k, seed=k + seed)
+    x = bf16_bits(rng.standard_normal((m, k))) if gated else None
+    return x, pre, w_up, w_down_t, {"tile": 256, "slots": 32, "max_row_nnz": limit}
+
+
+@pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("k", [264, 2048, 4096])
+def test_cols_kernel_gives_the_one_warp_kernels_bits(warps: int, gated: bool, k: int) -> None:
+    """The by-columns kernel at W warps per token: each output column sums its entries in
+    the one-warp kernel's order, so heavy flags and every bit of y equal that kernel's
+    (heavy rows untouched), whatever W; close to float64 math."""
+    x, pre, w_up, w_down_t, kw = cols_problem(133, k, gated, seed=warps)
+    heavy, y = run("cols", x, pre, w_up, w_down_t, warps=warps, **kw)
+    want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(heavy, want_heavy)
+    np.testing.assert_array_equal(heavy, expected_heavy(pre, 256, 32, kw["max_row_nnz"]))
+    assert heavy.any() and (~heavy).any()
+    np.testing.assert_array_equal(y, want)  # heavy rows: POISON in both
+    light = ~heavy
+    assert rel_err(values(y[light]), dense_rows(x, pre, w_up, w_down_t, light)[light]) <= TOL
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 300), k=st.sampled_from([8, 136, 1032, 2048]), gated=st.booleans(),
+       p=st.sampled_from([0.0, 0.002, 0.01, 0.03]), warps=st.integers(1, 8),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_hypothesis_cols_kernel(m: int, k: int, gated: bool, p: float, warps: int, seed: int):
+    rng = np.random.default_rng(seed)
+    limit = default_max_row_nnz(N_MAIN)
+    pre = random_pre(rng, m, N_MAIN, p)
+    w_up, w_down_t = weights(N_MAIN, k, seed=seed)
     x = bf16_bits(rng.standard_normal((m, k))) if gated else None
     kw = {"tile": 256, "slots": 32, "max_row_nnz": limit}
-    heavy, y = run("wide", x, pre, w_up, w_down_t, warps=warps, **kw)
-    np.testing.assert_array_equal(heavy, expected_heavy(pre, 256, 32, limit))
-    light = ~heavy
-    assert light[20:40].any() and heavy.any()
-    assert np.all(y[heavy] == POISON), "heavy rows of y were written"
-    got = values(y[light])
-    assert np.isfinite(got).all(), "a light row holds NaN/Inf (unwritten?)"
-    assert rel_err(got, dense_rows(x, pre, w_up, w_down_t, light)[light]) <= TOL
-    again_heavy, again = run("wide", x, pre, w_up, w_down_t, warps=warps, **kw)
-    np.testing.assert_array_equal(again_heavy, heavy)
-    np.testing.assert_array_equal(again, y)
-    _, eight = run("wide", x, pre, w_up, w_down_t, warps=8, **kw)
-    assert rel_err(got, values(eight[light])) <= 1e-3
-    if warps > 1:  # two units in flight per warp: the same sums in the same order
-        two_heavy, two = run("wide2", x, pre, w_up, w_down_t, warps=warps, **kw)
-        np.testing.assert_array_equal(two_heavy, heavy)
-        np.testing.assert_array_equal(two, y)
+    heavy, y = run("cols", x, pre, w_up, w_down_t, warps=warps, **kw)
+    want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(heavy, want_heavy)
+    np.testing.assert_array_equal(y, want)
 
 
 @pytest.mark.parametrize("warps", [1, 4])
@@ -310,22 +321,16 @@ def test_simd_scan_equals_the_scalar_scan(
     x = bf16_bits(rng.standard_normal((m, k)))
     kw = {"tile": tile, "slots": slots, "max_row_nnz": limit, "warps": warps}
     assert light_rows.SCAN_SIMD == 1
-    heavy, y = run("wide", x, pre, w_up, w_down_t, **kw)
+    heavy, y = run("cols", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(heavy, expected_heavy(pre, tile, slots, limit))
     assert heavy[24:28].all() and not heavy[[20, 21, 22, 23, 30, 35]].any()
     scalar = dataclasses.replace(
         light_rows.SOURCE, constants={**light_rows.SOURCE.constants, "SCAN_SIMD": 0}
     )
     monkeypatch.setattr(light_rows, "SOURCE", scalar)
-    scalar_heavy, scalar_y = run("wide", x, pre, w_up, w_down_t, **kw)
+    scalar_heavy, scalar_y = run("cols", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(scalar_heavy, heavy)
     np.testing.assert_array_equal(scalar_y[~heavy], y[~heavy])
-
-
-def test_wide_kernels_registers_allow_the_assumed_warps() -> None:
-    per_sm = light_rows._wide_warps_per_sm
-    assert per_sm(light_rows.WIDE, 2048, 256, 32, True) >= 8
-    assert per_sm(light_rows.WIDE2, 2048, 256, 32, True) >= 4
 
 
 def test_from_pre_picks_the_decode_kernel_up_to_the_bound(monkeypatch: pytest.MonkeyPatch):

@@ -15,9 +15,10 @@
 //   pre-activation (the "fused" route): relu, and the routing rule of common.cuh (a tile
 //   over SLOTS-1 nonzeros, a non-finite value, or more than max_row_nnz active units),
 //   without writing TwELL. Heavy rows get heavy[m] = 1 and are left to heavy_rows.cu;
-//   light rows get heavy[m] = 0. twell_light_rows_from_pre_wide does the same with a block
-//   of 2..TWELL_WIDE_WARPS warps per token, for batches too small to fill the GPU with
-//   one warp per token.
+//   light rows get heavy[m] = 0. twell_light_rows_from_pre_cols does the same with a
+//   block of 1..TWELL_COLS_WARPS warps per token that split the output's columns, with
+//   the same bits (for batches too small to fill the GPU with one warp per token, and
+//   rows of very different lengths).
 // Phase 1 writes the row's entries (column | bf16 << 16, ascending columns) to a
 // per-warp list in shared memory. Phase 2 walks the list one entry at a time: the unit's
 // up and down rows are loaded (16-byte loads) before any arithmetic, the up dot product
@@ -31,7 +32,7 @@
 //
 // Compile-time parameters: TWELL_KDIM, TWELL_TILE, TWELL_SLOTS, TWELL_GATED; constants
 // shared with the launcher (light_rows.py): TWELL_ROW_WARPS, TWELL_ROW_MIN_BLOCKS,
-// TWELL_SCAN_SIMD, TWELL_WIDE_WARPS, TWELL_LIST_CAPACITY.
+// TWELL_SCAN_SIMD, TWELL_COLS_WARPS, TWELL_LIST_CAPACITY.
 
 #define NCH ((TWELL_KDIM + 255) / 256)
 #define EPL (TWELL_TILE / 32)
@@ -54,8 +55,7 @@ struct Shared {
 // Phase 2 for list entry e: gather the unit's rows, multiply, accumulate. (Loading
 // several units' rows at once was measured slower in the one-warp kernels: the gather is
 // bound by L2 throughput, and more registers per warp cost occupancy: H100, M = 16384,
-// 0.646 ms with one unit in flight, 0.76-0.80 with two; docs/history.md, Light rows. The
-// wide kernel's two-unit variant, for batches too small to fill the GPU, does.)
+// 0.646 ms with one unit in flight, 0.76-0.80 with two; docs/history.md, Light rows.)
 struct UnitRows {
   uint4 b[NCH];
 #if TWELL_GATED
@@ -274,15 +274,31 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
 }
 
 
-// Few tokens: one block of W = blockDim.x / 32 warps per token (1 <= W <= TWELL_WIDE_WARPS;
-// the launcher picks the largest W of 4 and 2 whose grid fits in one wave). Warp 0 scans
-// the row; the warps share the entry list (entry e goes to warp e % W) and their fp32
-// partial rows are added in warp order through shared memory: deterministic for a given
-// W (so a token's bits depend on the W that its batch size picks).
+#define TWELL_COLS_ARGS                                                                   \
+  const uint16_t *__restrict__ x, /* [M, K] (gated only) */                               \
+      const uint16_t *__restrict__ pre,      /* [M, N] gate pre-activation */             \
+      uint8_t *__restrict__ heavy,           /* [M] out */                                \
+      const uint16_t *__restrict__ w_up,     /* [N, K] (gated only) */                    \
+      const uint16_t *__restrict__ w_down_t, /* [N, K] */                                 \
+      uint16_t *__restrict__ y,              /* [M, K] out (light rows) */                \
+      int M, int N, int max_row_nnz, const int *__restrict__ dense
 
-struct WideShared {
+
+// Few tokens, by columns: one block of W = blockDim.x / 32 warps per token
+// (1 <= W <= TWELL_COLS_WARPS). Warp 0 scans the row; the entries' up products are
+// computed a warp per entry (entry e by warp e % W, as the one-warp kernel computes it)
+// into shared memory; then warp w accumulates the 256-column slices w, w + W, ... of the
+// output over all entries in list order, COLS_BATCH entries' down-row slices loaded
+// before any is used. Every output column thus sums its terms in the one-warp kernel's
+// order: the bits of twell_light_rows_from_pre, whatever W. Registers stay low (one
+// slice's sums per lane, not K/32 columns), so many warps fit per SM, and a token's
+// latency, and a long row's work, is split over several of them.
+#define COLS_BATCH 8
+#define COLS_MIN_BLOCKS (NCH <= 8 ? 4 : 2)  // 64 registers at K <= 2048, 128 above
+
+struct ColsShared {
   uint32_t list[LIST_CAP];
-  float partial[NCH * 256];
+  float h[LIST_CAP];
 #if TWELL_GATED
   uint4 x[NCH * 32];
 #endif
@@ -290,20 +306,11 @@ struct WideShared {
   int heavy;
 };
 
-// UNITS: units whose rows a warp loads before it uses them (1, or 2: twice the loads in
-// flight for batches too small to fill the GPU, at more registers). The sum order is the
-// same for both (entry e, then e + W, ... per warp): the same bits.
-template <int UNITS>
-__device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
-                                          const uint16_t* __restrict__ pre,
-                                          uint8_t* __restrict__ heavy,
-                                          const uint16_t* __restrict__ w_up,
-                                          const uint16_t* __restrict__ w_down_t,
-                                          uint16_t* __restrict__ y, int M, int N,
-                                          int max_row_nnz, const int* __restrict__ dense) {
+extern "C" __global__ void __launch_bounds__(TWELL_COLS_WARPS * 32, COLS_MIN_BLOCKS)
+twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
   twell_grid_wait();
   twell_grid_release();
-  __shared__ WideShared sm;
+  __shared__ ColsShared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const long long row = blockIdx.x;
   if (row >= M) return;
@@ -326,70 +333,69 @@ __device__ __forceinline__ void wide_rows(const uint16_t* __restrict__ x,
   for (int i = threadIdx.x; i < NCH * 32; i += blockDim.x)
     sm.x[i] = twell_slice_lane_valid(i / 32, i % 32, TWELL_KDIM) ? __ldcs(src + i)
                                                                  : make_uint4(0, 0, 0, 0);
-  const uint4* xs = sm.x;
-#else
-  const uint4* xs = nullptr;
 #endif
   __syncthreads();
   if (sm.heavy) return;
   const int total = sm.total;
-  ZERO_ACC(acc)
-  float l1 = 0.f;
-  int e = warp;
-  if (UNITS == 2) {
-    for (; e + warps < total; e += 2 * warps) {
-      UnitRows first, second;
-      load_unit(sm.list, e, lane, N, w_up, w_down_t, first);
-      load_unit(sm.list, e + warps, lane, N, w_up, w_down_t, second);
-      use_unit(first, lane, xs, acc, l1);
-      use_unit(second, lane, xs, acc, l1);
+  // The entries' h = g * (x·w_up[n]) (non-gated: g), as use_unit computes it.
+  for (int e = warp; e < total; e += warps) {
+    const uint32_t entry = sm.list[e];
+    int n = entry & 0xffffu;
+    float value = twell_hi_bf16(entry);
+    if (n >= N) {  // invalid input: contribute nothing, read a valid row (as load_unit)
+      n = 0;
+      value = 0.f;
     }
-  }
-  for (; e < total; e += warps) gather_unit(sm.list, e, lane, N, xs, w_up, w_down_t, acc, l1);
-  // Fixed-order reduction: partial = acc_0; partial += acc_1; ...; y = partial + acc_last.
-  for (int w = 0; w < warps - 1; ++w) {
-    if (warp == w) {
+#if TWELL_GATED
+    const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
+    uint4 a[NCH];
 #pragma unroll
-      for (int c = 0; c < NCH; ++c)
+    for (int c = 0; c < NCH; ++c)
+      a[c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(up + c * 32 + lane)
+                                                          : make_uint4(0, 0, 0, 0);
+    float part = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float& slot = sm.partial[c * 256 + lane * 8 + i];
-          slot = (w == 0) ? acc[c][i] : slot + acc[c][i];
-        }
-    }
-    __syncthreads();
-  }
-  if (warp == warps - 1) {
-    if (warps > 1) {
+    for (int c = 0; c < NCH; ++c) part = twell_dot8(sm.x[c * 32 + lane], a[c], part);
 #pragma unroll
-      for (int c = 0; c < NCH; ++c)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[c][i] = sm.partial[c * 256 + lane * 8 + i] + acc[c][i];
-    }
-    store_row(y, row, lane, acc);
-  }
-}
-
-#define TWELL_WIDE_ARGS                                                                   \
-  const uint16_t *__restrict__ x, /* [M, K] (gated only) */                               \
-      const uint16_t *__restrict__ pre,      /* [M, N] gate pre-activation */             \
-      uint8_t *__restrict__ heavy,           /* [M] out */                                \
-      const uint16_t *__restrict__ w_up,     /* [N, K] (gated only) */                    \
-      const uint16_t *__restrict__ w_down_t, /* [N, K] */                                 \
-      uint16_t *__restrict__ y,              /* [M, K] out (light rows) */                \
-      int M, int N, int max_row_nnz, const int *__restrict__ dense
-
-extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
-twell_light_rows_from_pre_wide(TWELL_WIDE_ARGS) {
-  wide_rows<1>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz, dense);
-}
-
-#if NCH <= 8  // K <= 2048: two units' rows fit in registers (244 at K = 2048, no spills)
-extern "C" __global__ void __launch_bounds__(TWELL_WIDE_WARPS * 32)
-twell_light_rows_from_pre_wide2(TWELL_WIDE_ARGS) {
-  wide_rows<2>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz, dense);
-}
+    for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
+    const float h = value * part;
+#else
+    const float h = value;
 #endif
+    if (lane == 0) sm.h[e] = h;
+  }
+  __syncthreads();
+  // The down rows, by 256-column slice: y[c] = sum over entries in order of h * w_down_t[n][c].
+  uint4* out = reinterpret_cast<uint4*>(y + row * TWELL_KDIM);
+  for (int c = warp; c < NCH; c += warps) {
+    const bool ok = twell_slice_lane_valid(c, lane, TWELL_KDIM);
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int e0 = 0; e0 < total; e0 += COLS_BATCH) {
+      uint4 b[COLS_BATCH];
+#pragma unroll
+      for (int j = 0; j < COLS_BATCH; ++j) {
+        const int e = e0 + j;
+        int n = e < total ? (int)(sm.list[e] & 0xffffu) : 0;
+        if (n >= N) n = 0;
+        const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
+        b[j] = ok && e < total ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < COLS_BATCH; ++j)
+        if (e0 + j < total) twell_axpy8(sm.h[e0 + j], b[j], acc);
+    }
+    if (ok) {
+      uint4 v;
+      v.x = twell_pack_bf16x2(acc[0], acc[1]);
+      v.y = twell_pack_bf16x2(acc[2], acc[3]);
+      v.z = twell_pack_bf16x2(acc[4], acc[5]);
+      v.w = twell_pack_bf16x2(acc[6], acc[7]);
+      __stcs(out + c * 32 + lane, v);
+    }
+  }
+}
 
 extern "C" __global__ void __launch_bounds__(TWELL_ROW_WARPS * 32, MIN_BLOCKS)
 twell_light_rows_from_twell(const uint16_t* __restrict__ x,         // [M, K] (gated only)

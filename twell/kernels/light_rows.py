@@ -12,7 +12,6 @@ Both kernels take ``(x, source, heavy, w_up, w_down_t, y, M, N, max_row_nnz)``, 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -20,7 +19,7 @@ import numpy as np
 
 from twell.kernels import light_rows_decode
 from twell.kernels.buffers import alloc, u16
-from twell.kernels.compile import Source, declare, device_info, launch_after, planned
+from twell.kernels.compile import Source, declare, launch_after
 from twell.options import LIST_CAPACITY
 
 #: Warps per block of the one-warp-per-token kernels (one: a block retires as soon as its
@@ -34,25 +33,24 @@ ROW_MIN_BLOCKS = 16
 #: The fused kernels' scan of a pre-activation tile: two bf16 per instruction (halfword
 #: compares), empty tiles skipped after one ballot (1); or one value at a time (0).
 SCAN_SIMD = 1
-#: Most warps sharing one token in the wide kernels (their launch bound; the launcher
-#: picks 4 or 2, see :func:`wide_warps`).
-WIDE_WARPS = 8
-#: The wide kernels: one unit's rows in flight per warp, or two (more registers: used
-#: while a grid of four warps per token still fits in one wave, K <= WIDE2_KDIM; H100,
-#: K=2048, N=5632, ``paperlike`` at 256 tokens: 43.7 µs against 51.9 for one unit, and
-#: past one wave, at 384 tokens, 60.4 against 42.8).
-WIDE = "twell_light_rows_from_pre_wide"
-WIDE2 = "twell_light_rows_from_pre_wide2"
-WIDE2_KDIM = 2048
+#: The by-columns kernel: a block of warps per token that split the output's columns
+#: between them (the one-warp kernel's bits whatever the block's size), at most
+#: COLS_WARPS of them (its launch bound).
+COLS = "twell_light_rows_from_pre_cols"
+COLS_WARPS = 8
+#: Most tokens of a call whose light rows take the by-columns kernel (:func:`cols_warps`
+#: has the measurements), and most that take it with 8 warps a token.
+COLS_ROWS = 4096
+COLS_WIDE_ROWS = 1024
 
 SOURCE = declare(
     Source(
         "light_rows.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
-        dependent=("twell_light_rows_from_pre", WIDE, WIDE2),
+        dependent=("twell_light_rows_from_pre", COLS),
         constants={
             "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "SCAN_SIMD": SCAN_SIMD,
-            "WIDE_WARPS": WIDE_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
+            "COLS_WARPS": COLS_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
         },
         examples=tuple(
             {"KDIM": k, "TILE": t, "SLOTS": s, "GATED": g}
@@ -68,36 +66,16 @@ SOURCE = declare(
 _NULL = np.uint64(0)
 
 
-def wide_warps(m: int, sms: int, warps_per_sm: int) -> int:
-    """Warps per token for ``m`` tokens of the fused route above the decode bound: the
-    most of 4 and 2 whose blocks (one per token) all fit on ``sms`` SMs at once, given
-    ``warps_per_sm`` resident warps of the wide kernel, else 1 (the one-warp kernel).
+def cols_warps(m: int, k: int) -> int:
+    """Warps per token of the by-columns kernel for ``m`` tokens: :data:`COLS_WARPS` up to
+    :data:`COLS_WIDE_ROWS` tokens, else 4; at most one per 256-column slice of the output.
 
-    A grid of more than one wave of blocks loses to the one-warp kernel (H100, K=2048,
-    N=5632, 1536 tokens: 98.5 µs with two warps a token against 79.4 with one)."""
-    for warps in (4, 2):
-        if m <= (warps_per_sm // warps) * sms:
-            return warps
-    return 1
-
-
-def _wide_warps_per_sm(function: str, k: int, tile: int, slots: int, gated: bool) -> int:
-    """Resident warps of a wide kernel on one SM, as its registers allow (ptxas gives the
-    one-unit kernel 64 registers at K = 1024, 128 at K = 2048, 242 at K = 4096, and the
-    two-unit one 244 at K = 2048; allocated per warp in units of 256). While a warm-up
-    plans (compile.planning) there is no compiled kernel to ask: its module is recorded
-    and the answer, a guess, is not cached."""
-    if planned():
-        SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
-        return 8
-    return _registers_allow(function, k, tile, slots, gated)
-
-
-@functools.cache
-def _registers_allow(function: str, k: int, tile: int, slots: int, gated: bool) -> int:
-    kernel = SOURCE.kernel(function, KDIM=k, TILE=tile, SLOTS=slots, GATED=int(gated))
-    per_warp = -(-kernel.num_regs * 32 // 256) * 256
-    return min(64, 65536 // per_warp)
+    H200, K=2048, N=5632, the kernel alone from a pre-activation (µs; one-warp kernel /
+    by columns with 4 warps / with 8): ``uniform`` at 512 tokens 56.5 / 38.5 / 31.9, at
+    1024 59.9 / 48.9 / 53.3, at 2048 85.1 / 81.0 / 92.8, at 4096 141.2 / 147.9 / 174.1;
+    ``paperlike`` (rows of very different lengths, which hold up a warp per token) 118.3
+    / 63.8 / 45.5, 121.5 / 71.3 / 62.8, 134.4 / 96.5 / 93.2, 192.0 / 150.0 / 160.2."""
+    return max(1, min(COLS_WARPS if m <= COLS_WIDE_ROWS else 4, -(-k // 256)))
 
 
 def _launch(
@@ -130,10 +108,10 @@ def from_pre(
     is given. ``dense``: the call's decision (:func:`decide`; above the decode bound):
     when set, every row is flagged heavy and none gathered. Up to
     ``light_rows_decode.DECODE_ROWS_BELOW`` tokens (decode), the cluster
-    kernel of light_rows_decode.cu runs; above, a block of four warps per token with two
-    units in flight each (``WIDE2``, while those blocks fit in one wave), a block of
-    :func:`wide_warps` warps per token, or a warp per token. The kernels give a row
-    different bits (their sums differ in order), so a token's output bits depend on M."""
+    kernel of light_rows_decode.cu runs; above, up to :data:`COLS_ROWS` tokens, a block of
+    :func:`cols_warps` warps per token that split the output's columns (the one-warp
+    kernel's bits), and past that a warp per token. The decode kernel gives a row
+    different bits (its sums differ in order), so a token's output bits depend on M."""
     m = y.shape[0]
     if max_row_nnz < 0:  # the scan's row limit; Options refuses it too
         raise ValueError(f"max_row_nnz must be >= 0, got {max_row_nnz}")
@@ -149,15 +127,8 @@ def from_pre(
                                    max_row_nnz=max_row_nnz)  # fmt: skip
         return
     function, grid, block = "twell_light_rows_from_pre", math.ceil(m / ROW_WARPS), ROW_WARPS
-    sms, k, gated = device_info().multiprocessors, y.shape[1], w_up is not None
-    if m <= 32 * sms:  # else no wide grid fits in one wave (at most 64 warps per SM)
-        two = k <= WIDE2_KDIM and m <= _wide_warps_per_sm(WIDE2, k, tile, slots, gated) // 4 * sms
-        if two:  # four warps per token, two units in flight each: one wave
-            function, grid, block = WIDE2, m, 4
-        else:
-            warps = wide_warps(m, sms, _wide_warps_per_sm(WIDE, k, tile, slots, gated))
-            if warps > 1:
-                function, grid, block = WIDE, m, warps
+    if m <= COLS_ROWS:
+        function, grid, block = COLS, m, cols_warps(m, y.shape[1])
     _launch(function, grid, 32 * block, x, u16(pre), heavy, w_up, w_down_t, y, tile, slots,
             max_row_nnz, after_gemm=True, dense=dense)  # fmt: skip
 
