@@ -123,11 +123,16 @@ def models_rows(folder: Path) -> Iterator[Row]:
 
     modes = list(_DECODE_MODES)
 
+    model_modes = list(_MODEL_MODES)
+
     def place(r: dict[str, Any]) -> tuple[int, int, int, int]:
         bench, mode = r.get("benchmark"), r.get("mode")
-        decode = (r.get("batch", 0), modes.index(mode) if mode in modes else 99)
+        if bench == "decode":  # by batch, then mode
+            within = (r.get("batch", 0), modes.index(mode) if mode in modes else 99)
+        else:  # by mode, then tokens
+            within = (model_modes.index(mode) if mode in model_modes else 99, r.get("tokens", 0))
         return (names.index(str(r.get("model", ""))), order.index(bench) if bench in order else 99,
-                *(decode if bench == "decode" else (0, 0)))  # fmt: skip
+                *within)  # fmt: skip
 
     for r in sorted(records, key=place):
         bench, mode = r.get("benchmark"), r.get("mode")
