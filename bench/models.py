@@ -201,11 +201,11 @@ PREFILL_MODES = ("eager", "compiled", "compiled_layers")
 def compiled_layers(models: Any, on: bool) -> Iterator[None]:
     """Each decoder layer of ``models`` compiled on its own (``nn.Module.compile``) while
     ``on``; restored after. Whole-model compilation of transformers' Llama builds the
-    causal mask as a tensor (under torch before 2.14 its check whether the mask may be
-    left to SDPA's ``is_causal`` reads as "exporting"), and SDPA with an explicit
-    ``[T, T]`` mask leaves the flash kernel: a 16k-token prefill then runs slower
-    compiled than eager, for both models. Compiling the layers alone keeps the mask
-    out, as eager does."""
+    causal mask as a tensor (as transformers' source reads: under torch before 2.14 its
+    check whether the mask may be left to SDPA's ``is_causal`` reads as "exporting"),
+    and SDPA with an explicit ``[T, T]`` mask leaves the flash kernel: a 16k-token
+    prefill then runs slower compiled than eager, for both models. Compiling the layers
+    alone keeps the mask out, as eager does."""
     layers = [layer for m in models for layer in m.model.layers] if on else []
     for layer in layers:
         layer.compile()
