@@ -112,11 +112,12 @@ def dense_rows(x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray, w_down_t
 
 # ---------------------------------------------------------------------- running
 def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
-        w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int, warps: int = 8
-        ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int, warps: int = 8,
+        dense: int | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """``(heavy, y bits)`` from the decode kernel (``"decode"``), the one-warp kernel
     (``"row"``) or the by-columns kernel (``"cols"``, ``warps`` warps per token), on
-    poisoned buffers."""
+    poisoned buffers; ``dense``: the call's decision those two read (None: none passed;
+    given, the heavy flags start at 0 instead of the poison)."""
     m, k = pre.shape[0], w_down_t.shape[1]
     gated = x is not None
     xg, wu = (cp.asarray(x), cp.asarray(w_up)) if gated else (None, None)
@@ -129,8 +130,11 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
     else:
         function, warps = (light_rows.COLS, warps) if kernel == "cols" else (
             "twell_light_rows_from_pre", 1)  # fmt: skip
+        flag = None if dense is None else cp.asarray([dense, 0], dtype=cp.int32)
+        if dense is not None:  # flags start at 0: a decision's rows must be flagged by it
+            heavy.fill(0)
         light_rows._launch(function, m, 32 * warps, xg, u16(pg), heavy, wu, wdt, y, tile, slots,
-                           max_row_nnz)  # fmt: skip
+                           max_row_nnz, dense=flag)  # fmt: skip
     return heavy.get().astype(bool), y.get()
 
 
@@ -271,8 +275,46 @@ def test_cols_kernel_gives_the_one_warp_kernels_bits(warps: int, gated: bool, k:
     want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(heavy, want_heavy)
     np.testing.assert_array_equal(heavy, expected_heavy(pre, 256, 32, kw["max_row_nnz"]))
-    assert heavy.any() and (~heavy).any()
+    assert heavy.any() and (~heavy)[20:40].any()  # long light rows among them
     np.testing.assert_array_equal(y, want)  # heavy rows: POISON in both
+    light = ~heavy
+    assert rel_err(values(y[light]), dense_rows(x, pre, w_up, w_down_t, light)[light]) <= TOL
+
+
+@pytest.mark.parametrize("kernel", ["row", "cols"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_the_calls_decision_flags_every_row_or_none(kernel: str, gated: bool) -> None:
+    """The light-row kernels from a pre-activation read the call's decision: set, every
+    row is flagged heavy and y is left alone; clear, the call is the undecided one."""
+    x, pre, w_up, w_down_t, kw = cols_problem(70, 264, gated, seed=3)
+    heavy, y = run(kernel, x, pre, w_up, w_down_t, dense=1, **kw)
+    assert heavy.all() and np.all(y == POISON)
+    want_heavy, want = run(kernel, x, pre, w_up, w_down_t, **kw)
+    clear_heavy, clear = run(kernel, x, pre, w_up, w_down_t, dense=0, **kw)
+    assert (~want_heavy).any()
+    np.testing.assert_array_equal(clear_heavy, want_heavy)
+    np.testing.assert_array_equal(clear, want)
+
+
+@pytest.mark.parametrize("warps", [1, 8])
+def test_cols_kernel_at_the_list_capacity(warps: int) -> None:
+    """Rows of exactly LIST_CAPACITY entries (light) and one more (heavy), the row limit at
+    the capacity: the by-columns kernel's flags and bits are the one-warp kernel's."""
+    m, k, tile, slots = 12, 264, 256, 128
+    rng = np.random.default_rng(warps)
+    pre = random_pre(rng, m, N_MAIN, 0.01)
+    spread = [j * tile + i for i in range(slots - 1) for j in range(N_MAIN // tile)]
+    for row, count in ((2, LIST_CAPACITY), (5, LIST_CAPACITY + 1), (7, LIST_CAPACITY - 1)):
+        pre[row] = NEG
+        pre[row, spread[:count]] = POS
+    w_up, w_down_t = weights(N_MAIN, k, seed=4)
+    x = bf16_bits(rng.standard_normal((m, k)))
+    kw = {"tile": tile, "slots": slots, "max_row_nnz": LIST_CAPACITY}
+    heavy, y = run("cols", x, pre, w_up, w_down_t, warps=warps, **kw)
+    want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
+    np.testing.assert_array_equal(heavy, want_heavy)
+    assert not heavy[2] and heavy[5] and not heavy[7]
+    np.testing.assert_array_equal(y, want)
     light = ~heavy
     assert rel_err(values(y[light]), dense_rows(x, pre, w_up, w_down_t, light)[light]) <= TOL
 

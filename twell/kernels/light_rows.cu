@@ -4,7 +4,7 @@
 //   gated:     y[m] = sum over active (n, g):  g * (x[m]·w_up[n]) * w_down_t[n]
 //   non-gated: y[m] = sum over active (n, h):  h * w_down_t[n]
 //
-// Kernels (they share the gather phase):
+// Kernels (they share the scan, the up product and the sums' order):
 // - twell_light_rows_from_twell reads the active units from a TwELL buffer (gated_down,
 //   down, and the "epilogue" and "pack" routes of the block); given row_l1, it also
 //   writes each light row's sum of |h| over its entries (the training forward's L1 term),
@@ -64,17 +64,40 @@ struct UnitRows {
   float value;
 };
 
+// A list entry's unit and value; a unit past N (invalid input) contributes nothing and
+// reads a valid row: unit 0, value 0.
+__device__ __forceinline__ int entry_unit(uint32_t entry, int N, float& value) {
+  const int n = entry & 0xffffu;
+  value = n < N ? twell_hi_bf16(entry) : 0.f;
+  return n < N ? n : 0;
+}
+
+// The up product x·w_up[n] from one lane's slices of x and of the unit's row, reduced by
+// xor butterflies: the same bits on every lane.
+__device__ __forceinline__ float up_product(const uint4* xs, const uint4 (&a)[NCH], int lane) {
+  float part = 0.f;
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) part = twell_dot8(xs[c * 32 + lane], a[c], part);
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
+  return part;
+}
+
+// Eight fp32 sums as bf16 to slice c of an output row.
+__device__ __forceinline__ void store_slice(uint4* out, int c, int lane, const float (&acc)[8]) {
+  uint4 v;
+  v.x = twell_pack_bf16x2(acc[0], acc[1]);
+  v.y = twell_pack_bf16x2(acc[2], acc[3]);
+  v.z = twell_pack_bf16x2(acc[4], acc[5]);
+  v.w = twell_pack_bf16x2(acc[6], acc[7]);
+  __stcs(out + c * 32 + lane, v);
+}
+
 __device__ __forceinline__ void load_unit(const uint32_t* list, int e, int lane, int N,
                                           const uint16_t* __restrict__ w_up,
                                           const uint16_t* __restrict__ w_down_t,
                                           UnitRows& rows) {
-  const uint32_t entry = list[e];
-  int n = entry & 0xffffu;
-  rows.value = twell_hi_bf16(entry);
-  if (n >= N) {  // invalid input: contribute nothing, read a valid row
-    n = 0;
-    rows.value = 0.f;
-  }
+  const int n = entry_unit(list[e], N, rows.value);
   const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
 #if TWELL_GATED
   const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
@@ -93,11 +116,7 @@ __device__ __forceinline__ void load_unit(const uint32_t* list, int e, int lane,
 __device__ __forceinline__ float use_unit(const UnitRows& rows, int lane, const uint4* xs,
                                           float (&acc)[NCH][8], float& l1) {
 #if TWELL_GATED
-  float part = 0.f;
-#pragma unroll
-  for (int c = 0; c < NCH; ++c) part = twell_dot8(xs[c * 32 + lane], rows.a[c], part);
-#pragma unroll
-  for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
+  const float part = up_product(xs, rows.a, lane);
   const float h = rows.value * part;
 #else
   const float part = 0.f;
@@ -136,16 +155,8 @@ __device__ __forceinline__ void store_row(uint16_t* __restrict__ y, long long ro
                                           const float (&acc)[NCH][8]) {
   uint4* out = reinterpret_cast<uint4*>(y + row * TWELL_KDIM);
 #pragma unroll
-  for (int c = 0; c < NCH; ++c) {
-    if (twell_slice_lane_valid(c, lane, TWELL_KDIM)) {
-      uint4 v;
-      v.x = twell_pack_bf16x2(acc[c][0], acc[c][1]);
-      v.y = twell_pack_bf16x2(acc[c][2], acc[c][3]);
-      v.z = twell_pack_bf16x2(acc[c][4], acc[c][5]);
-      v.w = twell_pack_bf16x2(acc[c][6], acc[c][7]);
-      __stcs(out + c * 32 + lane, v);
-    }
-  }
+  for (int c = 0; c < NCH; ++c)
+    if (twell_slice_lane_valid(c, lane, TWELL_KDIM)) store_slice(out, c, lane, acc[c]);
 }
 
 __device__ __forceinline__ const uint4* load_x(Shared& sm, const uint16_t* __restrict__ x,
@@ -294,7 +305,7 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
 // slice's sums per lane, not K/32 columns), so many warps fit per SM, and a token's
 // latency, and a long row's work, is split over several of them.
 #define COLS_BATCH 8
-#define COLS_MIN_BLOCKS (NCH <= 8 ? 4 : 2)  // 64 registers at K <= 2048, 128 above
+#define COLS_MIN_BLOCKS (NCH <= 8 ? 4 : 2)  // at most 64 registers at K <= 2048, 128 above
 
 struct ColsShared {
   uint32_t list[LIST_CAP];
@@ -342,7 +353,7 @@ twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
     const uint32_t entry = sm.list[e];
     int n = entry & 0xffffu;
     float value = twell_hi_bf16(entry);
-    if (n >= N) {  // invalid input: contribute nothing, read a valid row (as load_unit)
+    if (n >= N) {  // invalid input: contribute nothing, read a valid row (as entry_unit)
       n = 0;
       value = 0.f;
     }
@@ -353,12 +364,7 @@ twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
     for (int c = 0; c < NCH; ++c)
       a[c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(up + c * 32 + lane)
                                                           : make_uint4(0, 0, 0, 0);
-    float part = 0.f;
-#pragma unroll
-    for (int c = 0; c < NCH; ++c) part = twell_dot8(sm.x[c * 32 + lane], a[c], part);
-#pragma unroll
-    for (int d = 16; d >= 1; d >>= 1) part += __shfl_xor_sync(0xffffffffu, part, d);
-    const float h = value * part;
+    const float h = value * up_product(sm.x, a, lane);
 #else
     const float h = value;
 #endif
@@ -386,14 +392,7 @@ twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
       for (int j = 0; j < COLS_BATCH; ++j)
         if (e0 + j < total) twell_axpy8(sm.h[e0 + j], b[j], acc);
     }
-    if (ok) {
-      uint4 v;
-      v.x = twell_pack_bf16x2(acc[0], acc[1]);
-      v.y = twell_pack_bf16x2(acc[2], acc[3]);
-      v.z = twell_pack_bf16x2(acc[4], acc[5]);
-      v.w = twell_pack_bf16x2(acc[6], acc[7]);
-      __stcs(out + c * 32 + lane, v);
-    }
+    if (ok) store_slice(out, c, lane, acc);
   }
 }
 
