@@ -40,6 +40,11 @@ memcheck counted tests/gpu/test_gpu_counted.py \
   '(computes_the_counted_rows_only and (512-264 or 768-40)) or scatters or decides or heavy_shares'
 status=$?
 [ "${1:-}" = counted ] && exit "$status"
+# The light rows from a pre-activation: the by-columns kernel at 1, 3 and 8 warps a token
+# (heavy rows of every kind, K past a 256-column slice), rows at the list capacity, and
+# the call's decision in both kernels.
+memcheck light tests/gpu/test_gpu_decode.py \
+  '(cols_kernel_gives and (264-gated-1 or 2048-nongated-3 or 4096-gated-8)) or list_capacity or decision_flags'
 timeout "${HYP_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py \
   -k hypothesis 2>&1 | tee "$OUT/hypothesis.log" | tail -25
 memcheck ffn tests/gpu/test_gpu.py \
