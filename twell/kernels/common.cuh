@@ -174,6 +174,12 @@ TWELL_DEVICE uint4 twell_relu_bf16x8(uint4 v) {
   return make_uint4(twell_relu_bf16x2(v.x), twell_relu_bf16x2(v.y), twell_relu_bf16x2(v.z),
                     twell_relu_bf16x2(v.w));
 }
+
+// relu of one bf16 bit pattern as a float: its value where twell_relu_keeps, else 0 (NaN
+// kept, as dense math does).
+TWELL_DEVICE float twell_relu_value(uint32_t bits16) {
+  return twell_relu_keeps(bits16) ? __uint_as_float(bits16 << 16) : 0.f;
+}
 // d += A (16 x 16, row) * B (16 x 8, col), bf16 in, fp32 accumulate (mma.sync; the
 // fragments as the PTX manual lays them out).
 TWELL_DEVICE void twell_mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,

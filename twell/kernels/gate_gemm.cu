@@ -246,10 +246,8 @@ __device__ __forceinline__ uint4 relu_mul8(uint4 g, uint4 u) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const uint32_t g0 = gw[i] & 0xffffu, g1 = gw[i] >> 16;
-    h[i] = twell_pack_bf16x2(
-        (twell_relu_keeps(g0) ? __uint_as_float(g0 << 16) : 0.f) * __uint_as_float(uw[i] << 16),
-        (twell_relu_keeps(g1) ? __uint_as_float(g1 << 16) : 0.f) *
-            __uint_as_float(uw[i] & 0xffff0000u));
+    h[i] = twell_pack_bf16x2(twell_relu_value(g0) * __uint_as_float(uw[i] << 16),
+                             twell_relu_value(g1) * __uint_as_float(uw[i] & 0xffff0000u));
   }
   return make_uint4(h[0], h[1], h[2], h[3]);
 }
@@ -519,10 +517,8 @@ twell_gate_gemm_reduce(const float* __restrict__ part, const uint16_t* __restric
       const uint32_t gw = *reinterpret_cast<const uint32_t*>(gate + g_row * N + col);
       const uint32_t g0 = gw & 0xffffu, g1 = gw >> 16;
       // bf16(v) first: the up product rounds to bf16 as the capacity GEMMs' does
-      v0 = (twell_relu_keeps(g0) ? __uint_as_float(g0 << 16) : 0.f) *
-           __bfloat162float(__float2bfloat16_rn(v0));
-      v1 = (twell_relu_keeps(g1) ? __uint_as_float(g1 << 16) : 0.f) *
-           __bfloat162float(__float2bfloat16_rn(v1));
+      v0 = twell_relu_value(g0) * __bfloat162float(__float2bfloat16_rn(v0));
+      v1 = twell_relu_value(g1) * __bfloat162float(__float2bfloat16_rn(v1));
     }
     const long long o = out_ids == nullptr ? i : out_ids[i];
     *reinterpret_cast<uint32_t*>(out + o * N + col) = twell_pack_bf16x2(v0, v1);

@@ -33,7 +33,7 @@ _EPI_PITCH = BLOCK_N * 2 + 16  # bytes per row of the epilogue's bf16 tile
 OUTPUT_PACKED, OUTPUT_DENSE, OUTPUT_NONE, OUTPUT_TILE_ONLY, OUTPUT_HANDOVER_ONLY = 0, 1, 2, 3, 4
 OUTPUT_PROFILE = 5
 #: The count build: dense math for a row count read on the device, its reduction split
-#: into parts by that count (twell.kernels.heavy_gemm).
+#: into parts by that count (:func:`matmul_counted`; pipeline.heavy_rows_counted).
 OUTPUT_COUNTED = 6
 #: The count build splits its reduction until this many work units (row tiles x column
 #: tiles x parts) would be exceeded: the SMs of an H100 or H200. A constant, not the

@@ -340,9 +340,7 @@ extern "C" __global__ void twell_relu_mul(const uint16_t* __restrict__ g,
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const uint32_t gb = (gw >> (16 * s)) & 0xffffu;
-      const float gv = __uint_as_float(gb << 16);
-      const float relu_g = twell_relu_keeps(gb) ? gv : 0.f;
-      r[s] = relu_g * __uint_as_float(((uw >> (16 * s)) & 0xffffu) << 16);
+      r[s] = twell_relu_value(gb) * __uint_as_float(((uw >> (16 * s)) & 0xffffu) << 16);
     }
     __nv_bfloat162 v = __floats2bfloat162_rn(r[0], r[1]);
     reinterpret_cast<uint32_t*>(h)[k] = *reinterpret_cast<uint32_t*>(&v);
