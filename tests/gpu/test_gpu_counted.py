@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twell import workloads
+from twell._arrays import bf16_values
 from twell.benchmark import to_device
 from twell.kernels import gate_gemm, light_rows
 from twell.kernels.convert import as_bf16
@@ -37,7 +38,7 @@ def _poisoned():
 
 def _f32(bits: cp.ndarray) -> np.ndarray:
     """bf16 bits (uint16) as float64 on the host."""
-    return ((cp.asnumpy(bits).astype(np.uint32) << 16).view(np.float32)).astype(np.float64)
+    return bf16_values(cp.asnumpy(bits)).astype(np.float64)
 
 
 def _operands(m: int, n: int, k: int, seed: int) -> tuple[cp.ndarray, cp.ndarray]:
