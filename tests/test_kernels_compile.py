@@ -160,12 +160,14 @@ def test_fused_path_routes_by_shape() -> None:
 
 
 def test_cols_warps_by_tokens_and_width() -> None:
-    """The by-columns light-row kernel's warps per token (CPU: the launcher's rule)."""
+    """The by-columns light-row kernel's warps per token (CPU: the launcher's rule): eight
+    up to COLS_WIDE_ROWS tokens, four above, at most one per 256-column slice."""
     from twell.kernels import light_rows
 
     rows = light_rows.COLS_WIDE_ROWS
-    assert [light_rows.cols_warps(m, 2048) for m in (65, rows, rows + 1, 4096)] == [8, 8, 4, 4]
-    assert [light_rows.cols_warps(m, k) for m, k in ((1, 8), (1, 264), (1, 4096))] == [1, 2, 8]
+    assert [light_rows.cols_warps(m, 2048) for m in (1, rows, rows + 1, 16384)] == [8, 8, 4, 4]
+    widths = (8, 256, 264, 1032, 4096)
+    assert [light_rows.cols_warps(1, k) for k in widths] == [1, 1, 2, 5, 8]
     assert light_rows.cols_warps(rows + 1, 264) == 2
 
 

@@ -39,9 +39,9 @@ SCAN_SIMD = 1
 COLS = "twell_light_rows_from_pre_cols"
 COLS_WARPS = 8
 #: Most tokens of a call whose light rows take the by-columns kernel (:func:`cols_warps`
-#: has the measurements), and most that take it with 8 warps a token.
-COLS_ROWS = 4096
-COLS_WIDE_ROWS = 1024
+#: has the measurements), and most that take it with COLS_WARPS warps a token (4 above).
+COLS_ROWS = 16384
+COLS_WIDE_ROWS = 4096
 
 SOURCE = declare(
     Source(
@@ -67,14 +67,17 @@ _NULL = np.uint64(0)
 
 
 def cols_warps(m: int, k: int) -> int:
-    """Warps per token of the by-columns kernel for ``m`` tokens: :data:`COLS_WARPS` up to
-    :data:`COLS_WIDE_ROWS` tokens, else 4; at most one per 256-column slice of the output.
+    """Warps per token of the by-columns kernel for ``m`` tokens and outputs of ``k``
+    columns: :data:`COLS_WARPS` up to :data:`COLS_WIDE_ROWS` tokens, 4 above; at most one
+    per 256-column slice.
 
-    H200, K=2048, N=5632, the kernel alone from a pre-activation (µs; one-warp kernel /
-    by columns with 4 warps / with 8): ``uniform`` at 512 tokens 56.5 / 38.5 / 31.9, at
-    1024 59.9 / 48.9 / 53.3, at 2048 85.1 / 81.0 / 92.8, at 4096 141.2 / 147.9 / 174.1;
-    ``paperlike`` (rows of very different lengths, which hold up a warp per token) 118.3
-    / 63.8 / 45.5, 121.5 / 71.3 / 62.8, 134.4 / 96.5 / 93.2, 192.0 / 150.0 / 160.2."""
+    H200, K=2048, N=5632, the kernel alone from a pre-activation, in a CUDA graph (µs;
+    one-warp kernel / by columns with 4 warps / with 8): ``uniform`` at 128 tokens 36.0 /
+    16.8 / 11.3, at 512 51.2 / 30.2 / 24.1, at 1024 55.4 / 41.0 / 40.4, at 2048 81.5 /
+    69.2 / 70.2, at 4096 137.6 / 128.1 / 131.4, at 8192 250.9 / 239.9 / 256.9, at 16384
+    479.2 / 464.5 / 526.1; ``paperlike`` (rows of very different lengths, which hold up a
+    warp per token) at 512 113.8 / 52.0 / 34.6, at 2048 130.4 / 86.5 / 74.5, at 4096 187.6
+    / 137.7 / 126.9, at 8192 278.2 / 227.7 / 224.2, at 16384 469.6 / 413.1 / 422.7."""
     return max(1, min(COLS_WARPS if m <= COLS_WIDE_ROWS else 4, -(-k // 256)))
 
 
@@ -111,7 +114,9 @@ def from_pre(
     kernel of light_rows_decode.cu runs; above, up to :data:`COLS_ROWS` tokens, a block of
     :func:`cols_warps` warps per token that split the output's columns (the one-warp
     kernel's bits), and past that a warp per token. The decode kernel gives a row
-    different bits (its sums differ in order), so a token's output bits depend on M."""
+    different bits (its sums differ in order), so where it runs (an H100's tuning; on an
+    H200 the by-columns kernel is faster from one token, and the bound is 0) a token's
+    output bits depend on M."""
     m = y.shape[0]
     if max_row_nnz < 0:  # the scan's row limit; Options refuses it too
         raise ValueError(f"max_row_nnz must be >= 0, got {max_row_nnz}")
