@@ -4,8 +4,9 @@
 #   bash bench/sanitize.sh            # every subset below; logs under $OUT (or /tmp/twell_out)
 #   bash bench/sanitize.sh decode     # the decode kernels' subset only (exits with its status)
 #   bash bench/sanitize.sh counted    # the per-call decisions' subset only (likewise)
+#   bash bench/sanitize.sh light      # the light rows from a pre-activation only (likewise)
 set -u
-case "${1:-all}" in all | decode | counted) ;; *) echo "usage: $0 [decode|counted]" >&2; exit 2 ;; esac
+case "${1:-all}" in all | decode | counted | light) ;; *) echo "usage: $0 [decode|counted|light]" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/twell_out}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=/tmp/twell_cupy_cache
@@ -22,7 +23,7 @@ memcheck() {
   return "$status"
 }
 
-if [ "${1:-all}" != counted ]; then
+if [ "${1:-all}" = all ] || [ "${1:-all}" = decode ]; then
   # The by-unit decode kernels: both gates (mma.sync, the default up to 16 tokens, and
   # the wgmma gate's TMA ring, at K = 264 and 2048), both down kernels, heavy rows,
   # NaN/Inf, K past the last 64-wide box, a ring holding a previous call's rows past M.
@@ -36,15 +37,19 @@ fi
 # The count build (split and unsplit counts, rows to ids, the gate in its epilogue), the
 # per-call decision from pre-activations and TwELL words, heavy rows by count at every
 # share and NaN rows.
-memcheck counted tests/gpu/test_gpu_counted.py \
-  '(computes_the_counted_rows_only and (512-264 or 768-40)) or scatters or decides or heavy_shares'
-status=$?
-[ "${1:-}" = counted ] && exit "$status"
+if [ "${1:-all}" = all ] || [ "${1:-all}" = counted ]; then
+  memcheck counted tests/gpu/test_gpu_counted.py \
+    '(computes_the_counted_rows_only and (512-264 or 768-40)) or scatters or decides or heavy_shares'
+  status=$?
+  [ "${1:-}" = counted ] && exit "$status"
+fi
 # The light rows from a pre-activation: the by-columns kernel at 1, 3 and 8 warps a token
 # (heavy rows of every kind, K past a 256-column slice), rows at the list capacity, and
 # the call's decision in both kernels.
 memcheck light tests/gpu/test_gpu_decode.py \
   '(cols_kernel_gives and (264-gated-1 or 2048-nongated-3 or 4096-gated-8)) or list_capacity or decision_flags'
+status=$?
+[ "${1:-}" = light ] && exit "$status"
 timeout "${HYP_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu.py \
   -k hypothesis 2>&1 | tee "$OUT/hypothesis.log" | tail -25
 memcheck ffn tests/gpu/test_gpu.py \
