@@ -358,10 +358,7 @@ def test_heavy_rows_matmul(red: int, outc: int, nrows: int, split: int, stages: 
 @pytest.mark.parametrize("m", [1, 64, 1000, 1024])
 def test_heavy_rows_from_flags_match_the_compacted_list(m: int):
     """Flags compacted inside the kernel (every count from none to all rows, M up to the
-    kernel's bound) give the bits of the compact_rows list, down to untouched rows; so do
-    flags read before the kernel's wait (``flags_early``, launched to overlap the kernel
-    ahead: a second heavy-row kernel of a forward pass, which leaves at once when no
-    row is flagged)."""
+    kernel's bound) give the bits of the compact_rows list, down to untouched rows."""
     rng = np.random.default_rng(m)
     red, outc = 520, 136
     a = rng.standard_normal((m, red)).astype(BF16)
@@ -370,19 +367,13 @@ def test_heavy_rows_from_flags_match_the_compacted_list(m: int):
         flags = (rng.random(m) < share).astype(np.uint8)
         ids, count = heavy_rows.compact_rows(cp.asarray(flags))
         outs = []
-        for mode in ("ids", "flags", "early"):
+        for mode in ("ids", "flags"):
             out = to_gpu(np.full((m, outc), np.nan, BF16))  # poison: untouched rows stay NaN
             rows = (ids, count, None) if mode == "ids" else (None, None, cp.asarray(flags))
-            if mode == "early":  # the kernel ahead reads the same flags, as in a forward
-                first = to_gpu(np.full((m, outc), np.nan, BF16))
-                heavy_rows.matmul(to_gpu(a), to_gpu(b), first, None, None, m, a_by_id=True,
-                                  out_by_id=True, flags=rows[2])  # fmt: skip
             heavy_rows.matmul(to_gpu(a), to_gpu(b), out, rows[0], rows[1], m, a_by_id=True,
-                              out_by_id=True, flags=rows[2], flags_early=mode == "early",
-                              overlap=mode == "early")  # fmt: skip
+                              out_by_id=True, flags=rows[2])  # fmt: skip
             outs.append(out)
-        for other in outs[1:]:
-            assert cp.array_equal(outs[0].view(cp.uint16), other.view(cp.uint16))
+        assert cp.array_equal(outs[0].view(cp.uint16), outs[1].view(cp.uint16))
         got = to_f64(outs[1])
         picked = np.nonzero(flags)[0]
         assert np.all(np.isnan(np.delete(got, picked, axis=0)))

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from torch_helpers import as_f64, tensors  # noqa: E402
 
 import twell  # noqa: E402
+from twell.kernels.density import crossover  # noqa: E402
 from twell.torch import SparseMLP  # noqa: E402
 
 
@@ -235,8 +236,11 @@ def settled(block: twell.SparseFFN, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_density_switch_decides_by_batch_size() -> None:
-    # 0.5% of N active: past the crossover at 256 tokens (0.32%), below it at 2048 (0.86%)
-    p = workloads.uniform(2048, 256, 5632, p=0.005, seed=3)
+    # a density halfway between the crossovers in force at 256 tokens and at 2048 (H200:
+    # 0.83% and 1.12%; H100: 0.32% and 0.86%): past the first, below the second
+    low, high = crossover(256), crossover(2048)
+    assert low < high
+    p = workloads.uniform(2048, 256, 5632, p=(low + high) / 2, seed=3)
     x, wg, wu, wd = tensors(p)
     oracle = ffn_dense(p.x, p.w_gate, p.w_up, p.w_down)
     block = twell.SparseFFN(wg, wu, wd)

@@ -82,19 +82,9 @@ extern "C" __global__ void __cluster_dims__(HR_SPLIT, 1, 1) __launch_bounds__(12
 twell_heavy_rows_matmul(const uint16_t* __restrict__ A, int a_by_id, int relu_a,
                        const uint16_t* __restrict__ B, int OUTC, int RED,
                        const int* __restrict__ ids_in, const int* __restrict__ count_ptr,
-                       const uint8_t* __restrict__ flags, int flag_rows, int flags_early,
+                       const uint8_t* __restrict__ flags, int flag_rows,
                        const uint16_t* __restrict__ gate, int g_by_id, int relu_g,
                        uint16_t* __restrict__ out, int o_by_id) {
-  // flags_early: the flags were complete before the kernel ahead of this one left its own
-  // wait (that kernel reads them too, after twell_grid_wait, and this one cannot start
-  // before every CTA of it has passed there): with no row flagged, every CTA leaves
-  // without waiting for that kernel, which finds no row either and writes nothing. The
-  // flags are read through L2 (__ldcg), never a line an SM's L1 kept from a previous use.
-  if (flags != nullptr && flags_early) {
-    bool any = false;
-    for (int r = threadIdx.x; r < flag_rows; r += blockDim.x) any |= __ldcg(flags + r) != 0;
-    if (!__syncthreads_or(any)) return;
-  }
   twell_grid_wait();  // in a forward pass, launched after the kernel that flags the rows
   twell_grid_release();
   // The ring of k-slices and, after the k-loop, this CTA's fp32 fragments ([value]

@@ -102,7 +102,6 @@ def matmul(
     gate_by_id: bool = False,
     relu_gate: bool = False,
     flags: Any | None = None,
-    flags_early: bool = False,
     split: int = 0,
     stages: int = 0,
     overlap: bool = False,
@@ -114,11 +113,7 @@ def matmul(
     ``relu_gate`` apply relu (NaN kept) on load. ``count`` holds at most ``max_rows``
     (which sizes the grid). With ``flags`` (uint8 ``[m]``, ``m <= FLAG_ROWS``) instead
     of ``ids`` and ``count`` (None), the rows are those flagged, ascending, compacted by
-    the kernel itself (what :func:`compact_rows` would give, without its launch);
-    ``flags_early``: they were complete before the kernel ahead of this one started (the
-    second and third heavy-row kernels of a forward pass): with none set, the kernel
-    ends without waiting for that kernel (launched with ``overlap``, it then ends about
-    when that one does, not a kernel's latency later). One
+    the kernel itself (what :func:`compact_rows` would give, without its launch). One
     launch: the reduction is split over the CTAs of a thread-block cluster
     (``split``, default :func:`split_for`; the ring holds ``stages`` k-slices, default
     :data:`STAGES`), no workspace. ``overlap``: launched to start while the kernel
@@ -146,8 +141,8 @@ def matmul(
     if flags is not None and flags.shape[0] > FLAG_ROWS:
         raise ValueError(f"flags: at most {FLAG_ROWS} rows, got {flags.shape[0]}")
     rows = (
-        (ids, count, _NULL, np.int32(0), np.int32(0)) if flags is None
-        else (_NULL, _NULL, flags, np.int32(flags.shape[0]), np.int32(flags_early))
+        (ids, count, _NULL, np.int32(0)) if flags is None
+        else (_NULL, _NULL, flags, np.int32(flags.shape[0]))
     )  # fmt: skip
     kernel = SOURCE.kernel("twell_heavy_rows_matmul", HR_SPLIT=split, HR_STAGES=stages)
     args = (u16(a), np.int32(a_by_id), np.int32(relu_a), u16(b), np.int32(outc), np.int32(red),

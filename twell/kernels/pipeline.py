@@ -478,31 +478,29 @@ def heavy_rows_stage(
     flags = light.heavy if ids is None else None
     if flags is not None and (capacity or row_l1 is not None or m > heavy_rows.FLAG_ROWS):
         raise ValueError("heavy_rows_stage: ids=None only without a capacity and row_l1")
-    launched = 0
-
-    def hr(*args: Any, **kw: Any) -> None:
-        # A kernel after the first reads flags that were complete before the one ahead of
-        # it started: with none set, it ends without waiting for that one.
-        nonlocal launched
-        early = flags is not None and launched > 0
-        scratch.append(heavy_rows.matmul(*args, flags=flags, flags_early=early,
-                                          overlap=overlap, **kw))  # fmt: skip
-        launched += 1
-
     if pre is None:
         pre = empty_bf16((m, block.n))
-        scratch.append(pre)
-        hr(x, block.w_first, pre, ids, count, max_rows, a_by_id=True, out_by_id=True)
+        scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
+                                           a_by_id=True, out_by_id=True, flags=flags,
+                                           overlap=overlap)]  # fmt: skip
     if block.gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
-        hr(x, block.w_up, pre, ids, count, max_rows, a_by_id=True, out_by_id=True, gate=pre,
-           gate_by_id=True, relu_gate=True)  # fmt: skip
-        hr(pre, block.w_down, y, ids, count, max_rows, a_by_id=True, out_by_id=True)
+        scratch.append(
+            heavy_rows.matmul(x, block.w_up, pre, ids, count, max_rows, a_by_id=True,
+                              out_by_id=True, gate=pre, gate_by_id=True, relu_gate=True,
+                              flags=flags, overlap=overlap)
+        )  # fmt: skip
+        scratch.append(
+            heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
+                              out_by_id=True, flags=flags, overlap=overlap)
+        )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=False)
     else:
-        hr(pre, block.w_down, y, ids, count, max_rows, a_by_id=True, out_by_id=True,
-           relu_a=True)  # fmt: skip
+        scratch.append(
+            heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
+                              out_by_id=True, relu_a=True, flags=flags, overlap=overlap)
+        )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=True)
     return scratch
