@@ -38,7 +38,8 @@ Benchmarks (``--benchmarks``), each twell against dense:
   with transformers' static cache (which compiles the decode step,
   ``mode="reduce-overhead"``), and whether the compiled twell model's tokens equal the
   eager twell model's; ``eager``, ``generate`` with the dynamic cache. ``generate`` adds
-  1–2 ms of Python per token on either side.
+  1–2 ms of Python per token on either side, so its calls are timed interleaved, twell's
+  and dense's in turn (``twell.timing.wall_ms_interleaved``).
 - ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
@@ -72,7 +73,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from twell.timing import gpu_name, record_path, versions, wall_ms, write_json
+from twell.timing import (
+    gpu_name,
+    record_path,
+    versions,
+    wall_ms,
+    wall_ms_interleaved,
+    write_json,
+)
 
 
 def _sync() -> None:
@@ -404,6 +412,7 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
         for mode in args.decode_modes:
             rec: dict[str, Any] = {"benchmark": "decode", "mode": mode, "tokens": args.new_tokens,
                                    "batch": batch, "prompt": args.prompt, **sparsity}  # fmt: skip
+            runs: dict[str, Callable[[int], Any]] = {}
             for name, m in (("twell", model), ("dense", dense)):
                 suffix = "" if name == "twell" else "_dense"
                 if mode == "compiled_steps":
@@ -440,9 +449,11 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                     # far from eager-greedy its choices are (twell.testing.llama.greedy_gap)
                     rec["tokens_match" + suffix] = bool(torch.equal(out, reference))
                     rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
-                ms = wall_ms(run, 1, warmup=1, rounds=5)  # host-bound: a wide spread
-                rec[f"t_{name}_ms"] = ms
-                rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
+                runs[name] = run
+            if runs:  # host-bound: the two models' calls interleaved (wall_ms_interleaved)
+                for name, ms in wall_ms_interleaved(runs, warmup=1, rounds=7).items():
+                    rec[f"t_{name}_ms"] = ms
+                    rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
             rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
             emit(rec)
 

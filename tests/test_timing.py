@@ -4,6 +4,7 @@ the GPU suites run them)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,22 @@ def test_wall_ms_times_rounds_of_calls_after_their_untimed_setup() -> None:
     assert ms >= 0
     assert seen == [("call", 0), ("before", 0), ("call", 0), ("call", 1), ("before", 1),
                     ("call", 2), ("call", 3), ("before", 2), ("call", 4), ("call", 5)]  # fmt: skip
+
+
+def test_wall_ms_interleaved_turns_the_order_each_round() -> None:
+    pytest.importorskip("torch")
+    seen: list[tuple[str, int]] = []
+
+    def runner(name: str, cost_s: float):
+        def call(i: int) -> None:
+            seen.append((name, i))
+            time.sleep(cost_s)
+
+        return call
+
+    ms = timing.wall_ms_interleaved(
+        {"a": runner("a", 0.0), "b": runner("b", 0.02)}, warmup=1, rounds=3
+    )
+    assert seen == [("a", 0), ("b", 0), ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2),
+                    ("b", 2)]  # fmt: skip
+    assert set(ms) == {"a", "b"} and ms["b"] >= 20 > ms["a"] >= 0

@@ -115,6 +115,32 @@ def wall_ms(
     return statistics.median(times)
 
 
+def wall_ms_interleaved(
+    fns: dict[str, Callable[[int], Any]], warmup: int = 1, rounds: int = 7
+) -> dict[str, float]:
+    """Median wall time of one call ``fn(i)`` of each of ``fns`` (ms, by name), their
+    rounds interleaved: round ``r`` times each once, in an order that turns with ``r``, so
+    that a host whose speed drifts over the run (other processes, clocks) weighs on every
+    one alike. For host-bound loops (``generate``), where timing one after the other
+    measured a 1.5x spread from run to run in the ratio."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    names = list(fns)
+    for i in range(warmup):
+        for name in names:
+            fns[name](i)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync()
+            start = time.perf_counter()
+            fns[name](r)
+            sync()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def graph_of(fn: Callable[[int], Any], sets: int = 1) -> tuple[Any, list]:
     """A user's torch CUDA graph of ``fn(0) ... fn(sets - 1)`` (warmed up on a side stream
     first, as torch asks) and the outputs it writes (keep them while replaying)."""

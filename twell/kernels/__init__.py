@@ -20,8 +20,8 @@ NVRTC, sm_90a). The map (docs/design.md has the data flow):
   few tokens (decode; ``light_rows.from_pre`` picks it), weight rows split over a
   thread-block cluster.
 - ``decode_units`` / ``decode_units_{gate,down,scan}.cu``: the whole block for at most
-  192 tokens, divided among the SMs by hidden unit (``PreparedBlock`` takes it for decode
-  calls).
+  ``MAX_ROWS`` tokens (per GPU: 192 on an H100, 64 on an H200), divided among the SMs by
+  hidden unit (``PreparedBlock`` takes it for decode calls).
 - ``heavy_rows`` / ``heavy_rows.cu``: heavy rows: compaction, tensor-core dense math,
   moves to and from fixed-size cuBLAS GEMMs.
 - ``pipeline``: the prepared block's forward pass (routes, then heavy rows).

@@ -36,7 +36,9 @@ from twell.kernels.gate_gemm import tensor_map
 from twell.options import MAX_COLUMNS
 
 #: Most tokens ``PreparedBlock.forward`` sends here; above, the per-token kernels (on an
-#: H100 the route is ahead up to 192 tokens: 49.5 against 53.0 µs at K=2048, N=5632). The
+#: H100 the route is ahead up to 192 tokens: 49.5 against 53.0 µs at K=2048, N=5632; on
+#: an H200 up to 64, where the per-token route's by-columns light rows take over: 29.8
+#: against 31.1 µs at 96 tokens, 33.7 against 45.3 at 192). The
 #: routes sum in different orders, so a row's output bits depend on which side of this
 #: bound M lies.
 MAX_ROWS: int = tuning.value("decode_units.MAX_ROWS")
