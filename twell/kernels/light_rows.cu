@@ -323,6 +323,14 @@ struct ColsShared {
   int bad[TWELL_COLS_WARPS];    // a warp's tiles hold a non-finite value or overflow
 };
 
+// Tiles j0 .. min(j0 + SCAN_BATCH, hi) - 1 of a pre-activation row, this lane's words.
+__device__ __forceinline__ void load_tiles(const uint16_t* __restrict__ src, int j0, int hi,
+                                           int lane, uint32_t (&raw)[SCAN_BATCH][(EPL + 1) / 2]) {
+#pragma unroll
+  for (int b = 0; b < SCAN_BATCH; ++b)
+    if (j0 + b < hi) twell_load_lane<EPL>(src + (j0 + b) * TWELL_TILE + lane * EPL, raw[b]);
+}
+
 // The row's scan by all W warps (scan_row's rule and list): warp w takes tiles
 // [w * tiles / W, (w + 1) * tiles / W), SCAN_BATCH loads in flight, counts them and
 // notes a non-finite value or an overflowing tile; after a barrier every thread knows
@@ -338,9 +346,7 @@ __device__ __forceinline__ bool cols_scan(ColsShared& sm, const uint16_t* __rest
   int count = 0;
   bool bad = false;
   for (int j0 = lo; j0 < hi && !bad; j0 += SCAN_BATCH) {
-#pragma unroll
-    for (int b = 0; b < SCAN_BATCH; ++b)
-      if (j0 + b < hi) twell_load_lane<EPL>(src + (j0 + b) * TWELL_TILE + lane * EPL, raw[b]);
+    load_tiles(src, j0, hi, lane, raw);
 #pragma unroll
     for (int b = 0; b < SCAN_BATCH; ++b) {
       if (j0 + b >= hi) break;
@@ -368,11 +374,7 @@ __device__ __forceinline__ bool cols_scan(ColsShared& sm, const uint16_t* __rest
   heavy |= twell_row_over_limit(total, limit);
   if (heavy) return true;
   for (int j0 = lo; j0 < hi; j0 += SCAN_BATCH) {
-    if (hi - lo > SCAN_BATCH) {  // else raw still holds the range's tiles
-#pragma unroll
-      for (int b = 0; b < SCAN_BATCH; ++b)
-        if (j0 + b < hi) twell_load_lane<EPL>(src + (j0 + b) * TWELL_TILE + lane * EPL, raw[b]);
-    }
+    if (hi - lo > SCAN_BATCH) load_tiles(src, j0, hi, lane, raw);  // else raw holds them
 #pragma unroll
     for (int b = 0; b < SCAN_BATCH; ++b) {
       if (j0 + b >= hi) break;
