@@ -16,9 +16,10 @@
 //   over SLOTS-1 nonzeros, a non-finite value, or more than max_row_nnz active units),
 //   without writing TwELL. Heavy rows get heavy[m] = 1 and are left to heavy_rows.cu;
 //   light rows get heavy[m] = 0. twell_light_rows_from_pre_cols does the same with a
-//   block of 1..TWELL_COLS_WARPS warps per token that split the output's columns, with
-//   the same bits (for batches too small to fill the GPU with one warp per token, and
-//   rows of very different lengths).
+//   block of 1..TWELL_COLS_WARPS warps per token that scan the row together and split
+//   the output's columns, with the same bits (light_rows.py runs it up to COLS_ROWS
+//   tokens: a token's latency split over several warps, and rows of very different
+//   lengths no longer hold up one warp each).
 // Phase 1 writes the row's entries (column | bf16 << 16, ascending columns) to a
 // per-warp list in shared memory. Phase 2 walks the list one entry at a time: the unit's
 // up and down rows are loaded (16-byte loads) before any arithmetic, the up dot product
