@@ -303,14 +303,13 @@ twell_light_rows_from_pre(const uint16_t* __restrict__ x,         // [M, K] (gat
 // as one warp writes it; a scan by warp 0 alone measured 30.4 against 23.6 µs for the
 // kernel at 512 tokens, H200, uniform). The entries' up products are computed a warp per
 // entry (entry e by warp e % W, as the one-warp kernel computes it) into shared memory
-// (asking L2 for the entries' rows ahead, by prefetch instructions, measured slower at
-// every size: 30.2 µs at 512 tokens); then warp w
-// accumulates the 256-column slices w, w + W, ... of the output over all entries in list
-// order, COLS_BATCH entries' down-row slices loaded before any is used. Every output
-// column thus sums its terms in the one-warp kernel's order: the bits of
-// twell_light_rows_from_pre, whatever W. Registers stay low (one slice's sums per lane,
-// not K/32 columns), so many warps fit per SM, and a token's latency, and a long row's
-// work, is split over several of them.
+// (asking L2 for the entries' rows ahead by prefetch instructions measured slower at
+// every size: 30.2 µs at 512 tokens). Then warp w accumulates the 256-column slices w,
+// w + W, ... of the output over all entries in list order, COLS_BATCH entries' down-row
+// slices loaded before any is used. Every output column thus sums its terms in the
+// one-warp kernel's order: the bits of twell_light_rows_from_pre, whatever W. Registers
+// stay low (one slice's sums per lane, not K/32 columns), so many warps fit per SM, and a
+// token's latency, and a long row's work, is split over several of them.
 #define COLS_BATCH 8
 #define COLS_MIN_BLOCKS (NCH <= 8 ? 4 : 2)  // at most 64 registers at K <= 2048, 128 above
 
