@@ -172,15 +172,61 @@ def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monk
         return fake, "captured"
 
     block._capture = capture
-    x = torch.zeros(4, 8)
+    x, y = torch.zeros(4, 8), torch.zeros(2, 8)
     assert block(x) == "captured" and block(x) == "replayed"  # no free yet: at once
     _graphs._cublas_epoch[0] = 1  # the trees freed the workspaces
-    assert block(x) == "eager"  # stale graph dropped; first sighting in this epoch
-    assert block(x) == "captured" and block(x) == "replayed"
+    assert block(y) == "eager"  # a new shape: first sighting in this epoch
+    assert block(y) == "captured" and block(y) == "replayed"
     _graphs._cublas_epoch[0] = 2
-    assert block(x) == "eager"
+    assert block(y) == "eager"  # stale graph dropped
     _graphs._cublas_epoch[0] = 3  # freed again before the shape came back
-    assert block(x) == "eager" and len(captured) == 2
+    assert block(y) == "eager" and len(captured) == 2
+
+
+def test_a_shape_that_lost_its_graph_is_captured_again_after_regain_calls(monkeypatch) -> None:  # noqa: ANN001
+    """A shape whose graph a workspace free dropped is captured again only after
+    REGAIN calls within one epoch: recapturing at once made transformers'
+    static-cache generate capture and re-record at every second call."""
+    monkeypatch.setattr(_graphs, "_capturing", lambda: False)
+    monkeypatch.setattr(_graphs, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_graphs, "_cublas_epoch", [0])
+    monkeypatch.setattr(_graphs, "REGAIN", 3)
+    ran, captured = [], []
+
+    class Density:
+        refresh_every = None
+
+        def decision(self, m: int, read: bool) -> int:
+            return 0
+
+        def measure_next(self) -> None:
+            pass
+
+    class Fake:
+        epoch = 0
+
+        def __call__(self, x, stream):  # noqa: ANN001, ANN204
+            return "replayed"
+
+    block = _graphs.GraphedBlock(lambda t: ran.append(t) or "eager", Density(), [])
+
+    def capture(x, stream):  # noqa: ANN001, ANN202
+        captured.append(x)
+        fake = Fake()
+        fake.epoch = _graphs._cublas_epoch[0]
+        return fake, "captured"
+
+    block._capture = capture
+    x = torch.zeros(4, 8)
+    assert block(x) == "captured" and block(x) == "replayed"
+    _graphs._cublas_epoch[0] = 1
+    assert [block(x) for _ in range(2)] == ["eager"] * 2  # lost: 2 calls of 3 so far
+    _graphs._cublas_epoch[0] = 2  # another free: the count starts again
+    assert [block(x) for _ in range(2)] == ["eager"] * 2
+    assert block(x) == "captured" and block(x) == "replayed" and len(captured) == 2
+    _graphs._cublas_epoch[0] = 3
+    assert block(x) == "eager" and len(ran) == 5
 
 
 def test_a_replay_first_copies_out_what_later_captures_lent() -> None:
