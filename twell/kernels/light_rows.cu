@@ -20,6 +20,9 @@
 //   the output's columns, with the same bits (light_rows.py runs it up to COLS_ROWS
 //   tokens: a token's latency split over several warps, and rows of very different
 //   lengths no longer hold up one warp each).
+// - twell_light_rows_flags writes those row flags alone (pass 1 of the by-columns scan),
+//   for the heavy-row kernels of a call that runs them on a second stream beside the
+//   light rows (pipeline.fused_beside).
 // Phase 1 writes the row's entries (column | bf16 << 16, ascending columns) to a
 // per-warp list in shared memory. Phase 2 walks the list one entry at a time: the unit's
 // up and down rows are loaded (16-byte loads) before any arithmetic, the up dot product
@@ -338,13 +341,13 @@ __device__ __forceinline__ void load_tiles(const uint16_t* __restrict__ src, int
 // thread); a light row's warps then write their entries at their offsets (their tiles
 // read again when a range holds more than SCAN_BATCH of them; L2 hits). Ends with a
 // barrier.
-__device__ __forceinline__ bool cols_scan(ColsShared& sm, const uint16_t* __restrict__ src,
-                                          int tiles, int warp, int warps, int lane,
-                                          int limit, int& total) {
-  const int lo = warp * tiles / warps, hi = (warp + 1) * tiles / warps;
-  uint32_t raw[SCAN_BATCH][(EPL + 1) / 2];
-  int count = 0;
-  bool bad = false;
+// Pass 1 of a warp's tiles [lo, hi): their entries (count) and whether one holds a
+// non-finite value or overflows (bad; the count stops there). raw keeps the last loads.
+__device__ __forceinline__ void cols_count(const uint16_t* __restrict__ src, int lo, int hi,
+                                           int lane, uint32_t (&raw)[SCAN_BATCH][(EPL + 1) / 2],
+                                           int& count, bool& bad) {
+  count = 0;
+  bad = false;
   for (int j0 = lo; j0 < hi && !bad; j0 += SCAN_BATCH) {
     load_tiles(src, j0, hi, lane, raw);
 #pragma unroll
@@ -358,6 +361,16 @@ __device__ __forceinline__ bool cols_scan(ColsShared& sm, const uint16_t* __rest
       count += c;
     }
   }
+}
+
+__device__ __forceinline__ bool cols_scan(ColsShared& sm, const uint16_t* __restrict__ src,
+                                          int tiles, int warp, int warps, int lane,
+                                          int limit, int& total) {
+  const int lo = warp * tiles / warps, hi = (warp + 1) * tiles / warps;
+  uint32_t raw[SCAN_BATCH][(EPL + 1) / 2];
+  int count;
+  bool bad;
+  cols_count(src, lo, hi, lane, raw, count, bad);
   if (lane == 0) {
     sm.count[warp] = count;
     sm.bad[warp] = bad ? 1 : 0;
@@ -398,6 +411,45 @@ __device__ __forceinline__ bool cols_scan(ColsShared& sm, const uint16_t* __rest
   }
   __syncthreads();
   return false;
+}
+
+// The row flags twell_light_rows_from_pre_cols writes, alone: heavy[row] = 1 where the
+// row is heavy by cols_scan's rule (its pass 1: the same counts and the same verdict
+// with any number of warps), else 0; no entries, no gather. A CTA per row, W warps.
+// The fused route runs it on a second stream beside the light rows (in CUDA graphs), so
+// that the heavy-row kernels, which wait for it, do not wait for the gather.
+extern "C" __global__ void __launch_bounds__(TWELL_COLS_WARPS * 32)
+twell_light_rows_flags(const uint16_t* __restrict__ pre,  // [M, N]
+                       uint8_t* __restrict__ heavy,       // [M] out
+                       int M, int N, int max_row_nnz) {
+  twell_grid_wait();
+  twell_grid_release();
+  __shared__ int count[TWELL_COLS_WARPS];
+  __shared__ int bad[TWELL_COLS_WARPS];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const long long row = blockIdx.x;
+  if (row >= M) return;
+  const int tiles = N / TWELL_TILE;
+  uint32_t raw[SCAN_BATCH][(EPL + 1) / 2];
+  int c;
+  bool b;
+  cols_count(pre + row * (long long)N, warp * tiles / warps, (warp + 1) * tiles / warps, lane,
+             raw, c, b);
+  if (lane == 0) {
+    count[warp] = c;
+    bad[warp] = b ? 1 : 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int total = 0;
+    bool is_heavy = false;
+    for (int w = 0; w < warps; ++w) {
+      total += count[w];
+      is_heavy |= bad[w] != 0;
+    }
+    is_heavy |= twell_row_over_limit(total, min(max_row_nnz, LIST_CAP));
+    heavy[row] = is_heavy ? 1 : 0;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(TWELL_COLS_WARPS * 32, COLS_MIN_BLOCKS)

@@ -138,6 +138,25 @@ def from_pre(
             max_row_nnz, after_gemm=True, dense=dense)  # fmt: skip
 
 
+def flags(pre: Any, heavy: Any, *, kdim: int, gated: bool, tile: int, slots: int,
+          max_row_nnz: int) -> None:  # fmt: skip
+    """``heavy[m]`` = 1 where row ``m`` of ``pre [M, N]`` is heavy by the rule of
+    :func:`from_pre`'s kernels (:data:`COLS`'s scan: the flags it writes, alone), else 0;
+    nothing gathered. Built with the block's ``KDIM`` and ``GATED`` (the module
+    :func:`from_pre` compiles). A plain launch: the fused route runs it first on a second
+    stream (twell.kernels.pipeline.fused_beside)."""
+    m, n = pre.shape
+    if max_row_nnz < 0:
+        raise ValueError(f"max_row_nnz must be >= 0, got {max_row_nnz}")
+    if m == 0:
+        return
+    kernel = SOURCE.kernel("twell_light_rows_flags", KDIM=kdim, TILE=tile, SLOTS=slots,
+                           GATED=int(gated))  # fmt: skip
+    warps = max(1, min(COLS_WARPS, n // tile))
+    args = (u16(pre), heavy, np.int32(m), np.int32(n), np.int32(max_row_nnz))
+    launch_after(kernel, (m,), (32 * warps,), args, overlap=False)
+
+
 def from_twell(
     x: Any | None, packed: Any, heavy: Any, w_up: Any | None, w_down_t: Any, y: Any, *,
     tile: int, slots: int, max_row_nnz: int | None = None, row_l1: Any | None = None,

@@ -62,7 +62,14 @@ import numpy as np
 
 from twell import tuning
 from twell._arrays import bfloat16
-from twell.kernels import decode_units, gate_gemm, heavy_rows, light_rows, light_rows_sliced
+from twell.kernels import (
+    decode_units,
+    gate_gemm,
+    heavy_rows,
+    light_rows,
+    light_rows_decode,
+    light_rows_sliced,
+)
 from twell.kernels.activations import Activations, row_capacity
 from twell.kernels.buffers import alloc, check_out, empty_bf16, keep_for_graph
 from twell.kernels.convert import as_bf16, from_bf16, transpose
@@ -269,10 +276,16 @@ class PreparedBlock:
             r = row_capacity(self.max_row_nnz, self.n, self.options.tile, self.options.slots, m)
             up = alloc((m, r), np.float32)
         targets = SaveTargets(row_l1, up) if save else None
+        capacity = self.options.capacity_rows(m)  # "auto": 0 (small batches: the tiles)
+        if in_capture and path == "fused" and not save and not counted and not capacity and (
+            BESIDE and light_rows_decode.DECODE_ROWS_BELOW < m <= heavy_rows.FLAG_ROWS
+        ):  # fmt: skip
+            light, scratch = fused_beside(self, xb, y)
+            self._keep([xb, y, light.pre, light.heavy, *scratch])
+            return from_bf16(y, x.dtype)
         light = (
             ROUTES[path](self, xb, y, targets, per_call) if m else LightRows(alloc((0,), np.uint8))
         )
-        capacity = self.options.capacity_rows(m)  # "auto": 0 (small batches: the tiles)
         if not save and m <= heavy_rows.FLAG_ROWS and not capacity:
             # Small batches: the heavy-row kernels compact the row flags themselves.
             ids = count = None
@@ -438,6 +451,54 @@ ROUTES: dict[str, Route] = {
     "pack": _route_pack,
     "sliced": _route_sliced,
 }
+
+
+#: Whether captured calls of the fused route with at most ``heavy_rows.FLAG_ROWS``
+#: tokens take their heavy rows beside the light rows (:func:`fused_beside`).
+BESIDE = True
+#: (device) -> the second stream of :func:`fused_beside`.
+_beside_streams: dict[int, Any] = {}
+
+
+def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[Any]]:
+    """The fused route and the heavy-row stage of a call of at most
+    ``heavy_rows.FLAG_ROWS`` tokens (no capacity), as two branches after the gate GEMM:
+    the light rows (the by-columns kernel) on CuPy's current stream; on a second stream,
+    the row flags alone (``light_rows.flags``: the rule the light rows apply, so the two
+    branches split the rows between them) and then the heavy-row kernels, which read
+    those flags. The current stream waits for the second at the end. Where no row is
+    heavy, the heavy-row kernels end while the light rows still run, instead of after
+    them (their launch latency, a few µs, left the call's critical path). The same
+    kernels and flags as the sequential stages: the same bits. Used in CUDA-graph
+    captures (twell's call graphs, the caller's), where the fork and join are graph
+    edges; plain launches keep the stages in one stream (the events would cost host
+    time). Returns the light rows (their flags) and the scratch buffers."""
+    import cupy
+
+    m = x.shape[0]
+    pre = gemm_nt(x, block.w_first)
+    heavy, flags = alloc((m,), np.uint8), alloc((m,), np.uint8)
+    main = cupy.cuda.get_current_stream()
+    side = _beside_streams.get(x.device.id)
+    if side is None:
+        side = _beside_streams[x.device.id] = cupy.cuda.Stream(non_blocking=True)
+    fork = cupy.cuda.Event(disable_timing=True)
+    fork.record(main)
+    gated = block.gated
+    light_rows.from_pre(
+        x if gated else None, pre, heavy, block.w_up if gated else None, block.w_down_t, y,
+        tile=block.options.tile, slots=block.options.slots, max_row_nnz=block.max_row_nnz,
+    )  # fmt: skip
+    side.wait_event(fork)
+    with side:
+        light_rows.flags(pre, flags, kdim=block.k, gated=gated, tile=block.options.tile,
+                         slots=block.options.slots, max_row_nnz=block.max_row_nnz)  # fmt: skip
+        scratch = heavy_rows_stage(block, x, LightRows(flags, pre=pre), None, None, y,
+                                   capacity=0)  # fmt: skip
+        join = cupy.cuda.Event(disable_timing=True)
+        join.record(side)
+    main.wait_event(join)
+    return LightRows(heavy, pre=pre), [flags, *scratch]
 
 
 # ---------------------------------------------------------------------- heavy rows
