@@ -70,6 +70,7 @@ def test_every_dependent_kernel_is_checked():
         "twell_units_gate_up", "twell_units_down", "twell_units_down_scan64",
         "twell_units_down_scan128", "twell_heavy_rows_matmul", "twell_compact_rows",
         "twell_light_rows_from_pre", "twell_light_rows_from_pre_cols",
+        "twell_light_rows_from_pre_cols_deep",
         "twell_light_rows_decode",
     }  # fmt: skip
 

@@ -115,7 +115,8 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
         w_down_t: np.ndarray, *, tile: int, slots: int, max_row_nnz: int, warps: int = 8,
         dense: int | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """``(heavy, y bits)`` from the decode kernel (``"decode"``), the one-warp kernel
-    (``"row"``) or the by-columns kernel (``"cols"``, ``warps`` warps per token), on
+    (``"row"``) or the by-columns kernel (``"cols"``, or its small batches' build
+    ``"deep"``; ``warps`` warps per token), on
     poisoned buffers; ``dense``: the call's decision those two read (None: none passed;
     given, the heavy flags start at 0 instead of the poison)."""
     m, k = pre.shape[0], w_down_t.shape[1]
@@ -128,8 +129,9 @@ def run(kernel: str, x: np.ndarray | None, pre: np.ndarray, w_up: np.ndarray,
         light_rows_decode.from_pre(xg, pg, heavy, wu, wdt, y, tile=tile, slots=slots,
                                    max_row_nnz=max_row_nnz)  # fmt: skip
     else:
-        function, warps = (light_rows.COLS, warps) if kernel == "cols" else (
-            "twell_light_rows_from_pre", 1)  # fmt: skip
+        function, warps = {"cols": (light_rows.COLS, warps),
+                           "deep": (light_rows.COLS_DEEP, warps)}.get(
+            kernel, ("twell_light_rows_from_pre", 1))  # fmt: skip
         flag = None if dense is None else cp.asarray([dense, 0], dtype=cp.int32)
         if dense is not None:  # flags start at 0: a decision's rows must be flagged by it
             heavy.fill(0)
@@ -263,15 +265,18 @@ def cols_problem(m: int, k: int, gated: bool, seed: int, p: float = 0.01) -> tup
     return x, pre, w_up, w_down_t, {"tile": 256, "slots": 32, "max_row_nnz": limit}
 
 
+@pytest.mark.parametrize("kernel", ["cols", "deep"])
 @pytest.mark.parametrize("warps", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("k", [264, 2048, 4096])
-def test_cols_kernel_gives_the_one_warp_kernels_bits(warps: int, gated: bool, k: int) -> None:
-    """The by-columns kernel at W warps per token: each output column sums its entries in
-    the one-warp kernel's order, so heavy flags and every bit of y equal that kernel's
-    (heavy rows untouched), whatever W; close to float64 math."""
+def test_cols_kernel_gives_the_one_warp_kernels_bits(
+    warps: int, gated: bool, k: int, kernel: str
+) -> None:
+    """The by-columns kernel (and its deep build) at W warps per token: each output
+    column sums its entries in the one-warp kernel's order, so heavy flags and every bit
+    of y equal that kernel's (heavy rows untouched), whatever W; close to float64 math."""
     x, pre, w_up, w_down_t, kw = cols_problem(133, k, gated, seed=warps)
-    heavy, y = run("cols", x, pre, w_up, w_down_t, warps=warps, **kw)
+    heavy, y = run(kernel, x, pre, w_up, w_down_t, warps=warps, **kw)
     want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(heavy, want_heavy)
     np.testing.assert_array_equal(heavy, expected_heavy(pre, 256, 32, kw["max_row_nnz"]))
@@ -281,7 +286,7 @@ def test_cols_kernel_gives_the_one_warp_kernels_bits(warps: int, gated: bool, k:
     assert rel_err(values(y[light]), dense_rows(x, pre, w_up, w_down_t, light)[light]) <= TOL
 
 
-@pytest.mark.parametrize("kernel", ["row", "cols"])
+@pytest.mark.parametrize("kernel", ["row", "cols", "deep"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_the_calls_decision_flags_every_row_or_none(kernel: str, gated: bool) -> None:
     """The light-row kernels from a pre-activation read the call's decision: set, every
@@ -296,8 +301,9 @@ def test_the_calls_decision_flags_every_row_or_none(kernel: str, gated: bool) ->
     np.testing.assert_array_equal(clear, want)
 
 
+@pytest.mark.parametrize("kernel", ["cols", "deep"])
 @pytest.mark.parametrize("warps", [1, 8])
-def test_cols_kernel_at_the_list_capacity(warps: int) -> None:
+def test_cols_kernel_at_the_list_capacity(warps: int, kernel: str) -> None:
     """Rows of exactly LIST_CAPACITY entries (light) and one more (heavy), the row limit at
     the capacity: the by-columns kernel's flags and bits are the one-warp kernel's."""
     m, k, tile, slots = 12, 264, 256, 128
@@ -310,9 +316,10 @@ def test_cols_kernel_at_the_list_capacity(warps: int) -> None:
     w_up, w_down_t = weights(N_MAIN, k, seed=4)
     x = bf16_bits(rng.standard_normal((m, k)))
     kw = {"tile": tile, "slots": slots, "max_row_nnz": LIST_CAPACITY}
-    heavy, y = run("cols", x, pre, w_up, w_down_t, warps=warps, **kw)
+    heavy, y = run(kernel, x, pre, w_up, w_down_t, warps=warps, **kw)
     want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(heavy, want_heavy)
+    np.testing.assert_array_equal(flags(pre, k, x is not None, **kw), want_heavy)
     assert not heavy[2] and heavy[5] and not heavy[7]
     np.testing.assert_array_equal(y, want)
     light = ~heavy
@@ -322,18 +329,47 @@ def test_cols_kernel_at_the_list_capacity(warps: int) -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, 300), k=st.sampled_from([8, 136, 1032, 2048]), gated=st.booleans(),
        p=st.sampled_from([0.0, 0.002, 0.01, 0.03]), warps=st.integers(1, 8),
-       seed=st.integers(0, 2**16))  # fmt: skip
-def test_hypothesis_cols_kernel(m: int, k: int, gated: bool, p: float, warps: int, seed: int):
+       seed=st.integers(0, 2**16), kernel=st.sampled_from(["cols", "deep"]))  # fmt: skip
+def test_hypothesis_cols_kernel(
+    m: int, k: int, gated: bool, p: float, warps: int, seed: int, kernel: str
+) -> None:
     rng = np.random.default_rng(seed)
     limit = default_max_row_nnz(N_MAIN)
     pre = random_pre(rng, m, N_MAIN, p)
     w_up, w_down_t = weights(N_MAIN, k, seed=seed)
     x = bf16_bits(rng.standard_normal((m, k))) if gated else None
     kw = {"tile": 256, "slots": 32, "max_row_nnz": limit}
-    heavy, y = run("cols", x, pre, w_up, w_down_t, warps=warps, **kw)
+    heavy, y = run(kernel, x, pre, w_up, w_down_t, warps=warps, **kw)
     want_heavy, want = run("row", x, pre, w_up, w_down_t, **kw)
     np.testing.assert_array_equal(heavy, want_heavy)
+    np.testing.assert_array_equal(flags(pre, k, gated, **kw), want_heavy)
     np.testing.assert_array_equal(y, want)
+
+
+def flags(pre: np.ndarray, k: int, gated: bool, *, tile: int, slots: int,
+          max_row_nnz: int) -> np.ndarray:  # fmt: skip
+    """The heavy flags of light_rows.flags (the flags-only scan), poisoned first."""
+    heavy = buffers.alloc((pre.shape[0],), np.uint8)
+    heavy.fill(7)
+    light_rows.flags(cp.asarray(pre), heavy, kdim=k, gated=gated, tile=tile, slots=slots,
+                     max_row_nnz=max_row_nnz)  # fmt: skip
+    out = heavy.get()
+    assert set(np.unique(out)) <= {0, 1}
+    return out.astype(bool)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_flags_kernel_gives_the_light_rows_verdict(gated: bool) -> None:
+    """light_rows.flags writes the flags the light-row kernels write (heavy: an
+    overflowing tile, a non-finite value, more units than the row limit), NaN and Inf
+    rows among them."""
+    x, pre, w_up, w_down_t, kw = cols_problem(133, 264, gated, seed=11)
+    pre = pre.copy()
+    pre[3, 17], pre[9, 4000] = 0x7FC0, 0xFF80  # NaN, -Inf (bf16 bits)
+    want_heavy, _ = run("row", x, pre, w_up, w_down_t, **kw)
+    assert want_heavy[3] and want_heavy[9] and (~want_heavy).any()
+    np.testing.assert_array_equal(flags(pre, 264, gated, **kw), want_heavy)
+    np.testing.assert_array_equal(want_heavy, expected_heavy(pre, 256, 32, kw["max_row_nnz"]))
 
 
 @pytest.mark.parametrize("warps", [1, 4])

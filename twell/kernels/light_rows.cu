@@ -20,6 +20,9 @@
 //   the output's columns, with the same bits (light_rows.py runs it up to COLS_ROWS
 //   tokens: a token's latency split over several warps, and rows of very different
 //   lengths no longer hold up one warp each).
+// - twell_light_rows_from_pre_cols_deep is its build for small batches: twice the
+//   registers, two entries' up rows and two batches of down-row slices in flight per
+//   warp; the same bits.
 // - twell_light_rows_flags writes those row flags alone (pass 1 of the by-columns scan),
 //   for the heavy-row kernels of a call that runs them on a second stream beside the
 //   light rows (pipeline.fused_beside).
@@ -452,10 +455,46 @@ twell_light_rows_flags(const uint16_t* __restrict__ pre,  // [M, N]
   }
 }
 
-extern "C" __global__ void __launch_bounds__(TWELL_COLS_WARPS * 32, COLS_MIN_BLOCKS)
-twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
-  twell_grid_wait();
-  twell_grid_release();
+// The entry's up row, this lane's chunks (row 0 where n is invalid, as entry_unit reads).
+__device__ __forceinline__ void load_up(const uint16_t* __restrict__ w_up, int n, int lane,
+                                        uint4 (&a)[NCH]) {
+  const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
+#pragma unroll
+  for (int c = 0; c < NCH; ++c)
+    a[c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(up + c * 32 + lane)
+                                                        : make_uint4(0, 0, 0, 0);
+}
+
+// Entries e0 .. e0 + COLS_BATCH - 1's down-row slices c, this lane's words (zero past the
+// list's end).
+__device__ __forceinline__ void load_down(const ColsShared& sm,
+                                          const uint16_t* __restrict__ w_down_t, int e0,
+                                          int total, int N, int c, int lane, bool ok,
+                                          uint4 (&b)[COLS_BATCH]) {
+#pragma unroll
+  for (int j = 0; j < COLS_BATCH; ++j) {
+    const int e = e0 + j;
+    int n = e < total ? (int)(sm.list[e] & 0xffffu) : 0;
+    if (n >= N) n = 0;
+    const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
+    b[j] = ok && e < total ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void add_down(const ColsShared& sm, int e0, int total,
+                                         const uint4 (&b)[COLS_BATCH], float (&acc)[8]) {
+#pragma unroll
+  for (int j = 0; j < COLS_BATCH; ++j)
+    if (e0 + j < total) twell_axpy8(sm.h[e0 + j], b[j], acc);
+}
+
+// The by-columns kernel's work for one token (a CTA). DEEP (the build for small batches,
+// twice the registers): a warp loads the up rows of two entries before either product,
+// and the next batch of down-row slices before adding the current one, so fewer memory
+// round trips follow one another. The same products and the same order of every sum:
+// the same bits.
+template <bool DEEP>
+__device__ __forceinline__ void cols_token(TWELL_COLS_ARGS) {
   __shared__ ColsShared sm;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const long long row = blockIdx.x;
@@ -475,8 +514,9 @@ twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
                                   lane, min(max_row_nnz, LIST_CAP), total);
   if (threadIdx.x == 0) heavy[row] = is_heavy ? 1 : 0;
   if (is_heavy) return;
-  // The entries' h = g * (x·w_up[n]) (non-gated: g), as use_unit computes it.
-  for (int e = warp; e < total; e += warps) {
+  // The entries' h = g * (x·w_up[n]) (non-gated: g), as use_unit computes it; DEEP: entry
+  // e and e + W by warp e % W.
+  for (int e = warp; e < total; e += (DEEP ? 2 : 1) * warps) {
     const uint32_t entry = sm.list[e];
     int n = entry & 0xffffu;
     float value = twell_hi_bf16(entry);
@@ -484,16 +524,36 @@ twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
       n = 0;
       value = 0.f;
     }
+    const int e2 = e + warps;
+    int n2 = 0;
+    float value2 = 0.f;
+    if (DEEP && e2 < total) {
+      const uint32_t entry2 = sm.list[e2];
+      n2 = entry2 & 0xffffu;
+      value2 = twell_hi_bf16(entry2);
+      if (n2 >= N) {
+        n2 = 0;
+        value2 = 0.f;
+      }
+    }
 #if TWELL_GATED
-    const uint4* up = reinterpret_cast<const uint4*>(w_up + (long long)n * TWELL_KDIM);
     uint4 a[NCH];
-#pragma unroll
-    for (int c = 0; c < NCH; ++c)
-      a[c] = twell_slice_lane_valid(c, lane, TWELL_KDIM) ? __ldg(up + c * 32 + lane)
-                                                          : make_uint4(0, 0, 0, 0);
+    load_up(w_up, n, lane, a);
+    if (DEEP) {
+      uint4 a2[NCH];
+      load_up(w_up, n2, lane, a2);
+      const float h = value * up_product(sm.x, a, lane);
+      const float h2 = value2 * up_product(sm.x, a2, lane);
+      if (lane == 0) {
+        sm.h[e] = h;
+        if (e2 < total) sm.h[e2] = h2;
+      }
+      continue;
+    }
     const float h = value * up_product(sm.x, a, lane);
 #else
     const float h = value;
+    if (DEEP && lane == 0 && e2 < total) sm.h[e2] = value2;
 #endif
     if (lane == 0) sm.h[e] = h;
   }
@@ -505,22 +565,44 @@ twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-    for (int e0 = 0; e0 < total; e0 += COLS_BATCH) {
-      uint4 b[COLS_BATCH];
-#pragma unroll
-      for (int j = 0; j < COLS_BATCH; ++j) {
-        const int e = e0 + j;
-        int n = e < total ? (int)(sm.list[e] & 0xffffu) : 0;
-        if (n >= N) n = 0;
-        const uint4* down = reinterpret_cast<const uint4*>(w_down_t + (long long)n * TWELL_KDIM);
-        b[j] = ok && e < total ? __ldg(down + c * 32 + lane) : make_uint4(0, 0, 0, 0);
+    if (DEEP) {  // two batches of slices in flight: b0 is added while b1 loads
+      uint4 b0[COLS_BATCH], b1[COLS_BATCH];
+      load_down(sm, w_down_t, 0, total, N, c, lane, ok, b0);
+      for (int e0 = 0; e0 < total; e0 += 2 * COLS_BATCH) {
+        if (e0 + COLS_BATCH < total)
+          load_down(sm, w_down_t, e0 + COLS_BATCH, total, N, c, lane, ok, b1);
+        add_down(sm, e0, total, b0, acc);
+        if (e0 + COLS_BATCH >= total) break;
+        if (e0 + 2 * COLS_BATCH < total)
+          load_down(sm, w_down_t, e0 + 2 * COLS_BATCH, total, N, c, lane, ok, b0);
+        add_down(sm, e0 + COLS_BATCH, total, b1, acc);
       }
-#pragma unroll
-      for (int j = 0; j < COLS_BATCH; ++j)
-        if (e0 + j < total) twell_axpy8(sm.h[e0 + j], b[j], acc);
+    } else {
+      for (int e0 = 0; e0 < total; e0 += COLS_BATCH) {
+        uint4 b[COLS_BATCH];
+        load_down(sm, w_down_t, e0, total, N, c, lane, ok, b);
+        add_down(sm, e0, total, b, acc);
+      }
     }
     if (ok) store_slice(out, c, lane, acc);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(TWELL_COLS_WARPS * 32, COLS_MIN_BLOCKS)
+twell_light_rows_from_pre_cols(TWELL_COLS_ARGS) {
+  twell_grid_wait();
+  twell_grid_release();
+  cols_token<false>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz, dense);
+}
+
+// The small batches' build (light_rows.py: COLS_DEEP_ROWS): twice the registers of the
+// kernel above, which keeps four CTAs of 8 warps on an SM at K <= 2048; a batch of at
+// most two CTAs per SM needs no more.
+extern "C" __global__ void __launch_bounds__(TWELL_COLS_WARPS * 32, COLS_MIN_BLOCKS / 2)
+twell_light_rows_from_pre_cols_deep(TWELL_COLS_ARGS) {
+  twell_grid_wait();
+  twell_grid_release();
+  cols_token<true>(x, pre, heavy, w_up, w_down_t, y, M, N, max_row_nnz, dense);
 }
 
 extern "C" __global__ void __launch_bounds__(TWELL_ROW_WARPS * 32, MIN_BLOCKS)

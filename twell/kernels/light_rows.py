@@ -42,12 +42,22 @@ COLS_WARPS = 8
 #: has the measurements), and most that take it with COLS_WARPS warps a token (4 above).
 COLS_ROWS = 16384
 COLS_WIDE_ROWS = 4096
+#: The by-columns kernel's build for small batches (twice the registers: two entries'
+#: up rows and two batches of down-row slices in flight per warp; two CTAs of 8 warps per
+#: SM instead of four), and the most tokens that take it (0: never). H200, K=2048,
+#: N=5632, the kernel alone in a graph (µs, default build / deep): uniform 64 tokens 11.1
+#: / 10.0, 128 11.5 / 10.8, 256 15.3 / 14.2, 384 19.5 / 24.7 (two waves), 1024 40.7 /
+#: 48.4; paperlike 128 25.2 / 21.5, 256 31.0 / 25.5. The block in a torch graph, where
+#: the heavy rows' stream shares the SMs (pipeline.fused_beside): 128 tokens 28.4 against
+#: 29.9, 256 38.5 against 37.2. Same bits.
+COLS_DEEP = "twell_light_rows_from_pre_cols_deep"
+COLS_DEEP_ROWS = 128
 
 SOURCE = declare(
     Source(
         "light_rows.cu",
         parameters=("KDIM", "TILE", "SLOTS", "GATED"),
-        dependent=("twell_light_rows_from_pre", COLS),
+        dependent=("twell_light_rows_from_pre", COLS, COLS_DEEP),
         constants={
             "ROW_WARPS": ROW_WARPS, "ROW_MIN_BLOCKS": ROW_MIN_BLOCKS, "SCAN_SIMD": SCAN_SIMD,
             "COLS_WARPS": COLS_WARPS, "LIST_CAPACITY": LIST_CAPACITY,
@@ -133,7 +143,8 @@ def from_pre(
         return
     function, grid, block = "twell_light_rows_from_pre", math.ceil(m / ROW_WARPS), ROW_WARPS
     if m <= COLS_ROWS:
-        function, grid, block = COLS, m, cols_warps(m, y.shape[1])
+        function = COLS_DEEP if m <= COLS_DEEP_ROWS else COLS
+        grid, block = m, cols_warps(m, y.shape[1])
     _launch(function, grid, 32 * block, x, u16(pre), heavy, w_up, w_down_t, y, tile, slots,
             max_row_nnz, after_gemm=True, dense=dense)  # fmt: skip
 
