@@ -138,10 +138,10 @@ def test_graphs_of_a_freed_cublas_workspace_are_not_replayed(monkeypatch) -> Non
     assert calls == [1] and not _graphs._current(Captured())
 
 
-def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monkeypatch) -> None:  # noqa: ANN001
-    """Once torch's graph trees have freed the cuBLAS workspaces, a shape is captured only
-    when it comes back within one epoch (a generate call's prefill, between two
-    recordings of the trees, runs eagerly instead of capturing a graph per call)."""
+def _epoch_block(monkeypatch) -> tuple:  # noqa: ANN001
+    """A GraphedBlock whose eager runs and captures are recorded, without a GPU: its run
+    returns "eager", a capture "captured" (and a graph of the current cuBLAS epoch that
+    replays as "replayed"). Returns the block and the lists of runs and captures."""
     monkeypatch.setattr(_graphs, "_capturing", lambda: False)
     monkeypatch.setattr(_graphs, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
@@ -172,6 +172,14 @@ def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monk
         return fake, "captured"
 
     block._capture = capture
+    return block, ran, captured
+
+
+def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monkeypatch) -> None:  # noqa: ANN001
+    """Once torch's graph trees have freed the cuBLAS workspaces, a shape is captured only
+    when it comes back within one epoch (a generate call's prefill, between two
+    recordings of the trees, runs eagerly instead of capturing a graph per call)."""
+    block, ran, captured = _epoch_block(monkeypatch)
     x, y = torch.zeros(4, 8), torch.zeros(2, 8)
     assert block(x) == "captured" and block(x) == "replayed"  # no free yet: at once
     _graphs._cublas_epoch[0] = 1  # the trees freed the workspaces
@@ -187,37 +195,8 @@ def test_a_shape_that_lost_its_graph_is_captured_again_after_regain_calls(monkey
     """A shape whose graph a workspace free dropped is captured again only after
     REGAIN calls within one epoch: recapturing at once made transformers'
     static-cache generate capture and re-record at every second call."""
-    monkeypatch.setattr(_graphs, "_capturing", lambda: False)
-    monkeypatch.setattr(_graphs, "_raw_stream", lambda device: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(_graphs, "_cublas_epoch", [0])
+    block, ran, captured = _epoch_block(monkeypatch)
     monkeypatch.setattr(_graphs, "REGAIN", 3)
-    ran, captured = [], []
-
-    class Density:
-        refresh_every = None
-
-        def decision(self, m: int, read: bool) -> int:
-            return 0
-
-        def measure_next(self) -> None:
-            pass
-
-    class Fake:
-        epoch = 0
-
-        def __call__(self, x, stream):  # noqa: ANN001, ANN204
-            return "replayed"
-
-    block = _graphs.GraphedBlock(lambda t: ran.append(t) or "eager", Density(), [])
-
-    def capture(x, stream):  # noqa: ANN001, ANN202
-        captured.append(x)
-        fake = Fake()
-        fake.epoch = _graphs._cublas_epoch[0]
-        return fake, "captured"
-
-    block._capture = capture
     x = torch.zeros(4, 8)
     assert block(x) == "captured" and block(x) == "replayed"
     _graphs._cublas_epoch[0] = 1

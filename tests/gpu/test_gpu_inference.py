@@ -96,6 +96,17 @@ def _llama(layers: int = 2, l0: float = 12.0):  # noqa: ANN202
     return model
 
 
+def _twins():  # noqa: ANN202
+    """A fresh dynamo cache, the small Llama sparsified, and its dense twin."""
+    import copy
+
+    torch._dynamo.reset()
+    model = _llama()
+    dense = copy.deepcopy(model)
+    sparsify(model)
+    return model, dense
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 def test_generate_with_the_static_cache_compiled_runs_and_stays_greedy(batch: int) -> None:
     """transformers compiles the decode step for a static cache (reduce-overhead, on
@@ -105,14 +116,10 @@ def test_generate_with_the_static_cache_compiled_runs_and_stays_greedy(batch: in
     exact greedy tie may break the other way; the dense twin, compiled, is held to the
     same bound)."""
     pytest.importorskip("transformers")
-    import copy
 
     from twell.testing import llama
 
-    torch._dynamo.reset()
-    model = _llama()
-    dense = copy.deepcopy(model)
-    sparsify(model)
+    model, dense = _twins()
     ids = llama.random_tokens(model, batch, 16, seed=3)
     kwargs = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
     with torch.no_grad():
@@ -141,15 +148,11 @@ def test_repeated_static_cache_generate_records_no_more_than_dense() -> None:
     which takes the by-unit decode route, both models of this size record at most calls,
     and twell's a little more often: 8 against 6 over four calls, H200.)"""
     pytest.importorskip("transformers")
-    import copy
 
     from twell import _graphs
     from twell.testing import llama
 
-    torch._dynamo.reset()
-    model = _llama()
-    dense = copy.deepcopy(model)
-    sparsify(model)
+    model, dense = _twins()
     ids = llama.random_tokens(model, 1, 128, seed=5)
     kwargs = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False,
               "cache_implementation": "static"}  # fmt: skip
@@ -171,14 +174,10 @@ def test_compiled_llama_forward_and_training_step() -> None:
     differ from the eager step's no more than the dense twin's compiled gradients differ
     from its eager ones (bf16 rounding through a random model)."""
     pytest.importorskip("transformers")
-    import copy
 
     from twell.testing import llama
 
-    torch._dynamo.reset()
-    model = _llama()
-    dense = copy.deepcopy(model)
-    sparsify(model)
+    model, dense = _twins()
     ids = llama.random_tokens(model, 2, 64, seed=4)
     with torch.no_grad():
         eager_logits = model(ids).logits.float()
