@@ -456,8 +456,10 @@ ROUTES: dict[str, Route] = {
 #: Whether captured calls of the fused route with at most ``heavy_rows.FLAG_ROWS``
 #: tokens take their heavy rows beside the light rows (:func:`fused_beside`).
 BESIDE = True
-#: (device) -> the second stream of :func:`fused_beside`.
-_beside_streams: dict[int, Any] = {}
+#: (device, stream) -> the second stream of :func:`fused_beside` for captures on that
+#: stream (a stream belongs to one capture at a time: two threads capturing on two
+#: streams get two).
+_beside_streams: dict[tuple[int, int], Any] = {}
 
 
 def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[Any]]:
@@ -479,9 +481,10 @@ def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[
     pre = gemm_nt(x, block.w_first)
     heavy, flags = alloc((m,), np.uint8), alloc((m,), np.uint8)
     main = cupy.cuda.get_current_stream()
-    side = _beside_streams.get(x.device.id)
+    key = (x.device.id, main.ptr)
+    side = _beside_streams.get(key)
     if side is None:
-        side = _beside_streams[x.device.id] = cupy.cuda.Stream(non_blocking=True)
+        side = _beside_streams[key] = cupy.cuda.Stream(non_blocking=True)
     fork = cupy.cuda.Event(disable_timing=True)
     fork.record(main)
     gated = block.gated
