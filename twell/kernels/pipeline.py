@@ -383,14 +383,21 @@ def _route_fused(
             "the fused route writes no TwELL, row_l1 or up products (use epilogue or pack)"
         )
     pre = gemm_nt(x, block.w_first)
-    heavy = alloc((x.shape[0],), np.uint8)
     dense = block.decide(x.shape[0], pre=pre) if decide else None
+    return LightRows(_light_from_pre(block, x, pre, y, dense), pre=pre, dense=dense)
+
+
+def _light_from_pre(block: PreparedBlock, x: Any, pre: Any, y: Any, dense: Any = None) -> Any:
+    """The light rows of ``y`` from the gate's pre-activation (light_rows.from_pre with the
+    block's weights and options); returns the row flags it wrote."""
+    heavy = alloc((x.shape[0],), np.uint8)
+    gated = block.gated
     light_rows.from_pre(
-        x if block.gated else None, pre, heavy, block.w_up if block.gated else None,
-        block.w_down_t, y, tile=block.options.tile, slots=block.options.slots,
-        max_row_nnz=block.max_row_nnz, dense=dense,
+        x if gated else None, pre, heavy, block.w_up if gated else None, block.w_down_t, y,
+        tile=block.options.tile, slots=block.options.slots, max_row_nnz=block.max_row_nnz,
+        dense=dense,
     )  # fmt: skip
-    return LightRows(heavy, pre=pre, dense=dense)
+    return heavy
 
 
 def _from_twell(
@@ -477,9 +484,8 @@ def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[
     time). Returns the light rows (their flags) and the scratch buffers."""
     import cupy
 
-    m = x.shape[0]
     pre = gemm_nt(x, block.w_first)
-    heavy, flags = alloc((m,), np.uint8), alloc((m,), np.uint8)
+    flags = alloc((x.shape[0],), np.uint8)
     main = cupy.cuda.get_current_stream()
     key = (x.device.id, main.ptr)
     side = _beside_streams.get(key)
@@ -487,14 +493,10 @@ def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[
         side = _beside_streams[key] = cupy.cuda.Stream(non_blocking=True)
     fork = cupy.cuda.Event(disable_timing=True)
     fork.record(main)
-    gated = block.gated
-    light_rows.from_pre(
-        x if gated else None, pre, heavy, block.w_up if gated else None, block.w_down_t, y,
-        tile=block.options.tile, slots=block.options.slots, max_row_nnz=block.max_row_nnz,
-    )  # fmt: skip
+    heavy = _light_from_pre(block, x, pre, y)
     side.wait_event(fork)
     with side:
-        light_rows.flags(pre, flags, kdim=block.k, gated=gated, tile=block.options.tile,
+        light_rows.flags(pre, flags, kdim=block.k, gated=block.gated, tile=block.options.tile,
                          slots=block.options.slots, max_row_nnz=block.max_row_nnz)  # fmt: skip
         scratch = heavy_rows_stage(block, x, LightRows(flags, pre=pre), None, None, y,
                                    capacity=0)  # fmt: skip
