@@ -1,7 +1,8 @@
 """twell._graphs without a GPU: which instantiation of a re-pointed call graph a call
 launches, and when it re-points one (fake instantiations stand in for the driver's; the
-launches themselves run in the GPU tests, test_gpu_serving.py); which lent tensors a
-training op graph copies out before it replays (the replays: test_gpu_training_policy.py)."""
+launches themselves run in the GPU tests, test_gpu_serving.py); how a graph pool is
+held; which lent tensors a training op graph copies out before it replays (the replays:
+test_gpu_training_policy.py)."""
 
 from __future__ import annotations
 
@@ -472,3 +473,42 @@ def test_the_lease_list_stays_short_without_replays() -> None:
     del held[:]
     graphs._protect(graphs.captures)
     assert graphs._leases == []
+
+
+def test_the_graphs_pool_holds_one_use_while_a_graph_of_it_lives(monkeypatch) -> None:  # noqa: ANN001
+    """_pool creates a graph pool holding one use of it for as long as a graph captured
+    into it lives (the routing before a capture must never find it unused), and gives
+    that use back when the last such graph goes; a later capture takes a new pool."""
+    import gc
+
+    calls = []
+    names = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool",
+             "_cuda_releasePool")  # fmt: skip
+    for name in names:
+        monkeypatch.setattr(torch._C, name, lambda d, p, name=name: calls.append((name, p)),
+                            raising=False)  # fmt: skip
+    handles = iter(range(1, 10))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+
+    class Graph:
+        pass
+
+    class Stream:
+        cuda_stream = 7
+
+    device = torch.device("cuda", 0)
+    first, second = Graph(), Graph()
+    pool, _ = _graphs._pool(first, device, Stream())
+    assert _graphs._pool(second, device, Stream())[0] == pool == (0, 1)
+    assert calls == [(names[0], pool), (names[1], pool)]  # one use held, nothing routed
+    with _graphs._allocating_from(pool, device):
+        assert calls[-1] == (names[0], pool)
+    assert calls[-2:] == [(names[1], pool), (names[2], pool)]  # the routing's use given back
+    del first
+    gc.collect()
+    assert len(calls) == 5  # the other graph still holds the pool
+    del second
+    gc.collect()
+    assert calls[-1] == (names[2], pool) and len(calls) == 6
+    assert _graphs._pool(Graph(), device, Stream())[0] == (0, 2)

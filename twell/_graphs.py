@@ -21,7 +21,9 @@ A graph is captured the first time a batch of at most :data:`COPY_TOKENS` tokens
 never above :data:`GRAPH_TOKENS` tokens; at most :data:`CACHE` graphs per block are
 kept, :data:`LARGE` of them above :data:`COPY_TOKENS` tokens. All blocks' graphs
 replayed on one stream share one memory pool (their scratch is reused from one graph to
-the next: the launches on one stream never overlap). Plain launches are used when the
+the next: the launches on one stream never overlap), and a capture takes everything it
+allocates but the call's output from that pool, leaving torch's default pool as it found
+it (a caller's next allocations land where they would have). Plain launches are used when the
 caller is capturing a graph of its own (the launches then belong to the caller's graph)
 and every ``refresh_every``-th call of the block's density policy, which runs eagerly so
 that the density switch keeps seeing fresh statistics (none with the switch off).
@@ -56,16 +58,16 @@ LARGE = 2
 #: Keys remembered per block as seen once (large batches), or as failing to re-point.
 SEEN = 64
 #: Calls within one cuBLAS epoch (see :data:`_cublas_epoch`) after which a shape whose
-#: graph a workspace free dropped is captured again. transformers' static-cache
-#: ``generate`` builds a new cache at each call, and a capture moves where the following
-#: allocations land: the next call's cache tensors then sit elsewhere, and the trees
-#: record anew (another free). Capturing again at once turned that into a cycle, a
-#: capture and a recording every second call (the 8-layer model at batch 1 on the H200:
-#: 140–178 ms a generate against 126–133 ms for plain launches after the first loss).
+#: graph a workspace free dropped is captured again: where torch's graph trees record
+#: often (transformers' static-cache ``generate`` builds a new cache at each call, and
+#: the trees record anew whenever its tensors land elsewhere), a graph captured at once
+#: would often be dropped before it paid for its capture (about three eager calls and a
+#: synchronisation). A capture itself does not move later allocations (its own go to
+#: the graphs' pool, :func:`_allocating_from`).
 REGAIN = 64
 
-#: (device index, replay stream) -> [memory pool, capture stream, graphs captured into it],
-#: shared by all blocks.
+#: (device index, replay stream) -> [memory pool, capture stream, graphs captured into it,
+#: torch's routing functions or None (_routing)], shared by all blocks.
 _pools: dict[tuple[int, int], list[Any]] = {}
 
 #: How many times torch has freed its cuBLAS workspaces since twell first captured a graph
@@ -276,11 +278,18 @@ class GraphedBlock:
         except TypeError:  # torch before 2.8: no access to the captured graph
             graph = torch.cuda.CUDAGraph()
         pool, side = _pool(graph, x.device, stream)
-        static_x = _copy_at_alignment(x)
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: kernels loaded, torch's cuBLAS set up
-                expected = self.run(static_x)
+        # Everything the capture allocates beside the call's output comes from the graphs'
+        # own pool: the copy of x, the warm-up calls' buffers, the captured scratch. In
+        # torch's default pool those blocks would change which free block the caller's
+        # next allocations take (transformers' static cache is allocated layer by layer
+        # during the prefill that captures), and torch's graph trees record anew when
+        # their static inputs move.
+        with _allocating_from(pool, x.device):
+            static_x = _copy_at_alignment(x)
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: kernels loaded, torch's cuBLAS set up
+                    expected = self.run(static_x)
         mark = len(self.scratch) if self.scratch is not None else 0
         try:
             static_y = _capture_into(graph, pool, side, self.run, static_x)
@@ -302,8 +311,10 @@ class GraphedBlock:
         if repointed is not None:
             return _Graph(graph, repointed, static_x, static_y, keep, fresh_output), y
         if x.shape[0] > COPY_TOKENS:
-            expected.record_stream(stream)  # made on the capture stream, used on this one
-            return None, expected  # a run of a copy of x: the call's output
+            # a run of a copy of x: the call's output, copied out of the graphs' pool
+            # (which goes with the last graph of it)
+            expected.record_stream(stream)  # made on the capture stream, read on this one
+            return None, expected.clone()
         found = _Graph(graph, None, static_x, static_y, keep, False)
         return found, found(x, stream.cuda_stream)
 
@@ -385,23 +396,67 @@ def _pool(graph: Any, device: Any, stream: Any) -> tuple[Any, Any]:
     ``graph`` (a torch CUDA graph about to be captured into it) counted as a user of
     the pool until it is collected.
 
+    The capture's allocations outside the graph take the pool too (:func:`_allocating_from`).
     torch releases a pool when the last graph captured into it goes, and its handle
-    cannot be captured into again: the entry lives only as long as a graph of it."""
+    cannot be captured into again: the entry lives only as long as a graph of it. (Not a
+    ``torch.cuda.MemPool``: its destructor empties the pool's cache, which aborts the
+    process when it runs while torch's graph trees route allocations to their own pool.)"""
     import torch
 
     key = (device.index, stream.cuda_stream)
     entry = _pools.get(key)
     if entry is None:
-        entry = _pools[key] = [torch.cuda.graph_pool_handle(), torch.cuda.Stream(device), 0]
+        handle = torch.cuda.graph_pool_handle()
+        # The entry holds one use of the pool (routing begun and ended creates it and
+        # counts a use; releasing gives that use back), so that the allocations routed to
+        # it before a capture (_allocating_from) never find it unused.
+        routing = _routing()
+        if routing is not None:
+            routing[0](device.index, handle)
+            routing[1](device.index, handle)
+        entry = _pools[key] = [handle, torch.cuda.Stream(device), 0, routing]
     entry[2] += 1
 
     def release() -> None:
         entry[2] -= 1
         if entry[2] == 0 and _pools.get(key) is entry:
             del _pools[key]
+            if entry[3] is not None:
+                # only counts the use down: torch frees the pool's memory once no graph
+                # uses it and its blocks are free, at a time of its choosing
+                entry[3][2](device.index, entry[0])
 
     weakref.finalize(graph, release)
     return entry[0], entry[1]
+
+
+def _routing() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None:
+    """torch's functions that route a thread's allocations to a graph pool and back
+    (begin, end, release; ``torch.cuda.use_mem_pool`` is built on them), or None on a
+    torch without them."""
+    import torch
+
+    names = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool",
+             "_cuda_releasePool")  # fmt: skip
+    found = tuple(getattr(torch._C, name, None) for name in names)
+    return None if None in found else found  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _allocating_from(pool: Any, device: Any) -> Any:
+    """This thread's torch allocations on ``device`` come from the graph pool ``pool``
+    (from torch's default pool on a torch without the routing functions)."""
+    routing = _routing()
+    if routing is None:
+        yield
+        return
+    begin, end, release = routing
+    begin(device.index, pool)
+    try:
+        yield
+    finally:
+        end(device.index, pool)
+        release(device.index, pool)
 
 
 def _try_repoint(graph: Any, static_x: Any, static_y: Any, x: Any, expected: Any,

@@ -410,6 +410,43 @@ def test_refresh_calls_measure_while_the_calls_replay_graphs(m: int) -> None:
     assert relative_error(as_f64(y), oracle) < 1e-2
 
 
+def _default_pool(device: int) -> list:
+    """torch's default memory pool on ``device``: each segment's address and its blocks'
+    sizes and states."""
+    return [
+        (s["address"], [(b["size"], b["state"]) for b in s["blocks"]])
+        for s in torch.cuda.memory_snapshot()
+        if s["device"] == device and tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)
+    ]
+
+
+@pytest.mark.parametrize("m", [8, 300])
+def test_a_capture_leaves_torchs_default_pool_as_it_found_it(m: int) -> None:
+    """The call that captures a block's graph allocates nothing in torch's default pool
+    beyond its output: the copy of x, the warm-up calls' buffers and the scratch come from
+    the graphs' own pool. (transformers allocates a static cache layer by layer during
+    the prefill; blocks a capture left in the default pool moved it, and torch's graph
+    trees recorded anew for the moved cache.)"""
+    from twell import _graphs
+
+    p = heavy_problem(m)
+    x, wg, wu, wd = tensors(p)
+    block = twell.SparseFFN(wg, wu, wd, density_switch=False)
+    # built, and torch's cuBLAS set up, by a call that captures nothing (a large batch
+    # is captured only the second time it comes)
+    block(torch.randn(_graphs.COPY_TOKENS + 1, x.shape[1], device="cuda", dtype=x.dtype))
+    for _ in range(2):  # the first call captures, or the second one after graph trees ran
+        torch.cuda.synchronize()
+        before, captures = _default_pool(x.device.index), block._graphed.captures
+        y = block(x)
+        del y
+        torch.cuda.synchronize()
+        if block._graphed.captures > captures:
+            assert _default_pool(x.device.index) == before
+            return
+    pytest.fail("no call captured a graph")
+
+
 @pytest.mark.parametrize("m", [8, 300, 2048])
 def test_user_captures_leave_no_buffers_on_the_block(m: int) -> None:
     """A user's captures keep their buffers in their graphs' pools, not on the block
