@@ -451,6 +451,9 @@ def test_decode_can_be_captured_in_a_cuda_graph() -> None:
     light_rows_decode.from_pre(x, pg, eager_heavy, w_up, w_down_t, eager, **kw)
     heavy = buffers.alloc((m,), np.uint8)
     y = buffers.alloc((m, k), np.uint16)
+    # The buffers are poisoned on the default stream, which a non-blocking stream does
+    # not wait for: a launch on it could run before the poison lands and be overwritten.
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
