@@ -23,10 +23,11 @@ kept, :data:`LARGE` of them above :data:`COPY_TOKENS` tokens. All blocks' graphs
 replayed on one stream share one memory pool (their scratch is reused from one graph to
 the next: the launches on one stream never overlap), and a capture takes everything it
 allocates but the call's output from that pool, leaving torch's default pool as it found
-it (a caller's next allocations land where they would have). Plain launches are used when the
-caller is capturing a graph of its own (the launches then belong to the caller's graph)
-and every ``refresh_every``-th call of the block's density policy, which runs eagerly so
-that the density switch keeps seeing fresh statistics (none with the switch off).
+it (a caller's next allocations land where they would have). Plain launches are used
+when the caller is capturing a graph of its own (the launches then belong to the
+caller's graph) and every ``refresh_every``-th call of the block's density policy, which
+runs eagerly so that the density switch keeps seeing fresh statistics (none with the
+switch off).
 """
 
 from __future__ import annotations
