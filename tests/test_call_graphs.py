@@ -160,6 +160,7 @@ def _epoch_block(monkeypatch) -> tuple:  # noqa: ANN001
 
     class Fake:
         epoch = 0
+        replays = 0
 
         def __call__(self, x, stream):  # noqa: ANN001, ANN204
             return "replayed"
@@ -192,21 +193,49 @@ def test_after_a_workspace_free_a_shape_is_captured_only_when_it_comes_back(monk
     assert block(y) == "eager" and len(captured) == 2
 
 
-def test_a_shape_that_lost_its_graph_is_captured_again_after_regain_calls(monkeypatch) -> None:  # noqa: ANN001
-    """A shape whose graph a workspace free dropped is captured again only after
-    REGAIN calls within one epoch: recapturing at once made transformers'
-    static-cache generate capture and re-record at every second call."""
+def test_a_lost_shape_waits_longer_while_its_captures_do_not_pay(monkeypatch) -> None:  # noqa: ANN001
+    """A shape whose graph a workspace free dropped is captured again after REGAIN_FIRST
+    calls within one epoch; after each graph that was dropped before PAID_REPLAYS replays
+    it waits twice as long (up to REGAIN): where every capture makes torch's trees record
+    (transformers' static-cache generate while its cache moved), captures back off, and
+    where the trees stop recording, a prefill shape replays again from its next calls."""
     block, ran, captured = _epoch_block(monkeypatch)
-    monkeypatch.setattr(_graphs, "REGAIN", 3)
+    monkeypatch.setattr(_graphs, "REGAIN_FIRST", 2)
+    monkeypatch.setattr(_graphs, "REGAIN", 8)
+    monkeypatch.setattr(_graphs, "PAID_REPLAYS", 3)
     x = torch.zeros(4, 8)
-    assert block(x) == "captured" and block(x) == "replayed"
-    _graphs._cublas_epoch[0] = 1
-    assert [block(x) for _ in range(2)] == ["eager"] * 2  # lost: 2 calls of 3 so far
-    _graphs._cublas_epoch[0] = 2  # another free: the count starts again
-    assert [block(x) for _ in range(2)] == ["eager"] * 2
-    assert block(x) == "captured" and block(x) == "replayed" and len(captured) == 2
-    _graphs._cublas_epoch[0] = 3
-    assert block(x) == "eager" and len(ran) == 5
+    epoch = 0
+
+    def free() -> None:
+        nonlocal epoch
+        epoch += 1
+        _graphs._cublas_epoch[0] = epoch
+
+    def until_captured() -> int:
+        """Eager calls before the next capture (that call's result checked)."""
+        calls = 0
+        while (result := block(x)) == "eager":
+            calls += 1
+        assert result == "captured"
+        return calls
+
+    assert block(x) == "captured"
+    free()
+    assert until_captured() == 2 - 1  # the first loss: REGAIN_FIRST calls, then capture
+    free()  # dropped before any replay: the wait doubles, up to REGAIN
+    assert until_captured() == 4 - 1
+    free()
+    assert until_captured() == 8 - 1
+    free()
+    assert until_captured() == 8 - 1
+    free()
+    block(x)  # one call of the wait ...
+    free()  # ... and another free: the count restarts in the new epoch, the wait stays
+    assert until_captured() == 8 - 1
+    assert [block(x) for _ in range(3)] == ["replayed"] * 3  # this one pays
+    free()
+    assert until_captured() == 2 - 1  # back to REGAIN_FIRST
+    assert len(captured) == 7
 
 
 def test_a_replay_first_copies_out_what_later_captures_lent() -> None:

@@ -59,13 +59,18 @@ LARGE = 2
 #: Keys remembered per block as seen once (large batches), or as failing to re-point.
 SEEN = 64
 #: Calls within one cuBLAS epoch (see :data:`_cublas_epoch`) after which a shape whose
-#: graph a workspace free dropped is captured again: where torch's graph trees record
-#: often (transformers' static-cache ``generate`` builds a new cache at each call, and
-#: the trees record anew whenever its tensors land elsewhere), a graph captured at once
-#: would often be dropped before it paid for its capture (about three eager calls and a
-#: synchronisation). A capture itself does not move later allocations (its own go to
-#: the graphs' pool, :func:`_allocating_from`).
+#: graph a workspace free dropped is captured again: REGAIN_FIRST after a graph that
+#: paid for its capture (PAID_REPLAYS replays: a capture costs about three eager calls
+#: and a synchronisation), twice the shape's last wait after one that did not, at most
+#: REGAIN. Where torch's graph trees record at every call or two (each recording frees
+#: the workspaces), a shape thus backs off to one capture per REGAIN calls; where they
+#: stop recording (transformers' static-cache ``generate`` once its cache sits where the
+#: trees recorded it), a prefill shape replays from the next call on. A capture itself
+#: does not move later allocations (its own go to the graphs' pool,
+#: :func:`_allocating_from`), so it does not make the trees record.
+REGAIN_FIRST = 2
 REGAIN = 64
+PAID_REPLAYS = 4
 
 #: (device index, replay stream) -> [memory pool, capture stream, graphs captured into it,
 #: torch's routing functions or None (_routing)], shared by all blocks.
@@ -129,6 +134,7 @@ class _Graph:
                  keep: list[Any], fresh_output: bool) -> None:  # fmt: skip
         self.graph = graph
         self.epoch = _cublas_epoch[0]
+        self.replays = 0
         self.execs = [] if repointed is None else [repointed]  # least recently used first
         self.fresh_output = repointed is not None and fresh_output
         self.static_x = static_x if repointed is None else None
@@ -203,7 +209,9 @@ class GraphedBlock:
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._eager: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._epochs: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        # key -> [epoch, calls in it, calls to wait]: shapes whose graph a free dropped
         self._lost: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
+        self._waits: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self._calls = 0
         self.captures = 0
 
@@ -226,9 +234,14 @@ class GraphedBlock:
         if found is not None:
             if _current(found):
                 self._graphs.move_to_end(key)
+                found.replays += 1
                 return found(x, stream)
             del self._graphs[key]  # its cuBLAS workspace is gone
-            _note(self._lost, key, [_cublas_epoch[0], 0])
+            waited = self._waits.get(key, 0)
+            paid = found.replays >= PAID_REPLAYS
+            wait = REGAIN_FIRST if paid or not waited else min(2 * waited, REGAIN)
+            _note(self._waits, key, wait)
+            _note(self._lost, key, [_cublas_epoch[0], 0, wait])
         if key in self._eager or (
             m > COPY_TOKENS and (not _can_repoint() or not _remember(self._seen, key))
         ):
@@ -236,9 +249,9 @@ class GraphedBlock:
         epoch = _cublas_epoch[0]
         lost = self._lost.get(key)
         if lost is not None:
-            # captured again only after REGAIN calls within one epoch (see REGAIN)
-            lost[:] = [epoch, lost[1] + 1 if lost[0] == epoch else 1]
-            if lost[1] < REGAIN:
+            # captured again only after its wait in calls within one epoch (see REGAIN)
+            lost[:2] = [epoch, lost[1] + 1 if lost[0] == epoch else 1]
+            if lost[1] < lost[2]:
                 return self.run(x)
             del self._lost[key]
         elif epoch and self._epochs.get(key) != epoch:
