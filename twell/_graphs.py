@@ -209,7 +209,7 @@ class GraphedBlock:
         self._seen: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._eager: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._epochs: collections.OrderedDict[tuple, int] = collections.OrderedDict()
-        # key -> [epoch, calls in it, calls to wait]: shapes whose graph a free dropped
+        # shapes whose graph a free dropped -> [epoch, calls in it]; their waits (REGAIN)
         self._lost: collections.OrderedDict[tuple, list[int]] = collections.OrderedDict()
         self._waits: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self._calls = 0
@@ -241,7 +241,7 @@ class GraphedBlock:
             paid = found.replays >= PAID_REPLAYS
             wait = REGAIN_FIRST if paid or not waited else min(2 * waited, REGAIN)
             _note(self._waits, key, wait)
-            _note(self._lost, key, [_cublas_epoch[0], 0, wait])
+            _note(self._lost, key, [_cublas_epoch[0], 0])
         if key in self._eager or (
             m > COPY_TOKENS and (not _can_repoint() or not _remember(self._seen, key))
         ):
@@ -250,8 +250,8 @@ class GraphedBlock:
         lost = self._lost.get(key)
         if lost is not None:
             # captured again only after its wait in calls within one epoch (see REGAIN)
-            lost[:2] = [epoch, lost[1] + 1 if lost[0] == epoch else 1]
-            if lost[1] < lost[2]:
+            lost[:] = [epoch, lost[1] + 1 if lost[0] == epoch else 1]
+            if lost[1] < self._waits.get(key, REGAIN_FIRST):
                 return self.run(x)
             del self._lost[key]
         elif epoch and self._epochs.get(key) != epoch:
