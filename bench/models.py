@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import sys
 import time
@@ -580,8 +581,83 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
     return total["dense"] / total["twell"]
 
 
+def train_ddp(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
+    """The eager training step under ``DistributedDataParallel`` on every GPU of a
+    ``torchrun`` job, at ``--ddp-tokens`` tokens per GPU: twell's DDP step against dense's,
+    and each one's scaling (its step alone on one GPU over its DDP step, the same batch
+    per GPU: the job's tokens/s over the world size times one GPU's). The one-GPU steps
+    run on every rank at once, each alone, so they meet the same host and memory traffic
+    as the DDP steps; each time is the slowest rank's. Every rank draws its own tokens."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from twell import autograd
+    from twell.testing import llama
+    from twell.torch import SparseMLP, l1_penalty
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("train_ddp: launch with torchrun --nproc_per_node N (one process a GPU)")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.cuda.current_device()
+
+    def slowest(ms: float) -> float:
+        t = torch.tensor([ms], dtype=torch.float64, device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    for t in args.ddp_tokens:
+        seq = min(1024, t)
+        batch = t // seq
+        rec: dict[str, Any] = {"benchmark": "train_step", "mode": "ddp_eager", "tokens": t,
+                               "batch": batch, "world_size": world, "lr": args.lr}  # fmt: skip
+        calibrated(args, model, dense, None, seq)
+        rec.update(run_sparsity(dense, tokens(dense, batch, seq, sets=1)[0]))
+        times: dict[tuple[str, str], float] = {}
+        for name, base in (("twell", model), ("dense", dense)):
+            for strategy in ("single", "ddp"):
+                m = copy.deepcopy(base).train()
+                run_model = m
+                if strategy == "ddp":
+                    run_model = DistributedDataParallel(m, device_ids=[device])
+                optimizer = torch.optim.AdamW(m.parameters(), lr=args.lr, fused=True)
+                ids = [llama.random_tokens(m, batch, seq, seed=100 + world * i + rank)
+                       for i in range(2)]  # fmt: skip
+
+                def step(i: int, m: Any = m, run_model: Any = run_model, opt: Any = optimizer,
+                         ids: list = ids, name: str = name) -> None:  # fmt: skip
+                    loss = run_model(input_ids=ids[i % 2], labels=ids[i % 2]).loss
+                    if name == "twell":
+                        loss = loss + args.l1 * l1_penalty(m)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+                for i in range(args.train_warmup):  # op graphs captured, capacities settled
+                    step(i)
+                dist.barrier()
+                times[(name, strategy)] = slowest(wall_ms(step, 5, warmup=0, rounds=3))
+                if name == "twell" and strategy == "ddp":
+                    l0 = [float(x.l0) for x in m.modules() if isinstance(x, SparseMLP)
+                          and x.l0 is not None]  # fmt: skip
+                    rec["l0_timed"] = statistics.fmean(l0) if l0 else None
+                del m, run_model, optimizer
+                autograd.release_op_graphs()
+        rec["t_twell_ms"], rec["t_dense_ms"] = times[("twell", "ddp")], times[("dense", "ddp")]
+        rec["t_single_twell_ms"] = times[("twell", "single")]
+        rec["t_single_dense_ms"] = times[("dense", "single")]
+        rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
+        rec["scaling_twell"] = rec["t_single_twell_ms"] / rec["t_twell_ms"]
+        rec["scaling_dense"] = rec["t_single_dense_ms"] / rec["t_dense_ms"]
+        emit(rec)
+
+
 DECODE_MODES = ("compiled_steps", "static_cache", "eager")
-BENCHMARKS = {"prefill": prefill, "train_step": train_step, "decode": decode}
+BENCHMARKS = {
+    "prefill": prefill, "train_step": train_step, "decode": decode, "train_ddp": train_ddp,
+}  # fmt: skip
+#: Benchmarks that only a torchrun job runs (one process a GPU), and that it alone runs.
+DISTRIBUTED = ("train_ddp",)
 
 
 def plot(records: list[dict[str, Any]], path: str) -> None:
@@ -661,7 +737,13 @@ def main() -> int:
     p.add_argument("--l0", type=float, default=29.0)
     p.add_argument("--calibration-sequences", type=int, default=32)
     p.add_argument("--calibration-tokens", type=int, default=65536)
-    p.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS), choices=list(BENCHMARKS))
+    p.add_argument(
+        "--benchmarks",
+        nargs="+",
+        default=None,
+        choices=list(BENCHMARKS),
+        help="default: every one but train_ddp; under torchrun: train_ddp",
+    )
     p.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 4096, 16384, 65536])
     p.add_argument("--compiled-tokens", type=int, nargs="*", default=[16384])
     p.add_argument("--energy-tokens", type=int, default=16384)
@@ -674,21 +756,40 @@ def main() -> int:
     p.add_argument("--l1", type=float, default=1e-4)
     p.add_argument("--lr", type=float, default=0.0)
     p.add_argument("--train-warmup", type=int, default=10)
+    p.add_argument("--ddp-tokens", type=int, nargs="*", default=[4096, 16384])
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
 
     import torch
 
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.benchmarks is None:
+        args.benchmarks = list(DISTRIBUTED) if distributed else [
+            b for b in BENCHMARKS if b not in DISTRIBUTED
+        ]  # fmt: skip
+    if distributed != all(b in DISTRIBUTED for b in args.benchmarks):
+        p.error(f"{', '.join(DISTRIBUTED)} runs under torchrun, and alone; the others without")
+    lead = True
+    if distributed:
+        import torch.distributed as dist
+
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (NVLS)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        lead = dist.get_rank() == 0
     out = args.out or record_path("models")
     name = f"llama-relu-{args.layers}L-{args.hidden}x{args.ffn}"
     report = load_report(out, name)
     model, dense, info = build(args)
-    report["models"][name] = info
-    print(f"== {name}: L0 per layer {[round(v, 1) for v in info['l0_per_layer']]}", flush=True)
+    if lead:
+        report["models"][name] = info
+        print(f"== {name}: L0 per layer {[round(v, 1) for v in info['l0_per_layer']]}", flush=True)
     failures = 0
 
     def emit(rec: dict[str, Any]) -> None:
+        if not lead:  # every rank measures; the first writes
+            return
         rec = {"gpu": report["gpu"], "model": name, **versions(), **rec}
         report["records"] = replace_record(report["records"], rec)
         write_json(out, report)
@@ -703,10 +804,13 @@ def main() -> int:
             traceback.print_exc()
             failures += 1
             report.setdefault("errors", []).append(f"{bench}: {type(error).__name__}: {error}")
-            write_json(out, report)
+            if lead:
+                write_json(out, report)
         torch.cuda.empty_cache()
-    if args.plot:
+    if args.plot and lead:
         plot(report["records"], args.plot)
+    if distributed:
+        torch.distributed.destroy_process_group()
     return 1 if failures else 0
 
 

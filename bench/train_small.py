@@ -83,7 +83,9 @@ class Config:
     reduction: str = "per_token"
     tile: int = 256
     slots: int = 32
-    op_graphs: bool = False  # SparseMLP(op_graphs=...): each training op replays a graph
+    # SparseMLP(op_graphs=...): each training op replays a graph; None: twell's default
+    # (on for calls of at most twell.torch.OP_GRAPH_TOKENS tokens)
+    op_graphs: bool | None = None
     seed: int = 0
 
     @classmethod
@@ -539,10 +541,10 @@ def add_config_flags(p: argparse.ArgumentParser, defaults: Config) -> None:
     default None (the config keeps its value); ``defaults`` only fills the help text."""
     for field in dataclasses.fields(Config):
         default = getattr(defaults, field.name)
-        kind = type(default)
+        boolean = "bool" in str(field.type)  # (bool | None: None keeps twell's default)
         p.add_argument(
             f"--{field.name.replace('_', '-')}",
-            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
+            **({"action": argparse.BooleanOptionalAction} if boolean else {"type": type(default)}),
             default=None,
             help=f"default {default}",
         )
