@@ -51,6 +51,10 @@ Benchmarks (``--benchmarks``), each twell against dense:
   does all of its work, and the weights, hence the calibrated sparsity, stay put; on
   random tokens a nonzero rate makes the units dense within a few steps, and twell then
   runs every row through its dense path).
+- ``train_ddp`` (run by ``torchrun``, one process a GPU, and alone: ``torchrun
+  --standalone --nproc_per_node 2 bench/models.py``): the eager training step under
+  ``DistributedDataParallel`` at ``--ddp-tokens`` tokens a GPU, twell's against dense's,
+  and each one's scaling efficiency against its step alone on one GPU.
 
 Records (one per line of the README's table) go to ``bench/results/<gpu>/models.json``
 (``--out``) with the fields of docs/benchmark.md: ``benchmark``, ``model``, ``mode``,
@@ -775,8 +779,9 @@ def main() -> int:
         import torch.distributed as dist
 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (NVLS)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=local)
         lead = dist.get_rank() == 0
     out = args.out or record_path("models")
     name = f"llama-relu-{args.layers}L-{args.hidden}x{args.ffn}"

@@ -162,6 +162,44 @@ def test_decode_rows_go_by_batch_then_mode_and_name_the_step_loop(tmp_path: Path
     assert rows[3].startswith("| model decode | generate, static cache, compiled, batch 8")
 
 
+def test_data_parallel_rows_set_twell_against_dense_with_each_ones_scaling(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    t = tables()
+    folder = tmp_path / "h999"
+    folder.mkdir()
+    ddp = {"gpu": "GPU X", "model": "m", "benchmark": "train_step", "mode": "ddp_eager",
+           "tokens": 16384, "batch": 16, "world_size": 2, "t_twell_ms": 100.0,
+           "t_dense_ms": 120.0, "speedup": 1.2, "scaling_twell": 0.97,
+           "scaling_dense": 0.95}  # fmt: skip
+    (folder / "models.json").write_text(json.dumps({"records": [ddp]}))
+
+    def run(strategy: str, variant: str, step_s: float, scaling: float | None = None) -> dict:
+        found = {"strategy": strategy, "variant": variant, "steps_done": 300,
+                 "step_time_s": step_s, "ranks": [{"step_time_s": {"median": step_s}}]}  # fmt: skip
+        return found if scaling is None else {**found, "scaling_efficiency": scaling}
+
+    runs = [run("single", "dense", 0.036), run("ddp", "dense", 0.040, 0.9),
+            run("single", "twell", 0.043), run("ddp", "twell", 0.048, 0.89),
+            run("fsdp", "twell", 0.081, 0.64)]  # fmt: skip
+    (folder / "train_distributed.json").write_text(
+        json.dumps({"recipe": {"world_size": 2}, "runs": runs})
+    )
+    lines = t.gpu_table(folder).splitlines()
+    model = next(line for line in lines if line.startswith("| model train step"))
+    assert "| eager DDP on 2 GPUs, 16384 tokens (16 × 1024) a GPU | 100 | 120 | 1.20× |" in model
+    assert "scaling efficiency twell 0.97, dense 0.95" in model
+    small = [line for line in lines if line.startswith("| small model")]
+    assert small[0].startswith("| small model, DDP on 2 GPUs | 300 steps | 48.0 | 40.0 | 0.83× |")
+    assert "twell: scaling efficiency 0.89, one GPU 43.0 ms" in small[0]
+    assert "dense: scaling efficiency 0.90, one GPU 36.0 ms" in small[0]
+    assert small[1].startswith(
+        "| small model, FSDP2 on 2 GPUs | 300 steps, twell only | 81.0 | — |"
+    )
+
+
 def test_a_model_benchmark_run_replaces_its_own_records_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

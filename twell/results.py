@@ -96,7 +96,10 @@ _DECODE_MODES = {
     "static_cache": "generate, static cache, compiled",
     "eager": "generate, dynamic cache, eager",
 }
-_MODEL_MODES = {"eager": "eager", "compiled": "compiled", "compiled_layers": "compiled by layer"}
+_MODEL_MODES = {
+    "eager": "eager", "compiled": "compiled", "compiled_layers": "compiled by layer",
+    "ddp_eager": "eager DDP",
+}  # fmt: skip
 
 
 def _layers(model: str) -> int:
@@ -162,6 +165,11 @@ def models_rows(folder: Path) -> Iterator[Row]:
         else:
             per = f" ({r['batch']} × {r['tokens'] // r['batch']})" if r.get("batch", 1) > 1 else ""
             case = f"{_MODEL_MODES.get(mode, mode)}, {r['tokens']} tokens{per}"
+            if "world_size" in r:  # a data-parallel step: tokens and batch are per GPU
+                case = (f"{_MODEL_MODES.get(mode, mode)} on {r['world_size']} GPUs, "
+                        f"{r['tokens']} tokens{per} a GPU")  # fmt: skip
+                notes.append(f"scaling efficiency twell {r['scaling_twell']:.2f}, "
+                             f"dense {r['scaling_dense']:.2f}")  # fmt: skip
         case = lead + case
         if "l0_run" in r:
             notes.append(f"L0 {r['l0_run']:.0f}, {r.get('heavy_share_run', 0):.1%} of rows heavy")
@@ -381,25 +389,47 @@ def train_small_rows(folder: Path) -> Iterator[Row]:
 
 
 def distributed_rows(folder: Path) -> Iterator[Row]:
-    """``train_distributed.json``: the small model on several GPUs (twell)."""
+    """``train_distributed.json``: the small model on several GPUs, twell against dense
+    where the record has both (one row a strategy)."""
     data = _load(folder, "train_distributed")
     if not data:
         return
     world = data.get("recipe", {}).get("world_size")
-    single = [r for r in data.get("runs", []) if r.get("strategy") == "single" and r.get("ranks")]
-    alone = single[0]["ranks"][0].get("step_time_s", {}).get("median") if single else None
-    for run in data.get("runs", []):
+    runs = data.get("runs", [])
+
+    def alone(variant: str) -> float | None:
+        """One GPU's median step (ms) of ``variant``: the first rank of its single run."""
+        for r in runs:
+            if r.get("strategy") == "single" and r.get("variant") == variant and r.get("ranks"):
+                median = r["ranks"][0].get("step_time_s", {}).get("median")
+                return None if median is None else median * 1e3
+        return None
+
+    by_strategy: dict[str, dict[str, dict]] = {}
+    for run in runs:
         if run.get("strategy") in (None, "single") or "scaling_efficiency" not in run:
             continue
-        name = {"ddp": "DDP", "fsdp": "FSDP2"}.get(run["strategy"], run["strategy"])
+        by_strategy.setdefault(run["strategy"], {})[run.get("variant", "twell")] = run
+    for strategy, variants in by_strategy.items():
+        name = {"ddp": "DDP", "fsdp": "FSDP2"}.get(strategy, strategy)
+        twell, dense = variants.get("twell"), variants.get("dense")
+        shown = twell or dense
+        t_twell = twell["step_time_s"] * 1e3 if twell else None
+        t_dense = dense["step_time_s"] * 1e3 if dense else None
+        notes = []
+        for variant, run in (("twell", twell), ("dense", dense)):
+            if run is not None:
+                one = alone(variant)
+                notes.append(f"{variant}: scaling efficiency {run['scaling_efficiency']:.2f}"
+                              + (f", one GPU {_ms(one)} ms" if one else ""))  # fmt: skip
         yield (
             f"small model, {name} on {world} GPUs",
-            f"{run['variant']}, {run['steps_done']} steps",
-            _ms(run["step_time_s"] * 1e3),
-            "—",
-            "—",
-            (f"one GPU {_ms(alone * 1e3)} ms; " if alone else "")
-            + f"scaling efficiency {run['scaling_efficiency']:.2f}; dense not in this record",
+            f"{shown['steps_done']} steps"
+            + ("" if twell and dense else f", {'twell' if twell else 'dense'} only"),
+            _ms(t_twell),
+            _ms(t_dense),
+            _x(t_dense / t_twell) if t_twell and t_dense else "—",
+            "; ".join(notes),
         )
 
 
