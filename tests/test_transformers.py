@@ -178,3 +178,24 @@ def test_bench_models_mlp_inputs_in_one_pass() -> None:
     first = models.mlp_inputs(model, ids, count=1)
     assert len(first) == 1 and torch.equal(first[0], every[0])
     assert not any(layer.mlp._forward_pre_hooks for layer in model.model.layers)
+
+
+def test_bench_models_runs_train_ddp_only_under_torchrun(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """bench/models.py's train_ddp needs a torchrun job, which runs it alone: asked for
+    outside one (or beside another benchmark inside one) the command line is refused
+    before any model is built."""
+    import sys
+
+    models = _bench_models()
+    monkeypatch.setattr(models, "build", lambda args: pytest.fail("built a model"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["models.py", "--benchmarks", "train_ddp"])
+    with pytest.raises(SystemExit) as refused:
+        models.main()
+    assert refused.value.code == 2
+    assert "train_ddp runs under torchrun, and alone" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["models.py", "--benchmarks", "train_ddp", "prefill"])
+    with pytest.raises(SystemExit) as refused:
+        models.main()
+    assert refused.value.code == 2
