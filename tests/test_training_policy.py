@@ -154,3 +154,83 @@ def test_for_weights_keeps_one_auto_capacity_per_live_weight_storage() -> None:
     capacity.for_weights(new)  # a new layer sweeps the entries of dead storages
     assert not any(ref.expired() for ref, _ in capacity._by_weights.values())
     assert capacity.for_weights(other) is kept
+
+
+def test_train_switch_goes_dense_at_once_and_back_after_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TrainSwitch.choose on L0s fed by hand (events that have passed): each choice reads
+    the call AUTO_LAG calls before; a call denser than the crossover at its size turns
+    dense math on at once, AUTO_PATIENCE calls in a row at or below it turn it off; a
+    capture reads nothing and takes the ops; a copy in flight is never waited for."""
+    from twell.capacity import AUTO_LAG, TrainSwitch
+    from twell.kernels import density
+    from twell.options import AUTO_PATIENCE
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(density, "TRAIN_CROSSOVER", ((4096, 0.01), (16384, 0.02)))
+    density.train_crossover.cache_clear()
+
+    class Passed:
+        def query(self) -> bool:
+            return True
+
+    switch = TrainSwitch()
+
+    def after(l0: float, m: int = 16384, n: int = 1000) -> bool:
+        switch._pending.append((torch.tensor([l0]), Passed(), m, n))
+        return switch.choose()
+
+    try:
+        assert switch.choose() is False  # nothing recorded yet
+        for _ in range(AUTO_LAG - 1):
+            assert after(15.0) is False  # not read yet
+        assert after(19.0) is False  # reads the first 15: 1.5% of N, below 2% at 16384
+        assert after(25.0, m=4096) is False  # reads the 19: below
+        for _ in range(AUTO_LAG - 2):
+            after(5.0)
+        assert after(5.0) is True  # reads the 2.5% at 4096 tokens (crossover 1%)
+        assert after(30.0, m=8192) is True  # reads a 5: below, once
+        for _ in range(AUTO_PATIENCE - 1):  # the first reads the 30: 3% against 1.5%
+            assert after(5.0) is True  # at 8192 tokens, which starts the count again
+        for _ in range(AUTO_LAG):
+            after(5.0)
+        assert switch.dense is False  # AUTO_PATIENCE calls in a row below: the ops again
+        assert len(switch._free) >= 1  # the pinned buffers are reused
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        switch.dense = True
+        pending = len(switch._pending)
+        assert switch.choose() is False and switch.dense  # a capture takes the ops
+        assert len(switch._pending) == pending  # and reads nothing
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+        class InFlight:
+            def query(self) -> bool:
+                return False
+
+        switch._pending.clear()
+        for _ in range(AUTO_LAG + 1):
+            switch._pending.append((torch.tensor([0.0]), InFlight(), 16384, 1000))
+        assert switch.choose() is True and len(switch._pending) == AUTO_LAG + 1
+    finally:
+        density.train_crossover.cache_clear()
+
+
+def test_the_train_switch_survives_a_deep_copy_and_stays_off_the_cpu() -> None:
+    """A copy keeps the switch's state, not its CUDA state; on the CPU a training call
+    takes the reference ops and records nothing; density_switch=False has no switch."""
+    import copy
+
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    assert mlp._switch is not None and "density_switch=True" in repr(mlp)
+    mlp._switch.dense = True
+    twin = copy.deepcopy(mlp)
+    assert twin._switch is not mlp._switch and twin._switch.dense
+    assert not twin._switch._pending and not twin._switch._free
+    x = torch.randn(8, 32, requires_grad=True)
+    mlp(x).sum().backward()
+    assert not mlp._switch._pending
+    off = SparseMLP.from_module(LlamaMLP(32, 256), density_switch=False)
+    assert off._switch is None and not off.options.density_switch
+    with pytest.raises(TypeError, match="density_switch: expected a bool"):
+        SparseMLP.from_module(LlamaMLP(32, 256), density_switch=1)

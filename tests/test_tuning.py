@@ -54,7 +54,8 @@ def test_loaded_values_have_the_types_the_code_reads() -> None:
     assert isinstance(crossover, tuple) and all(isinstance(p, tuple) for p in crossover)
     assert crossover[0] == (1, 0.2)
     assert t.value("density.HEAVY_DENSE") == (48, 4096)
-    assert t.value("decode_units.MAX_ROWS") == 192 and t.stale() == []
+    assert t.value("decode_units.MAX_ROWS") == 192
+    assert t.stale() == ["density.TRAIN_CROSSOVER"]  # measured on an H200: waits for an H100
     h200 = tuning.load(tuning.path_of("h200"))
     assert set(h200.stale()) <= set(tuning.SPECS)  # what still waits for a run on an H200
 

@@ -56,7 +56,8 @@ def mlp_from_problem(problem: workloads.Problem, dtype: torch.dtype = torch.floa
 def cuda_mlp(problem: workloads.Problem, dtype: torch.dtype, reduction: str) -> SparseMLP:
     """A :class:`SparseMLP` on CUDA in ``dtype`` holding ``problem``'s weights."""
     mlp = mlp_from_problem(problem, torch.float32).cuda().to(dtype)
-    return SparseMLP.from_module(mlp, reduction=reduction)
+    # the training kernels under test: never the dense switch's torch math
+    return SparseMLP.from_module(mlp, reduction=reduction, density_switch=False)
 
 
 def grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:

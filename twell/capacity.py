@@ -1,6 +1,8 @@
-"""``dense_capacity="auto"`` for training: each layer's capacity of heavy rows done by
-fixed-size cuBLAS GEMMs, chosen from the heavy-row counts of its earlier calls without a
-host wait (:class:`AutoCapacity`; ``twell.torch.SparseMLP``'s default).
+"""Training's choices from a layer's earlier calls, made without a host wait:
+``dense_capacity="auto"``, each layer's capacity of heavy rows done by fixed-size cuBLAS
+GEMMs, from the heavy-row counts of its earlier calls (:class:`AutoCapacity`); and the
+dense switch, which runs a layer that has been too dense for the sparse kernels on its
+dense torch math (:class:`TrainSwitch`). Both are ``twell.torch.SparseMLP``'s defaults.
 
 Eager calls take the capacity from the ``SparseMLP``'s own :class:`AutoCapacity`. Code
 that ``torch.compile`` traced reaches the training ops with :data:`AUTO` instead (the
@@ -21,7 +23,7 @@ from twell.options import AUTO_HEADROOM, AUTO_PATIENCE
 
 __all__ = [
     "AUTO", "AUTO_LAG", "DENSE_SHARE", "STEP", "AutoCapacity", "DenseRowsWarning",
-    "for_weights", "train_capacity",
+    "TrainSwitch", "for_weights", "train_capacity",
 ]  # fmt: skip
 
 #: How many calls back ``dense_capacity="auto"`` reads a layer's heavy-row count
@@ -127,6 +129,14 @@ class AutoCapacity:
                 )
         return self.fraction
 
+    def reset(self) -> None:
+        """Start again at 0 with nothing in flight (the dense switch calls this while the
+        layer runs dense math: counts of its denser past would size the capacity of its
+        first calls back on the ops). The pinned buffers of dropped copies go with them
+        (torch's host allocator reuses a buffer only once its copy is done)."""
+        self.fraction, self._lower, self._lower_max = 0.0, 0, 0.0
+        self._pending.clear()
+
     def _take(self, asked: float) -> None:
         if asked >= self.fraction:
             self.fraction, self._lower, self._lower_max = asked, 0, 0.0
@@ -148,6 +158,81 @@ class AutoCapacity:
         host.copy_(count.reshape(1), non_blocking=True)  # on count's device
         event.record(torch.cuda.current_stream(count.device))
         self._pending.append((host, event, m))
+
+
+class TrainSwitch:
+    """The dense switch of one layer's training calls on CUDA (``twell.torch.SparseMLP``'s
+    ``density_switch``): a call runs the layer's dense torch math instead of twell's
+    training ops while the layer was too dense for them, and the ops again once it is
+    sparse enough. Above a mean of about 1.7% of N active units per token
+    (:data:`twell.kernels.density.TRAIN_CROSSOVER`, by batch size) the sparse forward +
+    backward costs the GPU more than dense math: a model still dense early in sparsity
+    training, or a layer that stays denser than the rest, would otherwise train slower
+    than without twell.
+
+    Each call's mean active units per token (its ``l0``, on the ops and on dense math
+    alike) is copied to pinned memory behind an event, and read :data:`AUTO_LAG` calls
+    later, as :class:`AutoCapacity` reads its counts: the host never waits, and a copy
+    still in flight is read by a later call. A call denser than the crossover at its size
+    turns the switch on at once; ``AUTO_PATIENCE`` calls in a row at or below it turn it
+    off, so a layer near the crossover does not alternate. Dense math computes the same
+    ``y``, L1 term and L0 (rounded differently: the bits depend on the path, which depends
+    on the calls before, as with ``"auto"``). Inside a CUDA-graph capture of the caller's
+    own nothing is read or recorded and the call takes the training ops: a captured step
+    is replayed for as long as the caller likes, and dense math captured while the model
+    was dense would stay in every replay. Not part of a state dict (a resumed run starts
+    on the ops)."""
+
+    def __init__(self) -> None:
+        self.dense = False
+        # (pinned float32 [1] of a call's l0, its event, the call's M, its N)
+        self._pending: collections.deque[tuple[torch.Tensor, Any, int, int]] = collections.deque()
+        self._free: list[tuple[torch.Tensor, Any]] = []
+        self._below = 0  # calls in a row at or below the crossover while dense
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dense": self.dense}  # (events and pinned buffers are not copied)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.dense = state["dense"]
+
+    def choose(self) -> bool:
+        """Whether the next call runs dense math, after reading the calls that landed
+        (:data:`AUTO_LAG` calls back or more; never waited for). False inside a capture."""
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        pending = self._pending
+        while len(pending) >= AUTO_LAG and pending[0][1].query():
+            host, event, m, n = pending.popleft()
+            self._take(float(host[0]) / n, m)
+            self._free.append((host, event))
+        return self.dense
+
+    def _take(self, share: float, m: int) -> None:
+        """Take in a call of ``m`` tokens whose mean active units were ``share`` of N."""
+        from twell.kernels.density import train_crossover
+
+        if share > train_crossover(m):
+            self.dense, self._below = True, 0
+        elif self.dense:
+            self._below += 1
+            if self._below >= AUTO_PATIENCE:
+                self.dense, self._below = False, 0
+
+    def record(self, l0: torch.Tensor, m: int, n: int) -> None:
+        """Start the host copy of a call's L0 (float32 scalar on the current stream) for a
+        call of ``m`` tokens and ``n`` units, unless a capture is running."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self._free:
+            host, event = self._free.pop()
+        else:
+            host = torch.empty((1,), dtype=torch.float32, pin_memory=True)
+            event = torch.cuda.Event()
+        host.copy_(l0.detach().reshape(1), non_blocking=True)
+        event.record(torch.cuda.current_stream(l0.device))
+        self._pending.append((host, event, m, n))
 
 
 #: w_up's (storage, offset in it, shape) -> (a weak reference to the storage, its AutoCapacity)

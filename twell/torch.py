@@ -70,7 +70,7 @@ with optional_dependency("torch", "twell.torch"):
 from twell import inference  # noqa: E402 - after torch
 from twell._validation import check_floating  # noqa: E402
 from twell.autograd import REDUCTIONS, _ffn_train  # noqa: E402
-from twell.capacity import AutoCapacity  # noqa: E402
+from twell.capacity import AutoCapacity, TrainSwitch  # noqa: E402
 from twell.options import DEFAULT_SLOTS, DEFAULT_TILE, Options  # noqa: E402
 
 __all__ = ["SparseMLP", "is_relu_mlp", "l0_per_layer", "l1_penalty", "sparsify"]
@@ -137,6 +137,14 @@ class SparseMLP(nn.Module):
             Replays of one op must not run on two streams at once
             (:class:`twell._graphs.OpGraphs`). No effect inside a CUDA graph capture of
             the caller's own (``reduce-overhead`` included).
+        density_switch: switch to dense math where the layer is too dense for the
+            sparse kernels to pay. Inference: :class:`twell.SparseFFN`'s switch (the
+            batch from the statistics of the calls before, a row by its own count).
+            Training calls on CUDA (eager): :class:`twell.capacity.TrainSwitch`, which
+            runs the layer's dense torch math (as ``train_kernels=False``) while its
+            earlier calls' mean active units per token were above about 1.7% of N,
+            where the training ops cost the GPU more than dense math. False: always the
+            training ops.
 
     Attributes:
         l1: after a forward that records gradients, the L1 term of its hidden
@@ -165,6 +173,7 @@ class SparseMLP(nn.Module):
         train_kernels: bool = True,
         reduction: str = "mean",
         op_graphs: bool | None = None,
+        density_switch: bool = True,
     ) -> None:
         super().__init__()
         for name, layer in (
@@ -183,8 +192,13 @@ class SparseMLP(nn.Module):
                 f"{tuple(gate_proj.weight.shape)}, {tuple(up_proj.weight.shape)}, "
                 f"{tuple(down_proj.weight.shape)}"
             )
-        self.options = Options(tile, slots, dense_capacity=dense_capacity)
+        if not isinstance(density_switch, bool):
+            raise TypeError(f"density_switch: expected a bool, got {type(density_switch).__name__}")
+        self.options = Options(
+            tile, slots, dense_capacity=dense_capacity, density_switch=density_switch
+        )
         self._auto = AutoCapacity() if self.options.auto_capacity else None
+        self._switch = TrainSwitch() if density_switch else None
         self._auto_options: dict[tuple[Options, float], Options] = {}
         if n % self.options.tile:
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
@@ -222,7 +236,8 @@ class SparseMLP(nn.Module):
         return (
             f"K={k}, N={n}, tile={self.options.tile}, slots={self.options.slots}, "
             f"dense_capacity={'auto' if self._auto else self.options.dense_capacity!r}, "
-            f"train_kernels={self.train_kernels}, reduction={self.reduction!r}"
+            f"train_kernels={self.train_kernels}, reduction={self.reduction!r}, "
+            f"density_switch={self._switch is not None}"
         )
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,14 +283,21 @@ class SparseMLP(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if not compiling:
             self._forget()  # the weights are about to change: no stale inference block
-        if self.train_kernels:
+        switch = self._switch if x.is_cuda and not compiling and self.train_kernels else None
+        dense = switch is not None and switch.choose()
+        if dense and self._auto is not None:
+            self._auto.reset()  # its counts are of a denser past: none when back on the ops
+        if self.train_kernels and not dense:
             auto = self._auto if x.is_cuda and not compiling else None
             options = self.options if auto is None else self._options_at(auto.choose())
             y, l1, l0, count = _ffn_train(x, *weights, options, self.reduction, self._graphs(x))
             if auto is not None:
                 auto.record(count, x.numel() // x.shape[-1])
         else:
+            check_floating(x=x)  # as the ops do: a TypeError before any math
             y, l1, l0 = self._dense(x)
+        if switch is not None:
+            switch.record(l0, x.numel() // x.shape[-1], weights[1].shape[0])
         self.l1, self.l0 = l1, l0
         if y.requires_grad and not compiling:
             hook = _detach_l1_hook(self, l1)
@@ -364,7 +386,8 @@ def sparsify(model: nn.Module, **options: Any) -> int:
         model: the model, changed in place.
         **options: :class:`SparseMLP`'s keyword arguments, given to every layer:
             ``tile`` (default 256), ``slots`` (32), ``dense_capacity`` (``"auto"``),
-            ``train_kernels`` (True), ``reduction`` (``"mean"``), ``op_graphs`` (None).
+            ``train_kernels`` (True), ``reduction`` (``"mean"``), ``op_graphs`` (None),
+            ``density_switch`` (True).
 
     Returns:
         The number of MLPs replaced.

@@ -27,6 +27,7 @@ from bench.tune import (
     light_rows,
     row_limit,
     sliced,
+    train_crossover,
 )
 from bench.tune.common import Context, ProbeError
 from twell import tuning
@@ -44,6 +45,7 @@ PROBES: dict[str, Callable[[Context], dict[str, tuple[Any, dict]]]] = {
     "row_limit": row_limit.measure,
     "crossover": crossover.measure,
     "heavy_dense": crossover.measure_heavy,
+    "train_crossover": train_crossover.measure,
 }
 
 
@@ -73,6 +75,7 @@ def apply(name: str, value: Any) -> Any:
     if module != "options":
         setattr(importlib.import_module(f"twell.kernels.{module}"), attribute, held)
     density.crossover.cache_clear()
+    density.train_crossover.cache_clear()
     return held
 
 

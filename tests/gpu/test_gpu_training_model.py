@@ -87,7 +87,7 @@ def _no_capacity(model: nn.Module) -> None:
 def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
     torch.manual_seed(0)
     model = Decoder(256, 1024, layers=2).cuda()
-    sparsify(model, reduction="per_token")
+    sparsify(model, reduction="per_token", density_switch=False)
 
     def eager_step() -> None:  # its tensors die on return; SparseMLP.l1 must not hold on
         model.zero_grad(set_to_none=True)
@@ -98,7 +98,7 @@ def _check_graph_capture(coeff: float, eager_steps: int = 0) -> None:
         eager_step()
     torch.cuda.synchronize()
     reference_model = Decoder(256, 1024, layers=2).cuda()
-    sparsify(reference_model, reduction="per_token")
+    sparsify(reference_model, reduction="per_token", density_switch=False)
     static_x = torch.randn(512, 256, device="cuda")
     static_dy = torch.randn(512, 256, device="cuda")
     side = torch.cuda.Stream()
@@ -154,9 +154,9 @@ def test_gpu_cuda_graph_capture_with_the_l1_term() -> None:
 def test_gpu_torch_compile_matches_eager() -> None:
     torch.manual_seed(3)
     eager = Decoder(256, 1024, layers=2).cuda()
-    sparsify(eager, reduction="per_token")
+    sparsify(eager, reduction="per_token", density_switch=False)
     compiled_model = Decoder(256, 1024, layers=2).cuda()
-    sparsify(compiled_model, reduction="per_token")
+    sparsify(compiled_model, reduction="per_token", density_switch=False)
     compiled_model.load_state_dict(eager.state_dict())
 
     def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ def test_gpu_sparse_mlp_with_op_graphs_trains_as_without(loop: str, dtype: torch
     for op_graphs in (False, True):
         torch.manual_seed(0)
         model = Decoder(256, 1024, layers=3).cuda().to(dtype)
-        sparsify(model, reduction="per_token", op_graphs=op_graphs)
+        sparsify(model, reduction="per_token", op_graphs=op_graphs, density_switch=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         start = [p.detach().clone() for p in model.parameters()]
         trace = []
@@ -115,7 +115,7 @@ def test_gpu_auto_capacity_follows_the_previous_call() -> None:
     for fraction, got in zip(choices, outputs, strict=True):
         fixed = SparseMLP.from_module(
             mlp_from_problem(problem, torch.float32).cuda().bfloat16(), reduction="per_token",
-            dense_capacity=fraction,
+            dense_capacity=fraction, density_switch=False,
         )  # fmt: skip
         for a, b in zip(got, step(fixed), strict=True):
             assert torch.equal(a, b)
@@ -160,7 +160,7 @@ def test_gpu_compiled_training_takes_its_layers_auto_capacity() -> None:
     assert fractions[0] == 0.0 and fractions[-1] > 0.0
     fixed = cuda_mlp(problem, torch.bfloat16, "per_token")
     fixed = SparseMLP(fixed.gate_proj, fixed.up_proj, fixed.down_proj, reduction="per_token",
-                      dense_capacity=fractions[-1])  # fmt: skip
+                      dense_capacity=fractions[-1], density_switch=False)  # fmt: skip
     for a, b in zip(outputs[-1], step(fixed, fixed), strict=True):
         assert torch.equal(a, b)
 
@@ -198,7 +198,8 @@ def test_gpu_op_graph_memory_is_counted_and_released() -> None:
     autograd.release_op_graphs()
     torch.manual_seed(0)
     model = Decoder(256, 1024, layers=2).cuda()
-    sparsify(model, reduction="per_token", op_graphs=True, dense_capacity=0.0)
+    sparsify(model, reduction="per_token", op_graphs=True, dense_capacity=0.0,
+             density_switch=False)  # fmt: skip
     x = torch.randn(512, 256, device="cuda")
     grads = []
     for _ in range(3):
@@ -234,7 +235,7 @@ def test_gpu_a_second_backward_with_op_graphs_says_what_to_do() -> None:
     for op_graphs in (True, False):
         mlp = cuda_mlp(problem, torch.bfloat16, "per_token")
         mlp = SparseMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj, reduction="per_token",
-                        dense_capacity=0.0, op_graphs=op_graphs)  # fmt: skip
+                        dense_capacity=0.0, op_graphs=op_graphs, density_switch=False)  # fmt: skip
         for _ in range(3):  # eager, captured, replayed
             y = mlp(x.requires_grad_())
             y.float().sum().backward(retain_graph=True)
@@ -259,7 +260,9 @@ def test_gpu_op_graphs_hand_the_weight_gradients_over_without_a_copy() -> None:
     autograd.release_op_graphs()
     torch.manual_seed(0)
     model = Decoder(256, 1024, layers=2).cuda().bfloat16()
-    sparsify(model, reduction="per_token", dense_capacity=0.0)  # one graph per layer
+    sparsify(
+        model, reduction="per_token", dense_capacity=0.0, density_switch=False
+    )  # one graph per layer
     mlps = [m for m in model.modules() if isinstance(m, SparseMLP)]
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
@@ -276,3 +279,57 @@ def test_gpu_op_graphs_hand_the_weight_gradients_over_without_a_copy() -> None:
     for graphs in (autograd._FORWARD_GRAPHS, autograd._BACKWARD_GRAPHS):  # y handed over too
         assert sum(len(slots) for slots in graphs._graphs.values()) == len(mlps)
         assert all(g.homes() for slots in graphs._graphs.values() for g in slots)
+
+
+def test_gpu_the_train_switch_runs_a_dense_layer_on_dense_math_and_a_sparse_one_on_the_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """density_switch (the default): a layer whose calls are denser than the training
+    crossover runs its dense torch math from the call AUTO_LAG calls after the first such
+    one (the same bits as train_kernels=False), and the training ops again once
+    AUTO_PATIENCE calls in a row were sparse enough (the same bits as density_switch=False)."""
+    import twell.torch as twell_torch
+    from twell.capacity import AUTO_LAG
+    from twell.options import AUTO_PATIENCE
+
+    calls = []
+    ops = twell_torch._ffn_train
+    monkeypatch.setattr(twell_torch, "_ffn_train", lambda *a: calls.append(1) or ops(*a))
+    dense_problem = workloads.density(0.1, 1024, 256, 1024, seed=3)
+    sparse_problem = workloads.uniform(1024, 256, 1024, seed=3)
+    x = torch.from_numpy(dense_problem.x.astype(np.float32)).cuda().bfloat16()
+    dy = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+
+    def step(mlp: SparseMLP) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        mlp.zero_grad(set_to_none=True)
+        y = mlp(xi)
+        ((y.float() * dy).sum() + 0.5 * mlp.l1).backward()
+        torch.cuda.synchronize()  # the L0 copies land before the next call reads them
+        return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]
+
+    def twin(problem: workloads.Problem, **kwargs: object) -> SparseMLP:
+        mlp = mlp_from_problem(problem, torch.float32).cuda().bfloat16()
+        return SparseMLP.from_module(mlp, reduction="per_token", **kwargs)
+
+    mlp = twin(dense_problem)
+    for i in range(AUTO_LAG + 1):
+        before = len(calls)
+        got = step(mlp)
+        assert len(calls) == before + (i < AUTO_LAG), i  # the ops until the first L0 is read
+    assert mlp._switch.dense and float(mlp.l0) > 0.05 * 1024
+    for a, b in zip(got, step(twin(dense_problem, train_kernels=False)), strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # the layer turns sparse
+        for layer, w in ((mlp.gate_proj, sparse_problem.w_gate), (mlp.up_proj, sparse_problem.w_up),
+                         (mlp.down_proj, sparse_problem.w_down)):  # fmt: skip
+            layer.weight.copy_(torch.from_numpy(w.astype(np.float32)))
+    x = torch.from_numpy(sparse_problem.x.astype(np.float32)).cuda().bfloat16()
+    for _ in range(AUTO_LAG + AUTO_PATIENCE - 1):
+        step(mlp)
+    assert mlp._switch.dense  # not yet: one call short of the patience
+    before = len(calls)
+    got = step(mlp)
+    assert not mlp._switch.dense and len(calls) == before + 1
+    for a, b in zip(got, step(twin(sparse_problem, density_switch=False)), strict=True):
+        assert torch.equal(a, b)

@@ -44,6 +44,13 @@ CROSSOVER: tuple[tuple[int, float], ...] = tuning.value("density.CROSSOVER")
 #: of the sparse path's gain below ``high`` tokens; in the by-unit route a token with
 #: hundreds of units holds up its token group from ``low`` tokens on.
 HEAVY_DENSE: tuple[int, int] = tuning.value("density.HEAVY_DENSE")
+#: Where a training call's sparse kernels stop paying, by batch size: ``(M, mean active
+#: units per token as a fraction of N)`` at which a ``SparseMLP``'s forward + backward on
+#: twell's training ops and on its dense torch math take the same GPU time (uniform
+#: activations, K=2048, N=5632; K=1024, N=2816 crosses within 0.1% of N of it). Linear in
+#: log2(M) between the points, constant past the ends. :class:`twell.capacity.TrainSwitch`
+#: runs a layer whose earlier calls were denser than this on the dense math.
+TRAIN_CROSSOVER: tuple[tuple[int, float], ...] = tuning.value("density.TRAIN_CROSSOVER")
 #: Share of heavy rows above which a batch of at least ``HEAVY_DENSE[0]`` tokens that
 #: follows the statistics runs dense math: its heavy rows take twell's heavy-row tiles
 #: (or a fixed capacity's cuBLAS GEMMs after the sparse stages), slower per row than
@@ -60,7 +67,19 @@ REFRESH_EVERY = 256
 def crossover(m: int) -> float:
     """:data:`CROSSOVER` at ``m`` tokens (a fraction of N); cached (every replayed call
     asks: whoever changes :data:`CROSSOVER` calls ``crossover.cache_clear()``)."""
-    points = CROSSOVER
+    return interpolate(CROSSOVER, m)
+
+
+@functools.lru_cache(maxsize=256)
+def train_crossover(m: int) -> float:
+    """:data:`TRAIN_CROSSOVER` at ``m`` tokens (a fraction of N); cached (whoever changes
+    :data:`TRAIN_CROSSOVER` calls ``train_crossover.cache_clear()``)."""
+    return interpolate(TRAIN_CROSSOVER, m)
+
+
+def interpolate(points: tuple[tuple[int, float], ...], m: int) -> float:
+    """A ``(M, fraction)`` table at ``m``: linear in log2(M) between its points, constant
+    past its ends."""
     if m <= points[0][0]:
         return points[0][1]
     for (m0, f0), (m1, f1) in zip(points, points[1:], strict=False):

@@ -92,6 +92,12 @@ SPECS: dict[str, Spec] = {
         "route and dense math take the same time at K=2048, N=5632; linear in log2(M) "
         "between points, constant past the ends",
     ),
+    "density.TRAIN_CROSSOVER": Spec(
+        "points", 1, 1 << 20, "train_crossover",
+        "(M, mean active units per token as a fraction of N) at which a SparseMLP's "
+        "forward + backward on the training ops and on dense torch math take the same GPU "
+        "time at K=2048, N=5632; linear in log2(M) between points, constant past the ends",
+    ),
     "density.HEAVY_DENSE": Spec(
         "interval", 0, 1 << 20, "heavy_dense",
         "batch sizes [low, high) at which one heavy row makes dense math pay for the batch",
