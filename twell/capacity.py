@@ -164,7 +164,7 @@ class TrainSwitch:
     """The dense switch of one layer's training calls on CUDA (``twell.torch.SparseMLP``'s
     ``density_switch``): a call runs the layer's dense torch math instead of twell's
     training ops while the layer was too dense for them, and the ops again once it is
-    sparse enough. Above a mean of about 1.7% of N active units per token
+    sparse enough. Above a mean of about 1.5% of N active units per token
     (:data:`twell.kernels.density.TRAIN_CROSSOVER`, by batch size) the sparse forward +
     backward costs the GPU more than dense math: a model still dense early in sparsity
     training, or a layer that stays denser than the rest, would otherwise train slower

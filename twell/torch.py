@@ -142,7 +142,7 @@ class SparseMLP(nn.Module):
             batch from the statistics of the calls before, a row by its own count).
             Training calls on CUDA (eager): :class:`twell.capacity.TrainSwitch`, which
             runs the layer's dense torch math (as ``train_kernels=False``) while its
-            earlier calls' mean active units per token were above about 1.7% of N,
+            earlier calls' mean active units per token were above about 1.5% of N,
             where the training ops cost the GPU more than dense math. False: always the
             training ops.
 

@@ -47,7 +47,7 @@ HEAVY_DENSE: tuple[int, int] = tuning.value("density.HEAVY_DENSE")
 #: Where a training call's sparse kernels stop paying, by batch size: ``(M, mean active
 #: units per token as a fraction of N)`` at which a ``SparseMLP``'s forward + backward on
 #: twell's training ops and on its dense torch math take the same GPU time (uniform
-#: activations, K=2048, N=5632; K=1024, N=2816 crosses within 0.1% of N of it). Linear in
+#: activations, K=2048, N=5632; a run at K=1024, N=2816 crossed at 1.6-1.8%). Linear in
 #: log2(M) between the points, constant past the ends. :class:`twell.capacity.TrainSwitch`
 #: runs a layer whose earlier calls were denser than this on the dense math.
 TRAIN_CROSSOVER: tuple[tuple[int, float], ...] = tuning.value("density.TRAIN_CROSSOVER")
