@@ -234,3 +234,22 @@ def test_the_train_switch_survives_a_deep_copy_and_stays_off_the_cpu() -> None:
     assert off._switch is None and not off.options.density_switch
     with pytest.raises(TypeError, match="density_switch: expected a bool"):
         SparseMLP.from_module(LlamaMLP(32, 256), density_switch=1)
+
+
+def test_activation_checkpointing_through_a_sparse_mlp_gives_its_gradients() -> None:
+    """torch.utils.checkpoint (non-reentrant: the forward runs again inside the backward)
+    around a SparseMLP on the CPU: the same gradients as without it."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    x = torch.randn(8, 32)
+    grads = []
+    for wrap in (True, False):
+        xi = x.clone().requires_grad_()
+        mlp.zero_grad(set_to_none=True)
+        y = checkpoint(mlp, xi, use_reentrant=False) if wrap else mlp(xi)
+        y.square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in mlp.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -95,6 +95,25 @@ def test_a_training_step_with_labels_and_the_l1_term() -> None:
         assert torch.isfinite(model(ids).logits).all()
 
 
+def test_a_training_step_with_gradient_checkpointing() -> None:
+    """transformers' gradient checkpointing runs each decoder layer's forward again inside
+    the backward pass: the sparsified model's loss and gradients are those of the same
+    model without it."""
+    runs = []
+    for checkpointing in (True, False):
+        model = tiny_llama()
+        sparsify(model, reduction="per_token")
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        ids = _prompt(2, 12)
+        out = model(ids, labels=ids)
+        (out.loss + 1e-3 * l1_penalty(model)).backward()
+        runs.append([out.loss.detach(), *(p.grad for p in model.parameters())])
+    for a, b in zip(*runs, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.fixture(autouse=True)
 def _dense_l1_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make a dense LlamaMLP record its per-token L1 term (sum over units, mean over

@@ -129,6 +129,11 @@ class AutoCapacity:
                 )
         return self.fraction
 
+    def current(self) -> float:
+        """The choice in force, reading nothing (a forward recomputed inside a backward
+        pass takes what its first run took); 0 inside a capture, as :meth:`choose`."""
+        return 0.0 if torch.cuda.is_current_stream_capturing() else self.fraction
+
     def reset(self) -> None:
         """Start again at 0 with nothing in flight (the dense switch calls this while the
         layer runs dense math: counts of its denser past would size the capacity of its
@@ -208,6 +213,11 @@ class TrainSwitch:
             self._take(float(host[0]) / n, m)
             self._free.append((host, event))
         return self.dense
+
+    def current(self) -> bool:
+        """The choice in force, reading nothing (a forward recomputed inside a backward
+        pass takes what its first run took); False inside a capture, as :meth:`choose`."""
+        return self.dense and not torch.cuda.is_current_stream_capturing()
 
     def _take(self, share: float, m: int) -> None:
         """Take in a call of ``m`` tokens whose mean active units were ``share`` of N."""

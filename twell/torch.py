@@ -283,20 +283,25 @@ class SparseMLP(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if not compiling:
             self._forget()  # the weights are about to change: no stale inference block
+        # A forward run again inside a backward pass (activation checkpointing recomputes
+        # it there) must take the path and capacity the first run took, which saved
+        # tensors of that shape: it reads and records nothing.
+        again = not compiling and torch._C._current_graph_task_id() != -1
         switch = self._switch if x.is_cuda and not compiling and self.train_kernels else None
-        dense = switch is not None and switch.choose()
-        if dense and self._auto is not None:
+        dense = switch is not None and (switch.current() if again else switch.choose())
+        if dense and self._auto is not None and not again:
             self._auto.reset()  # its counts are of a denser past: none when back on the ops
         if self.train_kernels and not dense:
             auto = self._auto if x.is_cuda and not compiling else None
-            options = self.options if auto is None else self._options_at(auto.choose())
+            fraction = None if auto is None else auto.current() if again else auto.choose()
+            options = self.options if auto is None else self._options_at(fraction)
             y, l1, l0, count = _ffn_train(x, *weights, options, self.reduction, self._graphs(x))
-            if auto is not None:
+            if auto is not None and not again:
                 auto.record(count, x.numel() // x.shape[-1])
         else:
             check_floating(x=x)  # as the ops do: a TypeError before any math
             y, l1, l0 = self._dense(x)
-        if switch is not None:
+        if switch is not None and not again:
             switch.record(l0, x.numel() // x.shape[-1], weights[1].shape[0])
         self.l1, self.l0 = l1, l0
         if y.requires_grad and not compiling:

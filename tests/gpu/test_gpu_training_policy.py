@@ -333,3 +333,45 @@ def test_gpu_the_train_switch_runs_a_dense_layer_on_dense_math_and_a_sparse_one_
     assert not mlp._switch.dense and len(calls) == before + 1
     for a, b in zip(got, step(twin(sparse_problem, density_switch=False)), strict=True):
         assert torch.equal(a, b)
+
+
+def test_gpu_a_recomputed_forward_takes_the_path_of_its_first_run() -> None:
+    """Activation checkpointing runs a layer's forward again inside the backward pass: it
+    takes the path and capacity its first run took (the dense switch and "auto" read and
+    record nothing then), even when an L0 that turns the switch on has landed in between;
+    the gradients are those of the layer without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from twell.capacity import AUTO_LAG
+
+    problem = workloads.uniform(1024, 256, 1024, seed=4)
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
+    dy = torch.randn(1024, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    dy = dy.bfloat16()
+
+    class Passed:  # an event that has completed (and records nothing when reused)
+        def query(self) -> bool:
+            return True
+
+        def record(self, stream: object) -> None:
+            pass
+
+    def run(mlp: SparseMLP, wrap: bool) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_()
+        y = checkpoint(mlp, xi, use_reentrant=False) if wrap else mlp(xi)
+        y.backward(dy)
+        return [y.detach(), xi.grad, *(p.grad for p in mlp.parameters())]
+
+    mlp = SparseMLP.from_module(mlp_from_problem(problem, torch.float32).cuda().bfloat16())
+    # the first run reads a sparse call; a read after it would find a dense one
+    sparse, dense = torch.tensor([1.0]), torch.tensor([1000.0])
+    mlp._switch._pending.extend(
+        [(sparse, Passed(), 1024, 1024)] + [(dense, Passed(), 1024, 1024)] * (AUTO_LAG - 1)
+    )
+    got = run(mlp, wrap=True)
+    assert not mlp._switch.dense and len(mlp._switch._pending) == AUTO_LAG  # one record
+    twin = SparseMLP.from_module(
+        mlp_from_problem(problem, torch.float32).cuda().bfloat16(), density_switch=False
+    )
+    for a, b in zip(got, run(twin, wrap=False), strict=True):
+        assert torch.equal(a, b)
