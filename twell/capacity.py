@@ -185,8 +185,9 @@ class TrainSwitch:
     on the calls before, as with ``"auto"``). Inside a CUDA-graph capture of the caller's
     own nothing is read or recorded and the call takes the training ops: a captured step
     is replayed for as long as the caller likes, and dense math captured while the model
-    was dense would stay in every replay. Not part of a state dict (a resumed run starts
-    on the ops)."""
+    was dense would stay in every replay. A forward recomputed inside a backward pass
+    (activation checkpointing) takes :meth:`current`: the choice of its first run. Not
+    part of a state dict (a resumed run starts on the ops)."""
 
     def __init__(self) -> None:
         self.dense = False
