@@ -779,9 +779,8 @@ def main() -> int:
         import torch.distributed as dist
 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (NVLS)
-        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=local)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
         lead = dist.get_rank() == 0
     out = args.out or record_path("models")
     name = f"llama-relu-{args.layers}L-{args.hidden}x{args.ffn}"
