@@ -15,6 +15,23 @@ from torch_helpers import LlamaMLP  # noqa: E402
 from twell.torch import SparseMLP  # noqa: E402
 
 
+class _Passed:
+    """A CUDA event that has completed (a copy that has landed)."""
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+class _InFlight(_Passed):
+    """A CUDA event still pending (a copy in flight)."""
+
+    def query(self) -> bool:
+        return False
+
+
 def test_train_capacity_holds_the_headroom_in_steps_of_1_64() -> None:
     from twell.capacity import STEP, train_capacity
 
@@ -44,14 +61,10 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
-    class Passed:
-        def query(self) -> bool:
-            return True
-
     auto = AutoCapacity()
 
     def feed(count: int, m: int = 16384) -> None:
-        auto._pending.append((torch.tensor([count], dtype=torch.int32), Passed(), m))
+        auto._pending.append((torch.tensor([count], dtype=torch.int32), _Passed(), m))
 
     def after(count: int, m: int = 16384) -> float:
         """Record a call's count, then choose for the next call (which reads the count
@@ -80,13 +93,9 @@ def test_auto_capacity_goes_up_at_once_and_down_after_patience(
     assert len(auto._pending) == pending  # nothing read while capturing
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
-    class InFlight:
-        def query(self) -> bool:
-            return False
-
     auto._pending.clear()
     for _ in range(AUTO_LAG + 1):
-        auto._pending.append((torch.tensor([16384], dtype=torch.int32), InFlight(), 16384))
+        auto._pending.append((torch.tensor([16384], dtype=torch.int32), _InFlight(), 16384))
     assert auto.choose() == 1 / 64 and len(auto._pending) == AUTO_LAG + 1  # never waits
 
 
@@ -100,15 +109,11 @@ def test_a_call_with_most_rows_dense_warns_once(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(capacity, "_warned", [False])
 
-    class Passed:
-        def query(self) -> bool:
-            return True
-
     auto = capacity.AutoCapacity()
 
     def read(count: int, m: int = 4096) -> None:
         for _ in range(capacity.AUTO_LAG):
-            auto._pending.append((torch.tensor([count], dtype=torch.int32), Passed(), m))
+            auto._pending.append((torch.tensor([count], dtype=torch.int32), _Passed(), m))
         auto.choose()
 
     with warnings.catch_warnings():
@@ -171,14 +176,10 @@ def test_train_switch_goes_dense_at_once_and_back_after_patience(
     monkeypatch.setattr(density, "TRAIN_CROSSOVER", ((4096, 0.01), (16384, 0.02)))
     density.train_crossover.cache_clear()
 
-    class Passed:
-        def query(self) -> bool:
-            return True
-
     switch = TrainSwitch()
 
     def after(l0: float, m: int = 16384, n: int = 1000) -> bool:
-        switch._pending.append((torch.tensor([l0]), Passed(), m, n))
+        switch._pending.append((torch.tensor([l0]), _Passed(), m, n))
         return switch.choose()
 
     try:
@@ -204,13 +205,9 @@ def test_train_switch_goes_dense_at_once_and_back_after_patience(
         assert len(switch._pending) == pending  # and reads nothing
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
-        class InFlight:
-            def query(self) -> bool:
-                return False
-
         switch._pending.clear()
         for _ in range(AUTO_LAG + 1):
-            switch._pending.append((torch.tensor([0.0]), InFlight(), 16384, 1000))
+            switch._pending.append((torch.tensor([0.0]), _InFlight(), 16384, 1000))
         assert switch.choose() is True and len(switch._pending) == AUTO_LAG + 1
     finally:
         density.train_crossover.cache_clear()
@@ -253,3 +250,44 @@ def test_activation_checkpointing_through_a_sparse_mlp_gives_its_gradients() -> 
         grads.append([xi.grad, *(p.grad for p in mlp.parameters())])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_recorded_values_are_read_auto_lag_calls_later_in_reused_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """record() then choose(), as a training loop calls them (events and pinned memory
+    faked on the CPU): a call's value is read AUTO_LAG calls later, the host buffers are
+    reused once read, and a capture records nothing."""
+    from twell.capacity import AUTO_LAG, AutoCapacity, TrainSwitch, train_capacity
+    from twell.kernels import density
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "Event", _Passed)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    made = []
+
+    def pinned(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+        made.append(pin_memory)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", pinned)
+    auto, switch = AutoCapacity(), TrainSwitch()
+    choices = []
+    for count in [3000] + [0] * (AUTO_LAG + 1):
+        choices.append((auto.choose(), switch.choose()))
+        auto.record(torch.tensor([count], dtype=torch.int32), 16384)
+        switch.record(torch.tensor(1000.0 if count else 1.0), 16384, 5632)
+    assert choices[:AUTO_LAG] == [(0.0, False)] * AUTO_LAG  # nothing read yet
+    assert choices[AUTO_LAG] == (
+        train_capacity(3000, 16384),
+        1000 / 5632 > density.train_crossover(16384),
+    )
+    assert choices[AUTO_LAG][1] is True
+    assert len(auto._pending) == len(switch._pending) == AUTO_LAG
+    assert made == [True] * (2 * AUTO_LAG)  # AUTO_LAG pinned buffers each, then reused
+    assert auto._pending[0][0].dtype == torch.int32 and switch._pending[0][0].dtype == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    auto.record(torch.tensor([5], dtype=torch.int32), 16384)
+    switch.record(torch.tensor(1.0), 16384, 5632)
+    assert len(auto._pending) == len(switch._pending) == AUTO_LAG  # a capture records nothing

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,7 +66,42 @@ def train_capacity(count: int, m: int) -> float:
     return min(1.0, max(1, steps) * STEP)
 
 
-class AutoCapacity:
+class _Lagged:
+    """A value of each of a layer's calls, copied to pinned host memory behind an event
+    as the call is launched, and read :data:`AUTO_LAG` calls later: normally long landed,
+    and never waited for (a copy still in flight, the host running steps ahead of the
+    GPU, is read by a later call). Nothing is recorded or read inside a capture."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._dtype = dtype
+        # (pinned [1] buffer, its event, what the caller keeps with the value)
+        self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (pinned buffer, event) to reuse
+
+    def _landed(self) -> Iterator[tuple[float, tuple]]:
+        """The values (and what was kept with them) of the calls read now, oldest first."""
+        pending = self._pending
+        while len(pending) >= AUTO_LAG and pending[0][1].query():
+            host, event, *kept = pending.popleft()
+            value = host.item()
+            self._free.append((host, event))
+            yield value, tuple(kept)
+
+    def _record(self, value: torch.Tensor, *kept: Any) -> None:
+        """Start the host copy of ``value`` (one element on the current stream)."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        if self._free:
+            host, event = self._free.pop()
+        else:
+            host = torch.empty((1,), dtype=self._dtype, pin_memory=True)
+            event = torch.cuda.Event()
+        host.copy_(value.detach().reshape(1), non_blocking=True)  # on value's device
+        event.record(torch.cuda.current_stream(value.device))
+        self._pending.append((host, event, *kept))
+
+
+class AutoCapacity(_Lagged):
     """``dense_capacity="auto"`` for one layer's training calls on CUDA: each call's
     capacity comes from the heavy-row count of the layer's call :data:`AUTO_LAG` calls
     before (:func:`train_capacity`, :meth:`choose`; 0 until then). A call's
@@ -86,9 +122,8 @@ class AutoCapacity:
     ``dense_capacity`` to capture one)."""
 
     def __init__(self) -> None:
+        super().__init__(torch.int32)  # (count, call's M)
         self.fraction = 0.0
-        self._pending: collections.deque[tuple[torch.Tensor, Any, int]] = collections.deque()
-        self._free: list[tuple[torch.Tensor, Any]] = []  # (pinned buffer, event) to reuse
         self._lower = 0  # calls in a row that asked for less than `fraction`
         self._lower_max = 0.0  # the most they asked for
 
@@ -109,14 +144,9 @@ class AutoCapacity:
         graphs) every step."""
         if torch.cuda.is_current_stream_capturing():
             return 0.0
-        pending = self._pending
-        # Recorded AUTO_LAG calls ago: normally long done. A copy still in flight (the
-        # host runs steps ahead of the GPU) is read by a later call: never waited for.
-        while len(pending) >= AUTO_LAG and pending[0][1].query():
-            host, event, m = pending.popleft()
-            count = int(host[0])
+        for value, (m,) in self._landed():
+            count = int(value)
             self._take(train_capacity(count, m))
-            self._free.append((host, event))
             if count > DENSE_SHARE * m and not _warned[0]:
                 _warned[0] = True
                 warnings.warn(
@@ -154,18 +184,10 @@ class AutoCapacity:
     def record(self, count: torch.Tensor, m: int) -> None:
         """Start the host copy of a call's heavy-row count (``count``: int32 ``[1]`` on
         the current stream), unless a capture is running."""
-        if torch.cuda.is_current_stream_capturing():
-            return
-        if self._free:
-            host, event = self._free.pop()
-        else:
-            host, event = torch.empty((1,), dtype=torch.int32, pin_memory=True), torch.cuda.Event()
-        host.copy_(count.reshape(1), non_blocking=True)  # on count's device
-        event.record(torch.cuda.current_stream(count.device))
-        self._pending.append((host, event, m))
+        self._record(count, m)
 
 
-class TrainSwitch:
+class TrainSwitch(_Lagged):
     """The dense switch of one layer's training calls on CUDA (``twell.torch.SparseMLP``'s
     ``density_switch``): a call runs the layer's dense torch math instead of twell's
     training ops while the layer was too dense for them, and the ops again once it is
@@ -190,10 +212,8 @@ class TrainSwitch:
     part of a state dict (a resumed run starts on the ops)."""
 
     def __init__(self) -> None:
+        super().__init__(torch.float32)  # (L0, call's M, its N)
         self.dense = False
-        # (pinned float32 [1] of a call's l0, its event, the call's M, its N)
-        self._pending: collections.deque[tuple[torch.Tensor, Any, int, int]] = collections.deque()
-        self._free: list[tuple[torch.Tensor, Any]] = []
         self._below = 0  # calls in a row at or below the crossover while dense
 
     def __getstate__(self) -> dict[str, Any]:
@@ -208,11 +228,8 @@ class TrainSwitch:
         (:data:`AUTO_LAG` calls back or more; never waited for). False inside a capture."""
         if torch.cuda.is_current_stream_capturing():
             return False
-        pending = self._pending
-        while len(pending) >= AUTO_LAG and pending[0][1].query():
-            host, event, m, n = pending.popleft()
-            self._take(float(host[0]) / n, m)
-            self._free.append((host, event))
+        for l0, (m, n) in self._landed():
+            self._take(l0 / n, m)
         return self.dense
 
     def current(self) -> bool:
@@ -234,16 +251,7 @@ class TrainSwitch:
     def record(self, l0: torch.Tensor, m: int, n: int) -> None:
         """Start the host copy of a call's L0 (float32 scalar on the current stream) for a
         call of ``m`` tokens and ``n`` units, unless a capture is running."""
-        if torch.cuda.is_current_stream_capturing():
-            return
-        if self._free:
-            host, event = self._free.pop()
-        else:
-            host = torch.empty((1,), dtype=torch.float32, pin_memory=True)
-            event = torch.cuda.Event()
-        host.copy_(l0.detach().reshape(1), non_blocking=True)
-        event.record(torch.cuda.current_stream(l0.device))
-        self._pending.append((host, event, m, n))
+        self._record(l0, m, n)
 
 
 #: w_up's (storage, offset in it, shape) -> (a weak reference to the storage, its AutoCapacity)

@@ -53,7 +53,7 @@ def _layers(p: float) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
 
 def _gpu_ms(module: SparseMLP, x: Any, dy: Any) -> float:
     coeff = torch.tensor(1e-4, device="cuda")
-    weights = [p for p in module.parameters()]
+    weights = list(module.parameters())
 
     def step() -> None:
         y = module(x)
