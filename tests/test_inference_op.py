@@ -184,3 +184,58 @@ def test_a_copy_of_the_same_values_is_another_weight(stub_gpu) -> None:  # noqa:
     (wg, wu, wd), _ = _weights()
     first = inference.block_for(wg, wu, wd, Options())
     assert inference.block_for(wg.clone(), wu, wd, Options()) is not first
+
+
+# ---------------------------------------------------------------------- a caller's memo
+def _remembered(x, weights, options, block=None):  # noqa: ANN001, ANN202
+    recent = inference.Recent()
+    recent.remember(x, tuple(weights), options, block if block is not None else object())
+    return recent
+
+
+def test_recent_serves_the_same_call_and_nothing_else() -> None:
+    (wg, wu, wd), x = _weights()
+    options, block = Options(), object()
+    recent = _remembered(x, (wg, wu, wd), options, block)
+    assert recent.block_for(x.clone(), (wg, wu, wd), options) is block
+    assert recent.block_for(x[:4], (wg, wu, wd), options) is None  # another shape
+    assert recent.block_for(x.double(), (wg, wu, wd), options) is None  # another dtype
+    assert recent.block_for(x, (wg, wu, wd), Options()) is None  # other options
+    assert recent.block_for(x.t().contiguous().t(), (wg, wu, wd), options) is None
+    assert recent.block_for(x, (wg.clone(), wu, wd), options) is None  # another weight
+    assert recent.block_for(x, (None, wu, wd), options) is None
+
+
+def test_recent_sees_every_weight_change_the_registry_sees(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(inference, "_blocks", {})
+    (wg, wu, wd), x = _weights()
+    options = Options()
+    recent = _remembered(x, (wg, wu, wd), options)
+    with torch.no_grad():
+        wu.mul_(2)  # in place: the version counter moves
+    assert recent.block_for(x, (wg, wu, wd), options) is None
+    recent = _remembered(x, (wg, wu, wd), options)
+    wd.data = wd.data.clone()  # the same tensor object, its memory elsewhere
+    assert recent.block_for(x, (wg, wu, wd), options) is None
+    recent = _remembered(x, (wg, wu, wd), options)
+    inference._blocks[("a key",)] = {}
+    inference.forget(wg, wu, wd)  # nothing of these weights: nothing dropped
+    assert recent.block_for(x, (wg, wu, wd), options) is not None
+    inference._blocks[tuple(inference._identity(t) for t in (wg, wu, wd))] = {}
+    inference.forget(wg, wu, wd)  # a write the version counter does not see
+    assert recent.block_for(x, (wg, wu, wd), options) is None
+
+
+def test_a_copied_module_starts_with_an_empty_memo() -> None:
+    import copy
+    import pickle
+
+    (wg, wu, wd), x = _weights()
+    recent = _remembered(x, (wg, wu, wd), Options())
+    for twin in (copy.deepcopy(recent), pickle.loads(pickle.dumps(recent))):
+        assert twin.block is None and twin.key is None
+    mlp = SparseMLP.from_module(LlamaMLP(32, 256))
+    mlp._recent.remember(x, mlp._weights(), mlp.options, object())
+    assert copy.deepcopy(mlp)._recent.block is None
+    mlp.eval()  # train()/eval() drop the blocks, and the memo with them
+    assert mlp._recent.block is None

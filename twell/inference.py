@@ -117,6 +117,67 @@ class _Block:
 
 #: weights' identities -> {options: _Block}
 _blocks: dict[tuple, dict[Options, _Block]] = {}
+#: Registry entries dropped so far (:func:`forget`, :func:`_sweep`): a :class:`Recent`
+#: filled before a drop is stale.
+_dropped = [0]
+
+
+class Recent:
+    """One caller's last validated eager CUDA call: what it checked (``x``'s shape, dtype
+    and device; the weight tensors themselves, their addresses and version counters; the
+    options) and the block it found. A next call with all of these unchanged goes to the
+    block directly: the checks and the registry's lookup cost a replayed small call
+    about a third of its host time, and a decode loop makes the same call per layer
+    and token. Anything different takes the full path, which remembers anew. A copy
+    (``copy.deepcopy`` of a model, pickling) starts empty."""
+
+    __slots__ = ("key", "weights", "state", "block")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.key: tuple | None = None
+        self.weights: tuple = ()
+        self.state: tuple = ()
+        self.block: _Block | None = None
+
+    def __reduce__(self) -> tuple:
+        return (Recent, ())
+
+    def __deepcopy__(self, memo: dict) -> Recent:
+        return Recent()
+
+    @staticmethod
+    def _state(weights: tuple[torch.Tensor | None, ...]) -> tuple:
+        return tuple(None if t is None else (t.data_ptr(), _version(t)) for t in weights)
+
+    def remember(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
+                 options: Options, block: _Block) -> None:  # fmt: skip
+        self.key = (x.shape, x.dtype, x.get_device(), options, _dropped[0])
+        self.weights, self.state, self.block = weights, self._state(weights), block
+
+    def block_for(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
+                  options: Options) -> _Block | None:  # fmt: skip
+        """The remembered block if this call is the remembered one's like, else None."""
+        key = self.key
+        if (
+            key is None
+            or type(x) is not torch.Tensor  # a subclass takes the full path
+            or x.shape != key[0]
+            or x.dtype != key[1]
+            or options is not key[3]
+            or _dropped[0] != key[4]
+            or x.get_device() != key[2]
+            or not x.is_contiguous()
+        ):
+            return None
+        mine = self.weights
+        if any(a is not b for a, b in zip(weights, mine, strict=True)):
+            return None
+        if self._state(weights) != self.state:
+            return None
+        return self.block
 
 
 def block_for(
@@ -174,14 +235,16 @@ def _build_isolated(weights: tuple[torch.Tensor | None, ...], options: Options) 
 def forget(w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
     """Drop the prepared blocks of these weights (for writes a version counter does not
     see: ``.data`` assignments, some fused optimizers)."""
-    _blocks.pop(tuple(_identity(t) for t in (w_gate, w_up, w_down)), None)
+    if _blocks.pop(tuple(_identity(t) for t in (w_gate, w_up, w_down)), None) is not None:
+        _dropped[0] += 1
 
 
 def _sweep() -> None:
     # list(): a copy taken at once, as another thread may be adding a block meanwhile
     for key, found in list(_blocks.items()):
         if not all(b.alive() for b in list(found.values())):
-            _blocks.pop(key, None)
+            if _blocks.pop(key, None) is not None:
+                _dropped[0] += 1
 
 
 def _in_graph_tree(device: torch.device) -> bool:
@@ -247,8 +310,10 @@ def _ffn_fake(x, w_gate, w_up, w_down, tile, slots, path, max_row_nnz, dense_cap
 
 
 def _run(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
-         w_down: torch.Tensor, options: Options, graphs: bool | None) -> torch.Tensor:  # fmt: skip
-    """The op's implementation (``graphs`` None: decide from where the call runs)."""
+         w_down: torch.Tensor, options: Options, graphs: bool | None,
+         recent: Recent | None = None) -> torch.Tensor:  # fmt: skip
+    """The op's implementation (``graphs`` None: decide from where the call runs);
+    ``recent``: remembers the call's block where ``x`` and the weights were used in place."""
     _check(x, w_gate, w_up, w_down, options.tile)
     if x.device.type == "cpu":
         return _reference(x, w_gate, w_up, w_down, options)
@@ -268,6 +333,14 @@ def _run(x: torch.Tensor, w_gate: torch.Tensor | None, w_up: torch.Tensor,
     if graphs is None:  # the op, from compiled code: plain launches inside graph trees
         graphs = not _in_graph_tree(x.device)
     block = block_for(*weights, options, isolated=not graphs)
+    originals = (w_gate, w_up, w_down)
+    if (
+        recent is not None
+        and graphs
+        and x2.data_ptr() == x.data_ptr()
+        and all(a is b for a, b in zip(weights, originals, strict=True))
+    ):
+        recent.remember(x, originals, options, block)
     y = block(x2, graphs)
     return unview(y.view(x.shape))  # not a view of a buffer made inside the op
 
@@ -292,11 +365,18 @@ def ffn(
     w_down: torch.Tensor,
     options: Options,
     arguments: tuple | None = None,
+    recent: Recent | None = None,
 ) -> torch.Tensor:
     """The block's inference output for ``x [..., K]``: through ``twell::ffn`` while
     ``torch.compile`` traces, else its implementation directly (``arguments``:
-    ``op_arguments(options)``, when the caller keeps them)."""
+    ``op_arguments(options)``, when the caller keeps them; ``recent``: the caller's
+    memo of its last call, :class:`Recent`)."""
     if torch.compiler.is_compiling():
         args = op_arguments(options) if arguments is None else arguments
         return ffn_op(x, w_gate, w_up, w_down, *args)
-    return _run(x, w_gate, w_up, w_down, options, graphs=True)
+    if recent is not None:
+        block = recent.block_for(x, (w_gate, w_up, w_down), options)
+        if block is not None:
+            y = block(x.view(-1, x.shape[-1]), True)
+            return unview(y.view(x.shape))
+    return _run(x, w_gate, w_up, w_down, options, graphs=True, recent=recent)

@@ -161,6 +161,8 @@ class SparseMLP(nn.Module):
             not in [0, 1], or ``reduction`` is unknown.
     """
 
+    _recent: inference.Recent | None = None  # (a module pickled without one: none)
+
     def __init__(
         self,
         gate_proj: nn.Linear,
@@ -214,6 +216,7 @@ class SparseMLP(nn.Module):
         self.l0: torch.Tensor | None = None
         # The inference op's trailing arguments (constants for torch.compile).
         self._arguments = inference.op_arguments(self.options)
+        self._recent = inference.Recent()  # the last eager inference call's block
 
     @classmethod
     def from_module(cls, mlp: nn.Module, **kwargs: Any) -> SparseMLP:
@@ -255,6 +258,8 @@ class SparseMLP(nn.Module):
         return inference.block_for(*self._weights(), self.options)
 
     def _forget(self) -> None:
+        if self._recent is not None:
+            self._recent.clear()
         w = self._weights()
         if w[1].is_cuda:
             inference.forget(*w)
@@ -273,7 +278,7 @@ class SparseMLP(nn.Module):
         )
         if not needs_grad:
             self.l1 = self.l0 = None
-            return inference.ffn(x, *weights, self.options, self._arguments)
+            return inference.ffn(x, *weights, self.options, self._arguments, self._recent)
         compiling = torch.compiler.is_compiling()
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
             # The op sees the autocast dtype for x; fp32 master weights go in as they are

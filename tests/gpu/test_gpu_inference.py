@@ -294,6 +294,30 @@ def test_inference_registry_follows_weight_updates_and_frees_blocks() -> None:
     assert key not in inference._blocks
 
 
+def test_the_memo_of_the_last_call_gives_the_full_paths_bits() -> None:
+    """A SparseMLP's repeated eager call goes to its remembered block (no checks, no
+    registry lookup) with the bits of the full path, and leaves it where a weight moved
+    (``.data`` replaced), changed in place, or the module went through ``train()``."""
+    p = workloads.uniform(4, 512, 1024, p=0.005, seed=8)
+    sparse, _ = _mlp(p)
+    sparse.eval()
+    x = _x(p).reshape(1, 4, 512)
+    with torch.no_grad():
+        first = sparse(x).clone()
+        assert sparse._recent.block is sparse.prepared()
+        for _ in range(3):
+            assert torch.equal(sparse(x), first)
+        sparse.up_proj.weight.data = 2.0 * sparse.up_proj.weight.data
+        assert relative_error(as_f64(sparse(x)), as_f64(2.0 * first)) < 1e-2
+        sparse.up_proj.weight.mul_(0.5)  # back to the first values (exact in bf16)
+        assert relative_error(as_f64(sparse(x)), as_f64(first)) < 1e-2
+        sparse.train().eval()
+        assert sparse._recent.block is None
+        assert relative_error(as_f64(sparse(x)), as_f64(first)) < 1e-2
+        half = sparse(x[:, :2])  # another shape: the full path
+        assert relative_error(as_f64(half), as_f64(first[:, :2])) < 1e-2
+
+
 def test_two_forwards_before_one_backward_keep_their_activations() -> None:
     """Gradient accumulation through one autograd graph (two forwards of a layer, then one
     backward): with op graphs the second forward's replay first copies out what the
