@@ -277,7 +277,8 @@ class SparseMLP(nn.Module):
             x.requires_grad or any(w.requires_grad for w in weights)
         )
         if not needs_grad:
-            self.l1 = self.l0 = None
+            if self.l1 is not None or self.l0 is not None:  # (nn.Module's setattr is slow)
+                self.l1 = self.l0 = None
             return inference.ffn(x, *weights, self.options, self._arguments, self._recent)
         compiling = torch.compiler.is_compiling()
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
