@@ -557,7 +557,7 @@ def _arg_key(arg: Any, pinned: bool) -> Any:
 
     if isinstance(arg, torch.Tensor):
         address = arg.data_ptr() if pinned else None
-        return (address, tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+        return (address, arg.shape, arg.stride(), arg.dtype, arg.device)
     return arg
 
 
