@@ -5,6 +5,7 @@ registry of prepared blocks (with the GPU preparation replaced by a stub)."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -187,15 +188,22 @@ def test_a_copy_of_the_same_values_is_another_weight(stub_gpu) -> None:  # noqa:
 
 
 # ---------------------------------------------------------------------- a caller's memo
+class _Held:
+    """A stand-in block (weakly referable, kept alive by the test)."""
+
+
 def _remembered(x, weights, options, block=None):  # noqa: ANN001, ANN202
     recent = inference.Recent()
-    recent.remember(x, tuple(weights), options, block if block is not None else object())
+    recent.remember(x, tuple(weights), options, block if block is not None else _HELD)
     return recent
+
+
+_HELD = _Held()
 
 
 def test_recent_serves_the_same_call_and_nothing_else() -> None:
     (wg, wu, wd), x = _weights()
-    options, block = Options(), object()
+    options, block = Options(), _Held()
     recent = _remembered(x, (wg, wu, wd), options, block)
     assert recent.block_for(x.clone(), (wg, wu, wd), options) is block
     assert recent.block_for(x[:4], (wg, wu, wd), options) is None  # another shape
@@ -232,10 +240,25 @@ def test_a_copied_module_starts_with_an_empty_memo() -> None:
 
     (wg, wu, wd), x = _weights()
     recent = _remembered(x, (wg, wu, wd), Options())
+    assert recent.remembered() is _HELD
     for twin in (copy.deepcopy(recent), pickle.loads(pickle.dumps(recent))):
-        assert twin.block is None and twin.key is None
+        assert twin.remembered() is None and twin.key is None
     mlp = SparseMLP.from_module(LlamaMLP(32, 256))
-    mlp._recent.remember(x, mlp._weights(), mlp.options, object())
-    assert copy.deepcopy(mlp)._recent.block is None
+    mlp._recent.remember(x, mlp._weights(), mlp.options, _HELD)
+    assert copy.deepcopy(mlp)._recent.remembered() is None
     mlp.eval()  # train()/eval() drop the blocks, and the memo with them
-    assert mlp._recent.block is None
+    assert mlp._recent.remembered() is None
+
+
+def test_recent_keeps_neither_the_weights_nor_the_block_alive() -> None:
+    (wg, wu, wd), x = _weights()
+    block = _Held()
+    recent = _remembered(x, (wg, wu, wd), Options(), block)
+    del block
+    gc.collect()
+    assert recent.block_for(x, (wg, wu, wd), recent.key[3]) is None  # the block is gone
+    wu_ref = weakref.ref(wu)
+    recent = _remembered(x, (wg, wu, wd), Options())
+    del wu
+    gc.collect()
+    assert wu_ref() is None  # a replaced weight is freed

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -122,13 +123,20 @@ _blocks: dict[tuple, dict[Options, _Block]] = {}
 _dropped = [0]
 
 
+def _nothing() -> None:
+    """A dead reference's stand-in (a missing ``w_gate``, nothing remembered)."""
+    return None
+
+
 class Recent:
     """One caller's last validated eager CUDA call: what it checked (``x``'s shape, dtype
     and device; the weight tensors themselves, their addresses and version counters; the
     options) and the block it found. A next call with all of these unchanged goes to the
     block directly: the checks and the registry's lookup cost a replayed small call
     about a third of its host time, and a decode loop makes the same call per layer
-    and token. Anything different takes the full path, which remembers anew. A copy
+    and token. Anything different takes the full path, which remembers anew. The
+    weights and the block are held by weak references, as the registry holds weights: a
+    replaced weight or a block the registry dropped is not kept alive. A copy
     (``copy.deepcopy`` of a model, pickling) starts empty."""
 
     __slots__ = ("key", "weights", "state", "block")
@@ -140,7 +148,7 @@ class Recent:
         self.key: tuple | None = None
         self.weights: tuple = ()
         self.state: tuple = ()
-        self.block: _Block | None = None
+        self.block: Any = _nothing
 
     def __reduce__(self) -> tuple:
         return (Recent, ())
@@ -148,14 +156,16 @@ class Recent:
     def __deepcopy__(self, memo: dict) -> Recent:
         return Recent()
 
-    @staticmethod
-    def _state(weights: tuple[torch.Tensor | None, ...]) -> tuple:
-        return tuple(None if t is None else (t.data_ptr(), _version(t)) for t in weights)
+    def remembered(self) -> _Block | None:
+        """The block of the last call (None: nothing remembered, or gone)."""
+        return self.block()
 
     def remember(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
                  options: Options, block: _Block) -> None:  # fmt: skip
         self.key = (x.shape, x.dtype, x.get_device(), options, _dropped[0])
-        self.weights, self.state, self.block = weights, self._state(weights), block
+        self.weights = tuple(_nothing if t is None else weakref.ref(t) for t in weights)
+        self.state = tuple(None if t is None else (t.data_ptr(), _version(t)) for t in weights)
+        self.block = weakref.ref(block)
 
     def block_for(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
                   options: Options) -> _Block | None:  # fmt: skip
@@ -173,11 +183,11 @@ class Recent:
         ):
             return None
         for t, mine, state in zip(weights, self.weights, self.state, strict=True):
-            if t is not mine or (
+            if mine() is not t or (
                 t is not None and (t.data_ptr() != state[0] or _version(t) != state[1])
             ):
                 return None
-        return self.block
+        return self.block()
 
 
 def block_for(

@@ -304,7 +304,7 @@ def test_the_memo_of_the_last_call_gives_the_full_paths_bits() -> None:
     x = _x(p).reshape(1, 4, 512)
     with torch.no_grad():
         first = sparse(x).clone()
-        assert sparse._recent.block is sparse.prepared()
+        assert sparse._recent.remembered() is sparse.prepared()
         for _ in range(3):
             assert torch.equal(sparse(x), first)
         sparse.up_proj.weight.data = 2.0 * sparse.up_proj.weight.data
@@ -312,7 +312,7 @@ def test_the_memo_of_the_last_call_gives_the_full_paths_bits() -> None:
         sparse.up_proj.weight.mul_(0.5)  # back to the first values (exact in bf16)
         assert relative_error(as_f64(sparse(x)), as_f64(first)) < 1e-2
         sparse.train().eval()
-        assert sparse._recent.block is None
+        assert sparse._recent.remembered() is None
         assert relative_error(as_f64(sparse(x)), as_f64(first)) < 1e-2
         half = sparse(x[:, :2])  # another shape: the full path
         assert relative_error(as_f64(half), as_f64(first[:, :2])) < 1e-2
