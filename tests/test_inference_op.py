@@ -262,3 +262,53 @@ def test_recent_keeps_neither_the_weights_nor_the_block_alive() -> None:
     del wu
     gc.collect()
     assert wu_ref() is None  # a replaced weight is freed
+
+
+def test_recent_never_serves_a_block_the_registry_would_not(stub_gpu) -> None:  # noqa: ANN001
+    """Random histories of calls, in-place writes, moved weights (``.data`` replaced),
+    ``forget`` and ``clear``: whenever the memo serves a call, the block is the one the
+    registry's full path gives for those weights and options at that moment."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    steps = st.lists(
+        st.tuples(st.sampled_from(["call", "write", "move", "forget", "clear", "options"]),
+                  st.integers(0, 2), st.integers(1, 3)),  # fmt: skip
+        max_size=30,
+    )
+
+    @settings(max_examples=60, deadline=None)
+    @given(steps)
+    def run(history: list) -> None:
+        inference._blocks.clear()
+        (wg, wu, wd), x = _weights()
+        weights = [wg, wu, wd]
+        option_sets = [Options(), Options(slots=16)]
+        options = option_sets[0]
+        recent = inference.Recent()
+        for action, which, rows in history:
+            w = weights[which]
+            if action == "write":
+                with torch.no_grad():
+                    w.mul_(1.0)  # the version counter moves
+            elif action == "move":
+                w.data = w.data.clone()
+            elif action == "forget":
+                inference.forget(*weights)
+            elif action == "clear":
+                recent.clear()
+            elif action == "options":
+                options = option_sets[which % 2]
+            xs = x[:rows].contiguous()
+            got = recent.block_for(xs, tuple(weights), options)
+            full = inference.block_for(*weights, options)
+            if got is not None:
+                served[0] += 1
+                assert got is full
+            elif action == "call":
+                recent.remember(xs, tuple(weights), options, full)
+        inference._blocks.clear()
+
+    served = [0]
+    run()
+    assert served[0] > 0  # the memo did serve calls
