@@ -272,8 +272,11 @@ def test_recent_never_serves_a_block_the_registry_would_not(stub_gpu) -> None:  
     from hypothesis import strategies as st
 
     steps = st.lists(
-        st.tuples(st.sampled_from(["call", "write", "move", "forget", "clear", "options"]),
-                  st.integers(0, 2), st.integers(1, 3)),  # fmt: skip
+        st.tuples(
+            st.sampled_from(["call", "write", "move", "forget", "clear", "options"]),
+            st.integers(0, 2),
+            st.integers(1, 3),
+        ),  # fmt: skip
         max_size=30,
     )
 
