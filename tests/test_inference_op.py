@@ -191,6 +191,9 @@ def test_a_copy_of_the_same_values_is_another_weight(stub_gpu) -> None:  # noqa:
 class _Held:
     """A stand-in block (weakly referable, kept alive by the test)."""
 
+    def alive(self) -> bool:
+        return True
+
 
 def _remembered(x, weights, options, block=None):  # noqa: ANN001, ANN202
     recent = inference.Recent()
@@ -234,6 +237,76 @@ def test_recent_sees_every_weight_change_the_registry_sees(monkeypatch) -> None:
     assert recent.block_for(x, (wg, wu, wd), options) is None
 
 
+def test_recent_sees_a_weight_moved_to_a_view_of_itself() -> None:
+    """``.data`` replaced by a view at the same address (a prefix slice, another dtype of
+    the same size) keeps the pointer and the version counter: the shape and dtype tell."""
+    (wg, wu, wd), x = _weights()
+    options = Options()
+    recent = _remembered(x, (wg, wu, wd), options)
+    wu.data = wu.data[:128]
+    assert recent.block_for(x, (wg, wu, wd), options) is None
+    (wg, wu, wd), x = _weights(dtype=torch.bfloat16)
+    recent = _remembered(x, (wg, wu, wd), options)
+    wd.data = wd.data.view(torch.float16)
+    assert recent.block_for(x, (wg, wu, wd), options) is None
+
+
+def test_recent_takes_a_dead_or_missing_weight_for_another() -> None:
+    (wg, wu, wd), x = _weights()
+    options = Options()
+    recent = _remembered(x, (wg, wu, wd), options)
+    del wg
+    gc.collect()
+    assert recent.block_for(x, (None, wu, wd), options) is None  # the gate freed: not None
+    recent = _remembered(x, (None, wu, wd), options)
+    assert recent.block_for(x, (wu.clone(), wu, wd), options) is None
+
+
+def test_recent_serves_no_block_whose_weights_storage_is_gone() -> None:
+    class Dead(_Held):
+        def alive(self) -> bool:
+            return False
+
+    (wg, wu, wd), x = _weights()
+    block, options = Dead(), Options()
+    recent = _remembered(x, (wg, wu, wd), options, block)
+    assert recent.block_for(x, (wg, wu, wd), options) is None
+
+
+def test_recent_is_one_memo_for_threads_sharing_it() -> None:
+    """Two threads that share one memo (replicas of a module) with their own weights: a
+    call is served only its own weights' block, however their writes interleave."""
+    import threading
+
+    options = Options()
+    sets = []
+    for seed in (0, 1):
+        (wg, wu, wd), x = _weights(seed=seed)
+        sets.append(((wg, wu, wd), x, _Held()))
+    recent, wrong, errors = inference.Recent(), [0], []
+
+    def loop(i: int) -> None:
+        weights, x, block = sets[i]
+        try:
+            for _ in range(20000):
+                got = recent.block_for(x, weights, options)
+                if got is None:
+                    recent.remember(x, weights, options, block)
+                elif got is not block:
+                    wrong[0] += 1
+                if _ % 97 == 0:
+                    recent.clear()
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and wrong[0] == 0
+
+
 def test_a_copied_module_starts_with_an_empty_memo() -> None:
     import copy
     import pickle
@@ -242,7 +315,7 @@ def test_a_copied_module_starts_with_an_empty_memo() -> None:
     recent = _remembered(x, (wg, wu, wd), Options())
     assert recent.remembered() is _HELD
     for twin in (copy.deepcopy(recent), pickle.loads(pickle.dumps(recent))):
-        assert twin.remembered() is None and twin.key is None
+        assert twin.remembered() is None and twin.block_for(x, (wg, wu, wd), Options()) is None
     mlp = SparseMLP.from_module(LlamaMLP(32, 256))
     mlp._recent.remember(x, mlp._weights(), mlp.options, _HELD)
     assert copy.deepcopy(mlp)._recent.remembered() is None
@@ -252,11 +325,11 @@ def test_a_copied_module_starts_with_an_empty_memo() -> None:
 
 def test_recent_keeps_neither_the_weights_nor_the_block_alive() -> None:
     (wg, wu, wd), x = _weights()
-    block = _Held()
-    recent = _remembered(x, (wg, wu, wd), Options(), block)
+    block, options = _Held(), Options()
+    recent = _remembered(x, (wg, wu, wd), options, block)
     del block
     gc.collect()
-    assert recent.block_for(x, (wg, wu, wd), recent.key[3]) is None  # the block is gone
+    assert recent.block_for(x, (wg, wu, wd), options) is None  # the block is gone
     wu_ref = weakref.ref(wu)
     recent = _remembered(x, (wg, wu, wd), Options())
     del wu

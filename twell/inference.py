@@ -123,32 +123,27 @@ _blocks: dict[tuple, dict[Options, _Block]] = {}
 _dropped = [0]
 
 
-def _nothing() -> None:
-    """A dead reference's stand-in (a missing ``w_gate``, nothing remembered)."""
-    return None
-
-
 class Recent:
     """One caller's last validated eager CUDA call: what it checked (``x``'s shape, dtype
-    and device; the weight tensors themselves, their addresses and version counters; the
-    options) and the block it found. A next call with all of these unchanged goes to the
-    block directly: the checks and the registry's lookup cost a replayed small call
-    about a third of its host time, and a decode loop makes the same call per layer
-    and token. Anything different takes the full path, which remembers anew. The
-    weights and the block are held by weak references, as the registry holds weights: a
-    replaced weight or a block the registry dropped is not kept alive. A copy
+    and device; the weight tensors themselves, their addresses, version counters, shapes
+    and dtypes; the options) and the block it found. A next call with all of these
+    unchanged, and the block still alive in the registry's sense (its weights' storage
+    not freed), goes to the block directly: the checks and the registry's lookup cost a
+    replayed small call about a third of its host time, and a decode loop makes the same
+    call per layer and token. Anything different takes the full path, which remembers
+    anew. The memo is one tuple, written and read whole, so threads sharing a module
+    (``nn.DataParallel``'s replicas share it) see one call's memo or another's, never a
+    mix. The weights and the block are held by weak references, as the registry holds
+    weights: a replaced weight or a block the registry dropped is not kept alive. A copy
     (``copy.deepcopy`` of a model, pickling) starts empty."""
 
-    __slots__ = ("key", "weights", "state", "block")
+    __slots__ = ("_memo",)
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
-        self.key: tuple | None = None
-        self.weights: tuple = ()
-        self.state: tuple = ()
-        self.block: Any = _nothing
+        self._memo: tuple | None = None
 
     def __reduce__(self) -> tuple:
         return (Recent, ())
@@ -158,36 +153,51 @@ class Recent:
 
     def remembered(self) -> _Block | None:
         """The block of the last call (None: nothing remembered, or gone)."""
-        return self.block()
+        memo = self._memo
+        return None if memo is None else memo[3]()
 
     def remember(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
                  options: Options, block: _Block) -> None:  # fmt: skip
-        self.key = (x.shape, x.dtype, x.get_device(), options, _dropped[0])
-        self.weights = tuple(_nothing if t is None else weakref.ref(t) for t in weights)
-        self.state = tuple(None if t is None else (t.data_ptr(), _version(t)) for t in weights)
-        self.block = weakref.ref(block)
+        key = (x.shape, x.dtype, x.get_device(), options, _dropped[0], x.is_cuda)
+        state = tuple(
+            None if t is None else (weakref.ref(t), t.data_ptr(), _version(t), t.shape, t.dtype)
+            for t in weights
+        )
+        self._memo = (key, state, len(weights), weakref.ref(block))
 
     def block_for(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
                   options: Options) -> _Block | None:  # fmt: skip
         """The remembered block if this call is the remembered one's like, else None."""
-        key = self.key
+        memo = self._memo
+        if memo is None:
+            return None
+        key, state, count, block_ref = memo
         if (
-            key is None
-            or type(x) is not torch.Tensor  # a subclass takes the full path
+            type(x) is not torch.Tensor  # a subclass takes the full path
             or x.shape != key[0]
             or x.dtype != key[1]
             or options is not key[3]
             or _dropped[0] != key[4]
+            or len(weights) != count
+            or x.is_cuda != key[5]  # (the device's index alone: any kind of device)
             or x.get_device() != key[2]
             or not x.is_contiguous()
         ):
             return None
-        for t, mine, state in zip(weights, self.weights, self.state, strict=True):
-            if mine() is not t or (
-                t is not None and (t.data_ptr() != state[0] or _version(t) != state[1])
+        for t, mine in zip(weights, state, strict=True):  # (lengths checked above)
+            if mine is None or t is None:
+                if mine is not t:
+                    return None
+            elif (
+                mine[0]() is not t  # (a dead reference: another tensor)
+                or t.data_ptr() != mine[1]
+                or _version(t) != mine[2]
+                or t.shape != mine[3]
+                or t.dtype != mine[4]
             ):
                 return None
-        return self.block()
+        block = block_ref()
+        return block if block is not None and block.alive() else None
 
 
 def block_for(

@@ -312,14 +312,9 @@ class SparseMLP(nn.Module):
         self.l1, self.l0 = l1, l0
         if y.requires_grad and not compiling:
             hook = _detach_l1_hook(self, l1)
-            node = l1.grad_fn if self.train_kernels and not dense else None
-            if node is not None:
-                # the op's one node made y and l1: a backward through either runs it
-                node.register_prehook(hook)
-            else:
-                y.register_hook(hook)  # the task loss's backward reaches the layer
-                if l1.requires_grad:
-                    l1.register_hook(hook)  # or a backward of the L1 term alone does
+            y.register_hook(hook)  # the task loss's backward reaches the layer
+            if l1.requires_grad:
+                l1.register_hook(hook)  # or a backward of the L1 term alone does
         return y
 
     def _graphs(self, x: torch.Tensor) -> bool:
