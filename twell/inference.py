@@ -154,7 +154,7 @@ class Recent:
     def remembered(self) -> _Block | None:
         """The block of the last call (None: nothing remembered, or gone)."""
         memo = self._memo
-        return None if memo is None else memo[3]()
+        return None if memo is None else memo[2]()
 
     def remember(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
                  options: Options, block: _Block) -> None:  # fmt: skip
@@ -163,7 +163,7 @@ class Recent:
             None if t is None else (weakref.ref(t), t.data_ptr(), _version(t), t.shape, t.dtype)
             for t in weights
         )
-        self._memo = (key, state, len(weights), weakref.ref(block))
+        self._memo = (key, state, weakref.ref(block))
 
     def block_for(self, x: torch.Tensor, weights: tuple[torch.Tensor | None, ...],
                   options: Options) -> _Block | None:  # fmt: skip
@@ -171,14 +171,14 @@ class Recent:
         memo = self._memo
         if memo is None:
             return None
-        key, state, count, block_ref = memo
+        key, state, block_ref = memo
         if (
             type(x) is not torch.Tensor  # a subclass takes the full path
             or x.shape != key[0]
             or x.dtype != key[1]
             or options is not key[3]
             or _dropped[0] != key[4]
-            or len(weights) != count
+            or len(weights) != len(state)
             or x.is_cuda != key[5]  # (the device's index alone: any kind of device)
             or x.get_device() != key[2]
             or not x.is_contiguous()
