@@ -291,3 +291,44 @@ def test_recorded_values_are_read_auto_lag_calls_later_in_reused_buffers(
     auto.record(torch.tensor([5], dtype=torch.int32), 16384)
     switch.record(torch.tensor(1.0), 16384, 5632)
     assert len(auto._pending) == len(switch._pending) == AUTO_LAG  # a capture records nothing
+
+
+def test_one_copy_carries_l0_and_the_heavy_row_count_to_both_policies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TrainSwitch.record(stats, m, n, auto): one pinned copy of (L0, count) per call; when
+    read (AUTO_LAG calls later) the L0 goes to the switch and the count to the
+    AutoCapacity, whose choice is what its own record would have given; counts recorded
+    before the AutoCapacity's reset are dropped (a layer back from dense math starts at 0).
+    """
+    from twell.capacity import AUTO_LAG, AutoCapacity, TrainSwitch, train_capacity
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "Event", _Passed)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    joint, alone = (AutoCapacity(), TrainSwitch()), (AutoCapacity(), TrainSwitch())
+    seen = []
+    for count in [3000, 0, 40, 0, 0, 0]:
+        l0 = 12.0 + count / 1000
+        for auto, switch in (joint, alone):
+            seen.append((switch.choose(), auto.choose()))
+        joint[1].record(torch.tensor([l0, float(count)]), 16384, 5632, joint[0])
+        alone[0].record(torch.tensor([count], dtype=torch.int32), 16384)
+        alone[1].record(torch.tensor(l0), 16384, 5632)
+    assert seen[0::2] == seen[1::2]  # joint == separate copies, call by call
+    assert seen[2 * AUTO_LAG] == (False, train_capacity(3000, 16384))
+    assert len(joint[1]._pending) == AUTO_LAG and not joint[0]._pending
+    assert joint[1]._pending[0][0].shape == (2,)
+
+    auto, switch = AutoCapacity(), TrainSwitch()
+    for _ in range(AUTO_LAG):
+        switch.record(torch.tensor([12.0, 3000.0]), 16384, 5632, auto)
+    auto.reset()  # e.g. the layer ran dense math meanwhile
+    switch.choose()
+    assert auto.choose() == 0.0  # the counts of before the reset were dropped
+    for _ in range(AUTO_LAG):  # calls after the reset: theirs are read, in turn
+        switch.record(torch.tensor([12.0, 3000.0]), 16384, 5632, auto)
+        switch.choose()
+    assert auto.choose() == train_capacity(3000, 16384)

@@ -683,6 +683,8 @@ class OpGraphs:
         import torch
 
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if device.index == torch.cuda.current_device():  # (entering the context costs µs)
+            return self._call(fn, args, pinned, device, lend)
         with torch.cuda.device(device):
             return self._call(fn, args, pinned, device, lend)
 

@@ -120,13 +120,21 @@ class TrainSettings:
 
     @classmethod
     def of(cls, options: Options, reduction: str, graphs: bool = False) -> TrainSettings:
-        """The settings of a call with ``options`` (``"auto"``: :data:`AUTO`)."""
-        capacity = AUTO if options.auto_capacity else options.fixed_capacity
-        return cls(
-            options.tile, options.slots,
-            -1 if options.max_row_nnz is None else options.max_row_nnz,
-            capacity, reduction, bool(graphs),
-        )  # fmt: skip
+        """The settings of a call with ``options`` (``"auto"``: :data:`AUTO`); made once
+        per distinct value (every training call asks)."""
+        key = (options, reduction, bool(graphs))
+        found = _SETTINGS.get(key)
+        if found is None:
+            capacity = AUTO if options.auto_capacity else options.fixed_capacity
+            found = cls(
+                options.tile, options.slots,
+                -1 if options.max_row_nnz is None else options.max_row_nnz,
+                capacity, reduction, bool(graphs),
+            )  # fmt: skip
+            if len(_SETTINGS) >= 256:
+                _SETTINGS.clear()
+            _SETTINGS[key] = found
+        return found
 
     def resolved(self, w_up: torch.Tensor, choose: bool) -> tuple[TrainSettings, Any]:
         """These settings with :data:`AUTO` replaced by the layer's capacity
@@ -164,6 +172,10 @@ class TrainSettings:
             self.tile, self.slots, max_row_nnz=None if self.max_row_nnz < 0 else self.max_row_nnz,
             dense_capacity=capacity, density_switch=False,
         )  # fmt: skip
+
+
+#: :meth:`TrainSettings.of`'s values by (options, reduction, graphs).
+_SETTINGS: dict[tuple[Options, str, bool], TrainSettings] = {}
 
 
 # ---------------------------------------------------------------------- checks
@@ -402,24 +414,28 @@ def _ffn_train(
     reduction: str,
     graphs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`ffn_train`'s outputs and the forward's heavy-row count (int32 ``[1]``).
+    """:func:`ffn_train`'s outputs, the forward's heavy-row count (int32 ``[1]``) and,
+    where op graphs ran it, ``stats``: float32 ``[2]`` (L0, heavy-row count) in the
+    graph's memory, valid for reads on the current stream until the layer's next call
+    (one host copy serves both training policies), else None.
 
     Eager calls on CUDA run the implementations through :class:`_EagerTraining` (no
     dispatcher: an op call through it costs hundreds of microseconds of host time);
     CPU tensors and code that ``torch.compile`` traces take the custom ops."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (a reshape costs µs even as a no-op)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     settings = TrainSettings.of(options, reduction, graphs)
+    stats = None
     if x2.is_cuda and not torch.compiler.is_compiling():
-        y, l1, l0, count = _EagerTraining.apply(x2, w_gate, w_up, w_down, settings)
+        y, l1, l0, count, stats = _EagerTraining.apply(x2, w_gate, w_up, w_down, settings)
     else:
         y, l1, packed, _, _, count, _ = ffn_train_forward(
             x2, w_gate, w_up, w_down, *settings.op_args()
         )
         l0 = l0_from_packed(packed.detach(), options.slots)
-    return y.reshape(x.shape), l1, l0, count
+    return (y if y.shape == x.shape else y.reshape(x.shape)), l1, l0, count, stats
 
 
 def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # noqa: ANN001, ANN202
@@ -430,9 +446,20 @@ def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # 
     return (*outputs, l0_from_packed(outputs[2], slots))
 
 
-#: Forward outputs lent to the backward by the op graphs (packed, heavy, ids, count, up),
-#: and the input buffer it reads (x); their positions in the backward's arguments.
-_LENT = ((0,), (2, 3, 4, 5, 6))
+def _forward_with_stats(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # noqa: ANN001, ANN202
+    """:func:`_forward_with_l0`'s outputs and ``stats``, float32 ``[2]``: (L0, heavy-row
+    count), which an op graph computes at no host cost and a caller copies to the host
+    once for both training policies (:class:`twell.capacity.TrainSwitch`)."""
+    outputs = _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest,
+                               out=None if out is None else out[:8])  # fmt: skip
+    stats = torch.cat((outputs[7].reshape(1), outputs[5].to(torch.float32)))
+    return (*outputs, stats)
+
+
+#: Forward outputs lent to the backward by the op graphs (packed, heavy, ids, count, up;
+#: and stats, read by the caller), and the input buffer it reads (x); the first five's
+#: positions in the backward's arguments.
+_LENT = ((0,), (2, 3, 4, 5, 6, 8))
 _BACKWARD_LENT = frozenset({2, 6, 7, 8, 9, 10})
 
 
@@ -450,18 +477,21 @@ class _EagerTraining(torch.autograd.Function):
         _check_args(x, w_gate, w_up, w_down, settings)
         args = (x, w_gate, w_up, w_down, *settings.launch_args())
         if settings.graphs:
-            outputs, lease = _FORWARD_GRAPHS(_forward_with_l0, args, _FORWARD_WEIGHTS, _LENT)
+            outputs, lease = _FORWARD_GRAPHS(_forward_with_stats, args, _FORWARD_WEIGHTS, _LENT)
             ctx.save_for_backward(w_gate, w_up, w_down)
             ctx.lease = lease
+            y, l1, _, _, _, count, _, l0, stats = outputs
+            ctx.mark_non_differentiable(l0, count, stats)
         else:
             outputs = _forward_with_l0(*args)
             ctx.save_for_backward(w_gate, w_up, w_down, x, *outputs[2:7])
             ctx.lease = None
-        y, l1, _, _, _, count, _, l0 = outputs
+            y, l1, _, _, _, count, _, l0 = outputs
+            stats = None
+            ctx.mark_non_differentiable(l0, count)
         ctx.settings = settings
-        ctx.mark_non_differentiable(l0, count)
         ctx.set_materialize_grads(False)
-        return y, l1, l0, count
+        return y, l1, l0, count, stats
 
     @staticmethod
     def backward(ctx: Any, dy, dl1, *_unused):  # noqa: ANN001, ANN205
@@ -474,7 +504,7 @@ class _EagerTraining(torch.autograd.Function):
                 "back; build the module with op_graphs=False to backpropagate through a "
                 "call more than once (retain_graph=True)"
             )
-        x, packed, heavy, ids, count, up = rest if lease is None else lease.tensors
+        x, packed, heavy, ids, count, up = (rest if lease is None else lease.tensors)[:6]
         if dy is None and dl1 is None:
             return None, None, None, None, None
         settings = ctx.settings
@@ -596,7 +626,7 @@ def _grads_out(args: tuple) -> tuple | None:
 #: is ``dense_capacity``'s position in the implementations' arguments. They hand ``y``,
 #: ``dx`` and the weight gradients over (``hand_over``): written into tensors outside the
 #: pool, which the caller gets (``.grad`` too) without a copy.
-_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}), hand_over=_y_out(8))
+_FORWARD_GRAPHS = OpGraphs(replace=frozenset({7}), hand_over=_y_out(9))
 _BACKWARD_GRAPHS = OpGraphs(replace=frozenset({14}), hand_over=_grads_out)
 #: The forward op's own graphs (called through the dispatcher with ``graphs=True``: the
 #: outputs of :func:`_forward_cuda`, where the eager path's graphs hold

@@ -72,33 +72,55 @@ class _Lagged:
     and never waited for (a copy still in flight, the host running steps ahead of the
     GPU, is read by a later call). Nothing is recorded or read inside a capture."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self._dtype = dtype
-        # (pinned [1] buffer, its event, what the caller keeps with the value)
+    def __init__(self, dtype: torch.dtype, width: int = 1) -> None:
+        self._dtype, self._width = dtype, width
+        # (pinned [width] buffer, its event, what the caller keeps with the value)
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self._free: list[tuple[torch.Tensor, Any]] = []  # (pinned buffer, event) to reuse
 
-    def _landed(self) -> Iterator[tuple[float, tuple]]:
-        """The values (and what was kept with them) of the calls read now, oldest first."""
+    def _landed(self) -> Iterator[tuple[list, tuple]]:
+        """The values (a list of the buffer's elements) and what was kept with them, of
+        the calls read now, oldest first."""
         pending = self._pending
         while len(pending) >= AUTO_LAG and pending[0][1].query():
             host, event, *kept = pending.popleft()
-            value = host.item()
+            values = host.tolist()
             self._free.append((host, event))
-            yield value, tuple(kept)
+            yield values, tuple(kept)
 
     def _record(self, value: torch.Tensor, *kept: Any) -> None:
-        """Start the host copy of ``value`` (one element on the current stream)."""
+        """Start the host copy of ``value`` (``width`` elements, or one, broadcast, on the
+        current stream)."""
         if torch.cuda.is_current_stream_capturing():
             return
         if self._free:
             host, event = self._free.pop()
         else:
-            host = torch.empty((1,), dtype=self._dtype, pin_memory=True)
+            host = torch.empty((self._width,), dtype=self._dtype, pin_memory=True)
             event = torch.cuda.Event()
-        host.copy_(value.detach().reshape(1), non_blocking=True)  # on value's device
-        event.record(torch.cuda.current_stream(value.device))
+        host.copy_(value.detach(), non_blocking=True)
+        event.record(_current_stream(value.get_device()))
         self._pending.append((host, event, *kept))
+
+
+#: raw ``cudaStream_t`` -> its ``torch.cuda.Stream``: ``torch.cuda.current_stream`` builds
+#: a new ``Stream`` object on every call (several microseconds of a training call's host
+#: time), where the raw handle is one C call.
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def _current_stream(device: int) -> torch.cuda.Stream:
+    """torch's current stream on CUDA device ``device``, as an object made once."""
+    raw_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw_of is None:  # (a torch without it)
+        return torch.cuda.current_stream(device)
+    raw = raw_of(device)
+    found = _streams.get((device, raw))
+    if found is None:
+        if len(_streams) > 64:  # streams made and dropped by a caller: forget the old
+            _streams.clear()
+        found = _streams[(device, raw)] = torch.cuda.current_stream(device)
+    return found
 
 
 class AutoCapacity(_Lagged):
@@ -124,6 +146,7 @@ class AutoCapacity(_Lagged):
     def __init__(self) -> None:
         super().__init__(torch.int32)  # (count, call's M)
         self.fraction = 0.0
+        self.epoch = 0  # resets so far (counts handed over from before one are dropped)
         self._lower = 0  # calls in a row that asked for less than `fraction`
         self._lower_max = 0.0  # the most they asked for
 
@@ -144,20 +167,27 @@ class AutoCapacity(_Lagged):
         graphs) every step."""
         if torch.cuda.is_current_stream_capturing():
             return 0.0
-        for value, (m,) in self._landed():
-            count = int(value)
-            self._take(train_capacity(count, m))
-            if count > DENSE_SHARE * m and not _warned[0]:
-                _warned[0] = True
-                warnings.warn(
-                    f"twell: {count} of a training call's {m} rows had more active units "
-                    "than the row limit and ran as dense rows; while most rows do, a "
-                    "SparseMLP is slower than dense math (twell.torch.l0_per_layer(model) "
-                    "shows each layer's mean active units; shown once per process)",
-                    DenseRowsWarning,
-                    stacklevel=2,
-                )
+        for values, (m,) in self._landed():
+            self.take_count(int(values[0]), m, self.epoch)
         return self.fraction
+
+    def take_count(self, count: int, m: int, epoch: int) -> None:
+        """Take in the heavy-row count of an ``m``-token call made at ``epoch`` (counts
+        from before the last :meth:`reset` are dropped). :class:`TrainSwitch` hands them
+        over where one host copy carries both a call's L0 and its count."""
+        if epoch != self.epoch:
+            return
+        self._take(train_capacity(count, m))
+        if count > DENSE_SHARE * m and not _warned[0]:
+            _warned[0] = True
+            warnings.warn(
+                f"twell: {count} of a training call's {m} rows had more active units "
+                "than the row limit and ran as dense rows; while most rows do, a "
+                "SparseMLP is slower than dense math (twell.torch.l0_per_layer(model) "
+                "shows each layer's mean active units; shown once per process)",
+                DenseRowsWarning,
+                stacklevel=3,
+            )
 
     def current(self) -> float:
         """The choice in force, reading nothing (a forward recomputed inside a backward
@@ -171,6 +201,7 @@ class AutoCapacity(_Lagged):
         (torch's host allocator reuses a buffer only once its copy is done)."""
         self.fraction, self._lower, self._lower_max = 0.0, 0, 0.0
         self._pending.clear()
+        self.epoch += 1
 
     def _take(self, asked: float) -> None:
         if asked >= self.fraction:
@@ -212,7 +243,9 @@ class TrainSwitch(_Lagged):
     part of a state dict (a resumed run starts on the ops)."""
 
     def __init__(self) -> None:
-        super().__init__(torch.float32)  # (L0, call's M, its N)
+        # (L0 and the heavy-row count; call's M, its N, the AutoCapacity the count goes
+        # to and its epoch, or None)
+        super().__init__(torch.float32, width=2)
         self.dense = False
         self._below = 0  # calls in a row at or below the crossover while dense
 
@@ -228,8 +261,10 @@ class TrainSwitch(_Lagged):
         (:data:`AUTO_LAG` calls back or more; never waited for). False inside a capture."""
         if torch.cuda.is_current_stream_capturing():
             return False
-        for l0, (m, n) in self._landed():
-            self._take(l0 / n, m)
+        for values, (m, n, *auto) in self._landed():
+            self._take(values[0] / n, m)
+            if auto and auto[0] is not None:
+                auto[0].take_count(int(values[1]), m, auto[1])
         return self.dense
 
     def current(self) -> bool:
@@ -248,10 +283,16 @@ class TrainSwitch(_Lagged):
             if self._below >= AUTO_PATIENCE:
                 self.dense, self._below = False, 0
 
-    def record(self, l0: torch.Tensor, m: int, n: int) -> None:
+    def record(self, l0: torch.Tensor, m: int, n: int, auto: AutoCapacity | None = None) -> None:
         """Start the host copy of a call's L0 (float32 scalar on the current stream) for a
-        call of ``m`` tokens and ``n`` units, unless a capture is running."""
-        self._record(l0, m, n)
+        call of ``m`` tokens and ``n`` units, unless a capture is running. With ``auto``,
+        ``l0`` is float32 ``[2]``: the L0 and the call's heavy-row count, which goes to
+        ``auto`` when read (one copy for both policies: each costs the host a copy, an
+        event and its read, several microseconds each)."""
+        if auto is None:
+            self._record(l0, m, n)
+        else:
+            self._record(l0, m, n, auto, auto.epoch)
 
 
 #: w_up's (storage, offset in it, shape) -> (a weak reference to the storage, its AutoCapacity)

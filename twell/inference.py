@@ -255,6 +255,8 @@ def _build_isolated(weights: tuple[torch.Tensor | None, ...], options: Options) 
 def forget(w_gate: torch.Tensor | None, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
     """Drop the prepared blocks of these weights (for writes a version counter does not
     see: ``.data`` assignments, some fused optimizers)."""
+    if not _blocks:  # (a training loop's every forward calls this: no key to build)
+        return
     if _blocks.pop(tuple(_identity(t) for t in (w_gate, w_up, w_down)), None) is not None:
         _dropped[0] += 1
 

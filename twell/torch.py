@@ -301,15 +301,27 @@ class SparseMLP(nn.Module):
             auto = self._auto if x.is_cuda and not compiling else None
             fraction = None if auto is None else auto.current() if again else auto.choose()
             options = self.options if auto is None else self._options_at(fraction)
-            y, l1, l0, count = _ffn_train(x, *weights, options, self.reduction, self._graphs(x))
-            if auto is not None and not again:
-                auto.record(count, x.numel() // x.shape[-1])
+            y, l1, l0, count, stats = _ffn_train(
+                x, *weights, options, self.reduction, self._graphs(x)
+            )
+            if stats is None or switch is None:
+                stats = None
+                if auto is not None and not again:
+                    auto.record(count, x.numel() // x.shape[-1])
         else:
             check_floating(x=x)  # as the ops do: a TypeError before any math
             y, l1, l0 = self._dense(x)
+            stats = auto = None
         if switch is not None and not again:
-            switch.record(l0, x.numel() // x.shape[-1], weights[1].shape[0])
-        self.l1, self.l0 = l1, l0
+            m, n = x.numel() // x.shape[-1], weights[1].shape[0]
+            if stats is not None and auto is not None:  # one copy: L0 and heavy-row count
+                switch.record(stats, m, n, auto)
+            else:
+                switch.record(l0, m, n)
+        if compiling:
+            self.l1, self.l0 = l1, l0
+        else:  # (plain attributes: nn.Module's __setattr__ costs microseconds a call)
+            self.__dict__["l1"], self.__dict__["l0"] = l1, l0
         if y.requires_grad and not compiling:
             hook = _detach_l1_hook(self, l1)
             y.register_hook(hook)  # the task loss's backward reaches the layer
@@ -354,7 +366,7 @@ def _detach_l1_hook(mlp: SparseMLP, l1: torch.Tensor) -> Any:
     def hook(grad: torch.Tensor) -> None:
         module, term = mlp_ref(), l1_ref()
         if module is not None and term is not None and module.l1 is term:
-            module.l1 = term.detach()
+            module.__dict__["l1"] = term.detach()
 
     return hook
 
