@@ -364,7 +364,8 @@ def test_gpu_a_recomputed_forward_takes_the_path_of_its_first_run() -> None:
 
     mlp = SparseMLP.from_module(mlp_from_problem(problem, torch.float32).cuda().bfloat16())
     # the first run reads a sparse call; a read after it would find a dense one
-    sparse, dense = torch.tensor([1.0]), torch.tensor([1000.0])
+    # (pinned buffers hold (L0, heavy-row count): the forward reuses these read ones)
+    sparse, dense = torch.tensor([1.0, 0.0]), torch.tensor([1000.0, 0.0])
     mlp._switch._pending.extend(
         [(sparse, Passed(), 1024, 1024)] + [(dense, Passed(), 1024, 1024)] * (AUTO_LAG - 1)
     )
