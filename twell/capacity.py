@@ -231,7 +231,9 @@ class TrainSwitch(_Lagged):
     Each call's mean active units per token (its ``l0``, on the ops and on dense math
     alike) is copied to pinned memory behind an event, and read :data:`AUTO_LAG` calls
     later, as :class:`AutoCapacity` reads its counts: the host never waits, and a copy
-    still in flight is read by a later call. A call denser than the crossover at its size
+    still in flight is read by a later call. A call on the op graphs copies its L0 and
+    heavy-row count in one (:meth:`record` with ``auto``), and the count goes to the
+    layer's :class:`AutoCapacity` when read. A call denser than the crossover at its size
     turns the switch on at once; ``AUTO_PATIENCE`` calls in a row at or below it turn it
     off, so a layer near the crossover does not alternate. Dense math computes the same
     ``y``, L1 term and L0 (rounded differently: the bits depend on the path, which depends
