@@ -413,11 +413,12 @@ def _ffn_train(
     options: Options,
     reduction: str,
     graphs: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`ffn_train`'s outputs, the forward's heavy-row count (int32 ``[1]``) and,
-    where op graphs ran it, ``stats``: float32 ``[2]`` (L0, heavy-row count) in the
-    graph's memory, valid for reads on the current stream until the layer's next call
-    (one host copy serves both training policies), else None.
+    for eager CUDA calls, ``stats``: float32 ``[2]`` (L0, heavy-row count; one host copy
+    serves both training policies), else None. With op graphs ``stats`` lies in the
+    graphs' memory: read it on the current stream before the next forward op-graph
+    replay on the device.
 
     Eager calls on CUDA run the implementations through :class:`_EagerTraining` (no
     dispatcher: an op call through it costs hundreds of microseconds of host time);
@@ -448,8 +449,8 @@ def _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # 
 
 def _forward_with_stats(x, w_gate, w_up, w_down, tile, slots, *rest, out=None):  # noqa: ANN001, ANN202
     """:func:`_forward_with_l0`'s outputs and ``stats``, float32 ``[2]``: (L0, heavy-row
-    count), which an op graph computes at no host cost and a caller copies to the host
-    once for both training policies (:class:`twell.capacity.TrainSwitch`)."""
+    count), which a caller copies to the host once for both training policies
+    (:class:`twell.capacity.TrainSwitch`); an op graph computes it at no host cost."""
     outputs = _forward_with_l0(x, w_gate, w_up, w_down, tile, slots, *rest,
                                out=None if out is None else out[:8])  # fmt: skip
     stats = torch.cat((outputs[7].reshape(1), outputs[5].to(torch.float32)))
@@ -480,15 +481,12 @@ class _EagerTraining(torch.autograd.Function):
             outputs, lease = _FORWARD_GRAPHS(_forward_with_stats, args, _FORWARD_WEIGHTS, _LENT)
             ctx.save_for_backward(w_gate, w_up, w_down)
             ctx.lease = lease
-            y, l1, _, _, _, count, _, l0, stats = outputs
-            ctx.mark_non_differentiable(l0, count, stats)
         else:
-            outputs = _forward_with_l0(*args)
+            outputs = _forward_with_stats(*args)
             ctx.save_for_backward(w_gate, w_up, w_down, x, *outputs[2:7])
             ctx.lease = None
-            y, l1, _, _, _, count, _, l0 = outputs
-            stats = None
-            ctx.mark_non_differentiable(l0, count)
+        y, l1, _, _, _, count, _, l0, stats = outputs
+        ctx.mark_non_differentiable(l0, count, stats)
         ctx.settings = settings
         ctx.set_materialize_grads(False)
         return y, l1, l0, count, stats

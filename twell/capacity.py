@@ -98,7 +98,12 @@ class _Lagged:
         else:
             host = torch.empty((self._width,), dtype=self._dtype, pin_memory=True)
             event = torch.cuda.Event()
-        host.copy_(value.detach(), non_blocking=True)
+        value = value.detach()
+        if value.dim() == 0:
+            value = value.reshape(1)
+        # (the same shape: a plain device-to-host copy, where a broadcast runs a kernel)
+        into = host if value.numel() == self._width else host[: value.numel()]
+        into.copy_(value, non_blocking=True)
         event.record(_current_stream(value.get_device()))
         self._pending.append((host, event, *kept))
 
@@ -197,8 +202,10 @@ class AutoCapacity(_Lagged):
     def reset(self) -> None:
         """Start again at 0 with nothing in flight (the dense switch calls this while the
         layer runs dense math: counts of its denser past would size the capacity of its
-        first calls back on the ops). The pinned buffers of dropped copies go with them
-        (torch's host allocator reuses a buffer only once its copy is done)."""
+        first calls back on the ops): its own copies are dropped (the pinned buffers go
+        with them: torch's host allocator reuses a buffer only once its copy is done),
+        and counts that :class:`TrainSwitch` carries for it are dropped when read
+        (``epoch``)."""
         self.fraction, self._lower, self._lower_max = 0.0, 0, 0.0
         self._pending.clear()
         self.epoch += 1
@@ -286,11 +293,12 @@ class TrainSwitch(_Lagged):
                 self.dense, self._below = False, 0
 
     def record(self, l0: torch.Tensor, m: int, n: int, auto: AutoCapacity | None = None) -> None:
-        """Start the host copy of a call's L0 (float32 scalar on the current stream) for a
-        call of ``m`` tokens and ``n`` units, unless a capture is running. With ``auto``,
-        ``l0`` is float32 ``[2]``: the L0 and the call's heavy-row count, which goes to
-        ``auto`` when read (one copy for both policies: each costs the host a copy, an
-        event and its read, several microseconds each)."""
+        """Start the host copy of a call's L0 (float32 on the current stream) for a call
+        of ``m`` tokens and ``n`` units, unless a capture is running. ``l0``: a scalar, or
+        float32 ``[2]``, the L0 and the call's heavy-row count, which goes to ``auto``
+        when read (one copy for both policies, each value read :data:`AUTO_LAG` calls
+        later in call order; a copy, an event and a read cost the host microseconds
+        each)."""
         if auto is None:
             self._record(l0, m, n)
         else:

@@ -304,19 +304,19 @@ class SparseMLP(nn.Module):
             y, l1, l0, count, stats = _ffn_train(
                 x, *weights, options, self.reduction, self._graphs(x)
             )
-            if stats is None or switch is None:
-                stats = None
-                if auto is not None and not again:
-                    auto.record(count, x.numel() // x.shape[-1])
+            if switch is None and auto is not None and not again:
+                auto.record(count, x.numel() // x.shape[-1])
         else:
             check_floating(x=x)  # as the ops do: a TypeError before any math
             y, l1, l0 = self._dense(x)
-            stats = auto = None
+            stats = None
         if switch is not None and not again:
+            # One host copy carries the L0 and the heavy-row count (the switch hands the
+            # count to "auto"): every call's values then land in one queue, in call order.
             m, n = x.numel() // x.shape[-1], weights[1].shape[0]
-            if stats is not None and auto is not None:  # one copy: L0 and heavy-row count
+            if stats is not None:
                 switch.record(stats, m, n, auto)
-            else:
+            else:  # dense math: an L0 alone
                 switch.record(l0, m, n)
         if compiling:
             self.l1, self.l0 = l1, l0

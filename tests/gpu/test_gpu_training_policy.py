@@ -376,3 +376,42 @@ def test_gpu_a_recomputed_forward_takes_the_path_of_its_first_run() -> None:
     )
     for a, b in zip(got, run(twin, wrap=False), strict=True):
         assert torch.equal(a, b)
+
+
+def test_gpu_calls_with_and_without_op_graphs_read_their_counts_in_call_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the dense switch on (the default) every training call's L0 and heavy-row
+    count travel in one host copy, read AUTO_LAG calls later in call order, whether the
+    call replayed an op graph or not: a layer alternating the two (batch sizes around
+    OP_GRAPH_TOKENS do) chooses each call's capacity as a layer that never replays does,
+    and its AutoCapacity's own queue stays empty."""
+    from twell.kernels import density
+
+    monkeypatch.setattr(density, "TRAIN_CROSSOVER", ((4096, 0.5), (16384, 0.5)))
+    density.train_crossover.cache_clear()
+    problem = workloads.heavy(1024, 256, 1024, p=0.02, frac=0.05, seed=7)
+    x = torch.from_numpy(problem.x.astype(np.float32)).cuda().bfloat16()
+    few = x.clone()
+    few[: x.shape[0] // 2] = 0  # (zero rows: no active unit) about half the heavy rows
+    batches = [few] * 5 + [x] + [few] * 4  # when x's count is read shows the order
+
+    def run(alternate: bool) -> list[float]:
+        mlp = SparseMLP.from_module(mlp_from_problem(problem, torch.float32).cuda().bfloat16(),
+                                    reduction="per_token")  # fmt: skip
+        choices = []
+        for i, batch in enumerate(batches):
+            mlp.op_graphs = alternate and i % 2 == 0
+            xi = batch.clone().requires_grad_()
+            mlp(xi).float().sum().backward()
+            torch.cuda.synchronize()  # every copy lands before the next call reads
+            choices.append(mlp._auto.fraction)
+        assert not mlp._auto._pending and not mlp._switch.dense
+        return choices
+
+    try:
+        mixed, plain = run(True), run(False)
+    finally:
+        density.train_crossover.cache_clear()
+    assert mixed == plain
+    assert plain[7] > plain[6] > 0.0, plain  # x's count (call 5) read AUTO_LAG calls on
