@@ -332,3 +332,82 @@ def test_one_copy_carries_l0_and_the_heavy_row_count_to_both_policies(
         switch.record(torch.tensor([12.0, 3000.0]), 16384, 5632, auto)
         switch.choose()
     assert auto.choose() == train_capacity(3000, 16384)
+
+
+def test_random_call_histories_read_each_value_auto_lag_calls_later_in_call_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SparseMLP's use of the two policies through one queue (the switch's choice, then on
+    the ops "auto"'s choice and one copy of (L0, count); on dense math a reset and the L0
+    alone), over random histories of L0s, counts and batch sizes, with every copy landed
+    or some still in flight: each choice equals an oracle's that takes call i's L0 at the
+    first choice made at least AUTO_LAG calls later with its copy landed, in call order,
+    and its count likewise unless the layer ran dense math in between."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from twell import capacity
+    from twell.capacity import AUTO_LAG, AutoCapacity, TrainSwitch, train_capacity
+
+    monkeypatch.setattr(capacity, "_warned", [True])  # (most rows heavy in some draws)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+
+    class Event:  # a copy that lands once the test says so
+        def __init__(self) -> None:
+            self.done = False
+
+        def record(self, stream: object = None) -> None:
+            self.done = False
+            events.append(self)
+
+        def query(self) -> bool:
+            return self.done
+
+    events: list[Event] = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    call = st.tuples(
+        st.sampled_from([2.0, 60.0, 400.0]),  # L0 of N = 5632: sparse, near, dense
+        st.integers(0, 3000),  # heavy rows
+        st.sampled_from([4096, 16384]),
+        st.booleans(),  # whether the copies so far land before the next call
+    )
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(call, min_size=1, max_size=40))
+    def check(calls: list[tuple[float, int, int, bool]]) -> None:
+        events.clear()
+        auto, switch = AutoCapacity(), TrainSwitch()
+        want_auto, want_switch = AutoCapacity(), TrainSwitch()  # fed by the oracle
+        landed: list[int] = []  # calls whose copy has landed
+        taken = 0  # calls the oracle has read, in order
+        history: list[tuple[float, int, int, bool]] = []  # (l0, count, m, on the ops)
+        resets: list[int] = []  # calls that reset "auto"
+        for i, (l0, count, m, land) in enumerate(calls):
+            # the oracle: calls at least AUTO_LAG back, in order, while their copies landed
+            while taken <= i - AUTO_LAG and taken in landed:
+                o_l0, o_count, o_m, o_ops = history[taken]
+                want_switch._take(o_l0 / 5632, o_m)
+                if o_ops and not any(taken < r < i for r in resets):
+                    want_auto._take(train_capacity(o_count, o_m))
+                taken += 1
+            dense = switch.choose()
+            assert dense == want_switch.dense, (i, calls)
+            if dense:
+                auto.reset()
+                want_auto.fraction, want_auto._lower, want_auto._lower_max = 0.0, 0, 0.0
+                resets.append(i)
+                switch.record(torch.tensor(l0), m, 5632)
+            else:
+                assert auto.choose() == want_auto.fraction, (i, calls)
+                switch.record(torch.tensor([l0, float(count)]), m, 5632, auto)
+            history.append((l0, count, m, not dense))
+            if land:
+                for event in events:
+                    event.done = True
+                landed[:] = list(range(i + 1))
+        assert not auto._pending
+
+    check()

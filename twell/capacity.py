@@ -238,7 +238,7 @@ class TrainSwitch(_Lagged):
     Each call's mean active units per token (its ``l0``, on the ops and on dense math
     alike) is copied to pinned memory behind an event, and read :data:`AUTO_LAG` calls
     later, as :class:`AutoCapacity` reads its counts: the host never waits, and a copy
-    still in flight is read by a later call. A call on the op graphs copies its L0 and
+    still in flight is read by a later call. A call on the training ops copies its L0 and
     heavy-row count in one (:meth:`record` with ``auto``), and the count goes to the
     layer's :class:`AutoCapacity` when read. A call denser than the crossover at its size
     turns the switch on at once; ``AUTO_PATIENCE`` calls in a row at or below it turn it
