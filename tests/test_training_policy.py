@@ -411,3 +411,34 @@ def test_random_call_histories_read_each_value_auto_lag_calls_later_in_call_orde
         assert not auto._pending
 
     check()
+
+
+def test_the_current_stream_object_is_made_once_per_raw_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The policies' event records take torch's current stream as an object made once per
+    (device, raw stream): the same object while the raw stream stays, a new one when the
+    caller switches streams, and a bounded cache."""
+    from twell import capacity
+
+    raw = {"stream": 11}
+    made = []
+
+    def current_stream(device: int | None = None) -> object:
+        made.append((device, raw["stream"]))
+        return object()
+
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentRawStream", lambda d: raw["stream"], raising=False
+    )
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(capacity, "_streams", {})
+    first = capacity._current_stream(0)
+    assert capacity._current_stream(0) is first and made == [(0, 11)]
+    raw["stream"] = 12  # the caller's own stream
+    assert capacity._current_stream(0) is not first and made[-1] == (0, 12)
+    assert capacity._current_stream(1) is not first and made[-1] == (1, 12)
+    for s in range(100):
+        raw["stream"] = 100 + s
+        capacity._current_stream(0)
+    assert len(capacity._streams) <= 65
