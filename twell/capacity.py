@@ -89,8 +89,8 @@ class _Lagged:
             yield values, tuple(kept)
 
     def _record(self, value: torch.Tensor, *kept: Any) -> None:
-        """Start the host copy of ``value`` (``width`` elements, or one, broadcast, on the
-        current stream)."""
+        """Start the host copy of ``value`` (``width`` elements, or one into the first, on
+        the current stream)."""
         if torch.cuda.is_current_stream_capturing():
             return
         if self._free:
