@@ -137,6 +137,35 @@ def test_the_models_table_orders_several_models_and_names_their_layers(tmp_path:
     )
 
 
+def test_serving_rows_show_the_other_workloads_back_to_back(tmp_path: Path) -> None:
+    """``serving.json``'s heavy and paperlike records: one row each (workload, M), back to
+    back, per call in the notes, in the table's workload order, and whether dense math
+    was decided."""
+    import json
+
+    t = tables()
+    folder = tmp_path / "h999"
+    folder.mkdir()
+
+    def record(workload: str, m: int, timing: str, speedup: float, **extra: object) -> dict:
+        return {"gpu": "GPU X", "api": "SparseFFN", "workload": workload, "M": m, "K": 2048,
+                "N": 5632, "timing": timing, "t_ms": 1.0, "t_dense_ms": speedup,
+                "speedup": speedup, **extra}  # fmt: skip
+
+    records = [record("paperlike", 16384, "back_to_back", 1.7),
+               record("heavy=0.02x4", 16384, "per_call", 1.6),
+               record("heavy=0.02x4", 16384, "back_to_back", 1.5, dense_path=True),
+               record("heavy", 65536, "back_to_back", 1.8),
+               record("heavy", 16384, "back_to_back", 1.4)]  # fmt: skip
+    (folder / "serving.json").write_text(json.dumps(records))
+    rows = [line for line in t.gpu_table(folder).splitlines() if "SparseFFN" in line]
+    assert [r.split(" | ")[1] for r in rows] == [
+        "heavy 1% ×3, M=16384, back to back", "heavy 1% ×3, M=65536, back to back",
+        "heavy 2% ×4, M=16384, back to back", "paperlike, M=16384, back to back",
+    ]  # fmt: skip
+    assert rows[2].endswith("| 1.50× | per call 1.60×; dense math decided |")
+
+
 def test_decode_rows_go_by_batch_then_mode_and_name_the_step_loop(tmp_path: Path) -> None:
     import json
 

@@ -193,10 +193,13 @@ def test_docstring_examples():
 
 
 def test_benchmark_names_set_the_parameters():
-    """The benchmark's command-line names: ``density=P`` and ``heavy=F``."""
+    """The benchmark's command-line names: ``density=P``, ``heavy=F`` and ``heavy=FxS``."""
     from twell.benchmark import make_problem
 
     assert make_problem("density=0.02", 8, 64, 256).params["p"] == 0.02
     p = make_problem("heavy=0.02", 500, 64, 256)
     assert len(p.params["heavy_rows"]) == 10 and p.params["frac"] == 0.02
     assert len(make_problem("heavy", 500, 64, 256).params["heavy_rows"]) == 5
+    p = make_problem("heavy=0.02x4", 500, 64, 256)
+    assert len(p.params["heavy_rows"]) == 10 and p.params["scale"] == 4.0
+    assert make_problem("heavy=0.02", 500, 64, 256).params["scale"] == 3.0

@@ -44,13 +44,16 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def make_problem(workload: str, m: int, k: int, n: int, seed: int = 0) -> Any:
     """A workload of docs/benchmark.md by name (``density=P``: uniform at density P;
-    ``heavy=F``: ``heavy`` with a share F of heavy tokens)."""
+    ``heavy=F``: ``heavy`` with a share F of heavy tokens; ``heavy=FxS``: and their ``x``
+    scaled by S)."""
     from twell import workloads
 
     if workload.startswith("density="):
         return workloads.make("density", m, k, n, seed=seed, p=float(workload.split("=")[1]))
     if workload.startswith("heavy="):
-        return workloads.make("heavy", m, k, n, seed=seed, frac=float(workload.split("=")[1]))
+        frac, _, scale = workload.split("=")[1].partition("x")
+        kw = {"frac": float(frac)} | ({"scale": float(scale)} if scale else {})
+        return workloads.make("heavy", m, k, n, seed=seed, **kw)
     return workloads.make(workload, m, k, n, seed=seed)
 
 

@@ -272,10 +272,19 @@ def ffn_rows(folder: Path) -> Iterator[Row]:
 _TIMINGS = ("per_call", "back_to_back", "graph")
 
 
+#: Workloads of ``serving.json`` besides ``uniform`` and the density sweep, as the table
+#: names them, in its order.
+_SERVING_WORKLOADS = {
+    "heavy": "heavy 1% ×3",
+    "heavy=0.02x4": "heavy 2% ×4",
+    "paperlike": "paperlike",
+}
+
+
 def serving_rows(folder: Path) -> Iterator[Row]:
     """``serving.json``: ``SparseFFN`` on torch tensors by batch size (the GPU-bound timing:
-    a CUDA graph where measured, else back to back; the others in the notes), then the
-    density sweep in one row."""
+    a CUDA graph where measured, else back to back; the others in the notes), the other
+    workloads back to back, then the density sweep in one row."""
     records = [r for r in _records(_load(folder, "serving")) if r.get("api") == "SparseFFN"]
     by_m: dict[int, dict[str, dict[str, Any]]] = {}
     for r in records:
@@ -303,6 +312,29 @@ def serving_rows(folder: Path) -> Iterator[Row]:
             _ms(main["t_dense_ms"]),
             _x(main["speedup"]),
             "; ".join(others),
+        )
+    others = sorted(
+        (r for r in records if _SERVING_WORKLOADS.get(r.get("workload", "")) is not None),
+        key=lambda r: (list(_SERVING_WORKLOADS).index(r["workload"]), r["M"]),
+    )
+    for r in others:
+        if r["timing"] != "back_to_back":
+            continue
+        per_call = next(
+            (o for o in others if o["timing"] == "per_call"
+             and (o["workload"], o["M"]) == (r["workload"], r["M"])),
+            None,
+        )  # fmt: skip
+        notes = [] if per_call is None else [f"per call {_x(per_call['speedup'])}"]
+        if r.get("dense_path"):
+            notes.append("dense math decided")
+        yield (
+            "SparseFFN forward",
+            f"{_SERVING_WORKLOADS[r['workload']]}, M={r['M']}{_shape(r)}, back to back",
+            _ms(r["t_ms"]),
+            _ms(r["t_dense_ms"]),
+            _x(r["speedup"]),
+            "; ".join(notes),
         )
     sweep = sorted(
         (float(r["workload"].split("=")[1]), r)
