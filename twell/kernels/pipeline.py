@@ -463,6 +463,14 @@ ROUTES: dict[str, Route] = {
 #: Whether captured calls of the fused route with at most ``heavy_rows.FLAG_ROWS``
 #: tokens take their heavy rows beside the light rows (:func:`fused_beside`).
 BESIDE = True
+#: Clusters per SM of :func:`fused_beside`'s heavy-row kernels (``heavy_rows.matmul``'s
+#: ``per_sm``; their grid-stride loops take the rest). They usually find no heavy row,
+#: and their CTAs wait for SMs that the light-row kernel holds, so they end after it: a
+#: quarter of the default grid ends sooner. H200, K=2048, N=5632, the user's CUDA graph,
+#: 4 against 1 (µs): uniform 128 / 256 / 512 / 1024 tokens 25.7 / 34.4 / 48.8 / 81.7
+#: against 24.4 / 33.4 / 46.4 / 79.2; with heavy rows or a NaN row level or better;
+#: the same bits (a grid-stride loop computes each tile alike).
+BESIDE_PER_SM = 1.0
 #: (device, stream) -> the second stream of :func:`fused_beside` for captures on that
 #: stream (a stream belongs to one capture at a time: two threads capturing on two
 #: streams get two).
@@ -499,7 +507,7 @@ def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[
         light_rows.flags(pre, flags, kdim=block.k, gated=block.gated, tile=block.options.tile,
                          slots=block.options.slots, max_row_nnz=block.max_row_nnz)  # fmt: skip
         scratch = heavy_rows_stage(block, x, LightRows(flags, pre=pre), None, None, y,
-                                   capacity=0)  # fmt: skip
+                                   capacity=0, per_sm=BESIDE_PER_SM)  # fmt: skip
         join = cupy.cuda.Event(disable_timing=True)
         join.record(side)
     main.wait_event(join)
@@ -518,12 +526,14 @@ def heavy_rows_stage(
     capacity: int | None = None,
     *,
     overlap: bool = False,
+    per_sm: float = 4.0,
 ) -> list[Any]:
     """Dense math for the heavy rows ``ids[:count]``: writes their rows of ``y`` (and of
     ``row_l1``, float32 ``[M]``, their sums of ``|h|``, when given); the first
     ``capacity`` of them (default: the options' fixed capacity) through cuBLAS GEMMs.
     ``overlap``: the tensor-core kernels launch to start while the kernel before ends
-    (``heavy_rows.matmul``: faster only when they find no row).
+    (``heavy_rows.matmul``: faster only when they find no row); ``per_sm``: their
+    clusters per SM (``heavy_rows.matmul``).
     ``ids`` and ``count`` None (at most ``heavy_rows.FLAG_ROWS`` rows, no capacity, no
     ``row_l1``): the heavy-row kernels read ``light.heavy`` and compact it themselves.
 
@@ -548,24 +558,25 @@ def heavy_rows_stage(
         pre = empty_bf16((m, block.n))
         scratch += [pre, heavy_rows.matmul(x, block.w_first, pre, ids, count, max_rows,
                                            a_by_id=True, out_by_id=True, flags=flags,
-                                           overlap=overlap)]  # fmt: skip
+                                           overlap=overlap, per_sm=per_sm)]  # fmt: skip
     if block.gated:
         # h = relu(pre) * (x @ w_up.T) for heavy rows, written over their own `pre` rows.
         scratch.append(
             heavy_rows.matmul(x, block.w_up, pre, ids, count, max_rows, a_by_id=True,
                               out_by_id=True, gate=pre, gate_by_id=True, relu_gate=True,
-                              flags=flags, overlap=overlap)
+                              flags=flags, overlap=overlap, per_sm=per_sm)
         )  # fmt: skip
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True, flags=flags, overlap=overlap)
+                              out_by_id=True, flags=flags, overlap=overlap, per_sm=per_sm)
         )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=False)
     else:
         scratch.append(
             heavy_rows.matmul(pre, block.w_down, y, ids, count, max_rows, a_by_id=True,
-                              out_by_id=True, relu_a=True, flags=flags, overlap=overlap)
+                              out_by_id=True, relu_a=True, flags=flags, overlap=overlap,
+                              per_sm=per_sm)
         )  # fmt: skip
         if row_l1 is not None:
             heavy_rows.row_abs_sum(pre, ids, count, max_rows, row_l1, by_id=True, relu=True)
