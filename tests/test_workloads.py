@@ -203,3 +203,6 @@ def test_benchmark_names_set_the_parameters():
     p = make_problem("heavy=0.02x4", 500, 64, 256)
     assert len(p.params["heavy_rows"]) == 10 and p.params["scale"] == 4.0
     assert make_problem("heavy=0.02", 500, 64, 256).params["scale"] == 3.0
+    for bad in ("heavy=0.02x", "heavy=x4", "heavy=", "heavy=0.02X4"):
+        with pytest.raises(ValueError, match="heavy=FxS"):
+            make_problem(bad, 500, 64, 256)

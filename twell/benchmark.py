@@ -51,8 +51,13 @@ def make_problem(workload: str, m: int, k: int, n: int, seed: int = 0) -> Any:
     if workload.startswith("density="):
         return workloads.make("density", m, k, n, seed=seed, p=float(workload.split("=")[1]))
     if workload.startswith("heavy="):
-        frac, _, scale = workload.split("=")[1].partition("x")
-        kw = {"frac": float(frac)} | ({"scale": float(scale)} if scale else {})
+        frac, x, scale = workload.split("=")[1].partition("x")
+        try:
+            kw = {"frac": float(frac)} | ({"scale": float(scale)} if x else {})
+        except ValueError:
+            raise ValueError(
+                f"workload {workload!r}: expected heavy=F or heavy=FxS (e.g. heavy=0.02x4)"
+            ) from None
         return workloads.make("heavy", m, k, n, seed=seed, **kw)
     return workloads.make(workload, m, k, n, seed=seed)
 

@@ -281,6 +281,11 @@ _SERVING_WORKLOADS = {
 }
 
 
+def _same_case(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two records time the same workload at the same shape."""
+    return all(a.get(key) == b.get(key) for key in ("workload", "M", "K", "N"))
+
+
 def serving_rows(folder: Path) -> Iterator[Row]:
     """``serving.json``: ``SparseFFN`` on torch tensors by batch size (the GPU-bound timing:
     a CUDA graph where measured, else back to back; the others in the notes), the other
@@ -322,7 +327,7 @@ def serving_rows(folder: Path) -> Iterator[Row]:
             continue
         per_call = next(
             (o for o in others if o["timing"] == "per_call"
-             and (o["workload"], o["M"]) == (r["workload"], r["M"])),
+             and _same_case(o, r)),
             None,
         )  # fmt: skip
         notes = [] if per_call is None else [f"per call {_x(per_call['speedup'])}"]

@@ -174,11 +174,11 @@ def test_gpu_torch_compile_matches_eager() -> None:
 
 def test_gpu_compiled_steps_with_op_graphs_give_the_plain_launches_bits() -> None:
     """Compiled code calls the training ops through the dispatcher. With op graphs the
-    forward's graphs hand every output over (written again only once nothing holds them)
-    and the backward's graphs read the saved ones where they lie. Over six optimizer
-    steps (weights changed in place, a new input each step), a compiled MLP with op
-    graphs gives the loss and gradients of one with plain launches, bit for bit, while
-    both ops' graphs replay."""
+    forward's graphs hand ``y`` over (written again only once nothing holds it) and copy
+    the other outputs out; the backward's graphs copy their inputs in and hand the
+    gradients over. Over six optimizer steps (weights changed in place, a new input each
+    step), a compiled MLP with op graphs gives the loss and gradients of one with plain
+    launches, bit for bit, while both ops' graphs replay."""
     from twell import autograd
 
     problem = workloads.make("heavy", 512, 256, 1024, seed=11)
