@@ -281,6 +281,18 @@ _SERVING_WORKLOADS = {
 }
 
 
+def _serving_row(case: str, r: dict[str, Any], notes: list[str]) -> Row:
+    """A ``SparseFFN forward`` row of the table from a ``serving.json`` record."""
+    return (
+        "SparseFFN forward",
+        case,
+        _ms(r["t_ms"]),
+        _ms(r["t_dense_ms"]),
+        _x(r["speedup"]),
+        "; ".join(notes),
+    )
+
+
 def _same_case(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two records time the same workload at the same shape."""
     return all(a.get(key) == b.get(key) for key in ("workload", "M", "K", "N"))
@@ -310,14 +322,7 @@ def serving_rows(folder: Path) -> Iterator[Row]:
                 f"host {host['host_us']:.0f} µs a call (dense {host['host_us_dense']:.0f})"
             )
         how = "CUDA graph" if main["timing"] == "graph" else main["timing"].replace("_", " ")
-        yield (
-            "SparseFFN forward",
-            f"uniform, M={m}{_shape(main)}, {how}",
-            _ms(main["t_ms"]),
-            _ms(main["t_dense_ms"]),
-            _x(main["speedup"]),
-            "; ".join(others),
-        )
+        yield _serving_row(f"uniform, M={m}{_shape(main)}, {how}", main, others)
     others = sorted(
         (r for r in records if _SERVING_WORKLOADS.get(r.get("workload", "")) is not None),
         key=lambda r: (list(_SERVING_WORKLOADS).index(r["workload"]), r["M"]),
@@ -325,22 +330,12 @@ def serving_rows(folder: Path) -> Iterator[Row]:
     for r in others:
         if r["timing"] != "back_to_back":
             continue
-        per_call = next(
-            (o for o in others if o["timing"] == "per_call"
-             and _same_case(o, r)),
-            None,
-        )  # fmt: skip
+        per_call = next((o for o in others if o["timing"] == "per_call" and _same_case(o, r)), None)
         notes = [] if per_call is None else [f"per call {_x(per_call['speedup'])}"]
         if r.get("dense_path"):
             notes.append("dense math decided")
-        yield (
-            "SparseFFN forward",
-            f"{_SERVING_WORKLOADS[r['workload']]}, M={r['M']}{_shape(r)}, back to back",
-            _ms(r["t_ms"]),
-            _ms(r["t_dense_ms"]),
-            _x(r["speedup"]),
-            "; ".join(notes),
-        )
+        case = f"{_SERVING_WORKLOADS[r['workload']]}, M={r['M']}{_shape(r)}, back to back"
+        yield _serving_row(case, r, notes)
     sweep = sorted(
         (float(r["workload"].split("=")[1]), r)
         for r in records
