@@ -120,7 +120,7 @@ def matmul(
     :data:`STAGES`), no workspace. ``overlap``: launched to start while the kernel
     before it ends (:func:`twell.kernels.compile.launch_after`); on an H100 that saved
     ~1.5 µs per forward pass where the stage found no row, and cost 1.4–2.5 where it had
-    rows. ``per_sm``: clusters per SM at most in the grid (a grid-stride loop takes the
+    rows. ``per_sm``: CTAs per SM at most in the grid (a grid-stride loop takes the
     other tiles, each computed alike: the bits do not depend on it). Returns None (no
     buffer to keep alive; the callers' CUDA-graph scratch lists take what it returns).
     """
@@ -135,10 +135,10 @@ def matmul(
         _NULL if gate is None else u16(gate), np.int32(gate_by_id), np.int32(relu_gate),
         u16(out), np.int32(out_by_id),
     )  # fmt: skip
-    # One cluster per 64 x 64 output tile, at most `per_sm` clusters per SM in the grid
-    # (by default four: the grid-stride loop takes the rest; the kernel's 102-143
-    # registers let three CTAs be resident at once); the kernels read the row count on
-    # the device.
+    # One cluster per 64 x 64 output tile, at most `per_sm` CTAs per SM in the grid (by
+    # default four: the grid-stride loop takes the rest; the kernel's 102-143 registers
+    # let three of them be resident at once); the kernels read the row count on the
+    # device.
     items = math.ceil(max_rows / 64) * math.ceil(outc / 64)
     clusters = max(1, min(items, int(device_info().multiprocessors * per_sm) // split))
     if flags is not None and flags.shape[0] > FLAG_ROWS:

@@ -463,7 +463,7 @@ ROUTES: dict[str, Route] = {
 #: Whether captured calls of the fused route with at most ``heavy_rows.FLAG_ROWS``
 #: tokens take their heavy rows beside the light rows (:func:`fused_beside`).
 BESIDE = True
-#: Clusters per SM of :func:`fused_beside`'s heavy-row kernels (``heavy_rows.matmul``'s
+#: CTAs per SM of :func:`fused_beside`'s heavy-row kernels (``heavy_rows.matmul``'s
 #: ``per_sm``; their grid-stride loops take the rest). They usually find no heavy row,
 #: and their CTAs wait for SMs that the light-row kernel holds, so they end after it: a
 #: quarter of the default grid ends sooner. H200, K=2048, N=5632, the user's CUDA graph,
@@ -533,7 +533,7 @@ def heavy_rows_stage(
     ``capacity`` of them (default: the options' fixed capacity) through cuBLAS GEMMs.
     ``overlap``: the tensor-core kernels launch to start while the kernel before ends
     (``heavy_rows.matmul``: faster only when they find no row); ``per_sm``: their
-    clusters per SM (``heavy_rows.matmul``).
+    CTAs per SM (``heavy_rows.matmul``).
     ``ids`` and ``count`` None (at most ``heavy_rows.FLAG_ROWS`` rows, no capacity, no
     ``row_l1``): the heavy-row kernels read ``light.heavy`` and compact it themselves.
 
