@@ -189,3 +189,50 @@ def test_heavy_shares_from_one_row_to_all_rows(share: object) -> None:
     rows = ~np.isnan(want).any(axis=1)
     err = np.linalg.norm(got[rows] - want[rows]) / np.linalg.norm(want[rows])
     assert err < 1e-2
+
+
+@pytest.mark.parametrize(("m", "count"), [(2048, 2048), (2048, 1500), (16384, 16384), (700, 650)])
+def test_gated_count_build_rounds_as_its_reduction(m: int, count: int) -> None:
+    """Unsplit with a gate (whose rows reach the epilogue through shared memory, a tile
+    ahead): every counted row's bits are ``bf16(relu(g) * v)`` of the ungated build's
+    ``v``, exactly (a product of two bf16 is exact in fp32), with several tiles per CTA
+    and the gate's rows by a permutation; the rows past the count untouched."""
+    n, k = 5632, 2048
+    a, w = _operands(m, n, k, seed=m + count)
+    assert gate_gemm.count_splits(count, n, k, gate_gemm.MAX_SPLITS) == 1
+    rng = np.random.default_rng(count)
+    perm = cp.asarray(rng.permutation(m).astype(np.int32))
+    gate = as_bf16(cp.asarray(rng.standard_normal((m, n), dtype=np.float32)))
+    gate[5, :7] = np.nan
+    v = _f32(_counted(a, w, count))[:count]
+    got = _f32(_counted(a, w, count, gate=gate, gate_ids=perm))
+    g = _f32(gate.view(cp.uint16))[cp.asnumpy(perm[:count])]
+    want = (np.where(np.isnan(g), np.nan, np.maximum(g, 0)) * v).astype(np.float32)
+    want = want.astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_array_equal(got[:count], want)
+    assert (cp.asnumpy(_counted(a, w, count, gate=gate, gate_ids=perm)[count:]) == POISON).all()
+
+
+@pytest.mark.parametrize("count", [512, 511, 600])
+def test_a_count_of_all_rows_reads_the_source_in_place(count: int) -> None:
+    """Given ``a_all`` (the matrix a gathered rows from by ascending ids), a count of
+    all M rows reads it in place of ``a`` (the gather skipped: ``a`` left poisoned here),
+    and gives the bits of the gathered copy; a smaller count reads ``a``."""
+    m, n, k = 512, 2048, 1024
+    src, w = _operands(m, n, k, seed=count)
+    ids = cp.arange(m, dtype=cp.int32)
+    rows = cp.asarray([count], dtype=cp.int32)
+    gathered = cp.full((m, k), POISON, dtype=cp.uint16).view(src.dtype)
+    gate_gemm.gather_counted(src, ids, rows, gathered, skip_all=True)
+    c = min(count, m)
+    if c == m:
+        assert (gathered.view(cp.uint16) == POISON).all(), "the gather ran"
+    else:
+        assert cp.array_equal(gathered[:c], src[:c])
+    out = cp.full((m, n), POISON, dtype=cp.uint16)
+    part = gate_gemm.matmul_counted(gathered, w, rows, out, a_all=src)
+    gate_gemm.reduce_counted(part, out, rows, m, k, out)
+    assert cp.array_equal(out[:c], _counted(src, w, count)[:c])
+    with pytest.raises(ValueError, match="x_all"):
+        gate_gemm.launch(src, w, tile=256, slots=32, output=gate_gemm.OUTPUT_DENSE,
+                         pre=out, x_all=src)  # fmt: skip

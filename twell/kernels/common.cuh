@@ -341,6 +341,19 @@ TWELL_DEVICE void twell_tma_load_2d(uint32_t dst, const TwellTmaDesc* map, int c
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+// `bytes` (a multiple of 16) from global `src` into shared memory at `dst` (both 16-byte
+// aligned), completion counted on `bar` (complete_tx bytes).
+TWELL_DEVICE void twell_bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// Orders this thread's shared-memory accesses before later asynchronous-proxy ones (TMA
+// and bulk copies) that a barrier makes wait for them.
+TWELL_DEVICE void twell_fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 TWELL_DEVICE uint4 twell_lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"

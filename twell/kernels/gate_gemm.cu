@@ -26,7 +26,14 @@
 // fill SPLIT_UNITS SMs); each part stores its fp32 sums in `part` ([S, rows rounded up to
 // BM, N]) for twell_gate_gemm_reduce to add in a fixed order. With S = 1 the bf16 tile goes
 // out as in TWELL_OUTPUT 1 (both builds: row m to `out_ids[m]` when given, else m), as
-// bf16(relu(g) * u) when a gate is given (g: row gate_ids[m], or m, of `gate`).
+// bf16(relu(g) * u) when a gate is given (g: row gate_ids[m], or m, of `gate`). The gate
+// rows of a tile land in the bf16 tile itself, by bulk copies (one per row, by id) that
+// the packer warps issue as soon as they have stored the tile before: they arrive while
+// the consumers' main loop runs, and the consumers multiply in their epilogue, so no load
+// latency follows the main loop. With `direct` set and the count covering all M rows,
+// the producer reads x through `map_all` (the matrix the caller gathered x from by
+// ascending ids, which the count then makes the identity): the gather is skipped
+// (twell_gather_counted with skip_all).
 //
 // Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
 // (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
@@ -73,8 +80,9 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define COUNTED (TWELL_OUTPUT == 6)
 #define GATE_ROWS (COUNTED ? TWELL_GATE_ROWS : 1)  // rows a packer warp stores per step
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
-// Dynamic shared memory the launcher asks for (1024 bytes of slack for alignment).
-static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + 2 * STAGES * 8 + 1024,
+// Dynamic shared memory the launcher asks for: the ring's full and empty mbarriers, the
+// gate tile's, and 1024 bytes of slack for alignment.
+static_assert(TWELL_SMEM_BYTES == BARRIER_OFFSET + (2 * STAGES + 1) * 8 + 1024,
               "gate_gemm.py's SMEM_BYTES");
 #define LANES_PER_TILE (TWELL_TILE / 8)
 
@@ -122,6 +130,12 @@ __device__ __forceinline__ void bar_sync(int id) {
 }
 __device__ __forceinline__ void bar_arrive(int id) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(BAR_COUNT) : "memory");
+}
+// The packer warps among themselves (the count build's gate: all have read the tile
+// before one issues the copies that overwrite it).
+#define BAR_PACKERS 3
+__device__ __forceinline__ void bar_sync_packers() {
+  asm volatile("bar.sync %0, %1;" ::"n"(BAR_PACKERS), "n"(PACKER_WARPS * 32) : "memory");
 }
 
 // One row of the bf16 tile (this lane's 8 columns [8l, 8l + 8) in q) -> its TwELL words
@@ -239,22 +253,33 @@ __device__ __forceinline__ Unit unit_of(int t, int tiles_mn, int tiles_n, int pe
   return u;
 }
 
-// bf16(relu(g) * u) for eight bf16 pairs (relu keeps NaN, as twell_relu_mul).
-__device__ __forceinline__ uint4 relu_mul8(uint4 g, uint4 u) {
-  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-  uint32_t h[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t g0 = gw[i] & 0xffffu, g1 = gw[i] >> 16;
-    h[i] = twell_pack_bf16x2(twell_relu_value(g0) * __uint_as_float(uw[i] << 16),
-                             twell_relu_value(g1) * __uint_as_float(uw[i] & 0xffff0000u));
+// bf16(relu(g) * u) for a bf16 pair (relu keeps NaN, as twell_relu_mul); the product
+// of two bf16 is exact in fp32, so only the last rounding counts.
+__device__ __forceinline__ uint32_t relu_mul2(uint32_t g, uint32_t u) {
+  return twell_pack_bf16x2(twell_relu_value(g & 0xffffu) * __uint_as_float(u << 16),
+                           twell_relu_value(g >> 16) * __uint_as_float(u & 0xffff0000u));
+}
+
+// The gate rows of unit `u` (row gate_ids[m], or m, of `gate`, its columns of the tile)
+// into the bf16 tile at `tile_addr`, completing on `bar`; one warp.
+__device__ __forceinline__ void load_gate_tile(uint32_t tile_addr, uint32_t bar,
+                                               const uint16_t* __restrict__ gate,
+                                               const int* __restrict__ gate_ids, const Unit& u,
+                                               int m_rows, int N, int lane) {
+  const int rows = min(BM, m_rows - u.m0);
+  const uint32_t bytes = (uint32_t)min(BN, N - u.n0) * 2;
+  if (lane == 0) twell_mbar_expect_tx(bar, bytes * (uint32_t)rows);
+  for (int r = lane; r < rows; r += 32) {
+    const long long m = u.m0 + r;
+    const long long g = gate_ids == nullptr ? m : gate_ids[m];
+    twell_bulk_load(tile_addr + r * EPI_PITCH, gate + g * N + u.n0, bytes, bar);
   }
-  return make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64 x 128
                 const __grid_constant__ TwellTmaDesc map_w,  // w [N, K], box 64 x 256
+                const __grid_constant__ TwellTmaDesc map_all,  // x's source (6, direct)
                 uint32_t* __restrict__ packed,          // [M, N/TILE*SLOTS] (OUTPUT 0, 5)
                 uint8_t* __restrict__ heavy,            // [M], zeroed by the caller (0, 5)
                 uint16_t* __restrict__ pre,             // [M, N] bf16 (1, 6); uint64 [grid, 8] (5)
@@ -263,7 +288,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
                 const int* __restrict__ out_ids,        // bf16 row m -> out_ids[m] (1, 6), or null
                 const uint16_t* __restrict__ gate,      // [*, N] bf16 (6, one part), or null
                 const int* __restrict__ gate_ids,       // row m's gate: gate_ids[m], or null: m
-                int M, int N, int K, int max_splits) {
+                int M, int N, int K, int max_splits, int direct) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = twell_smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
@@ -271,6 +296,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   uint8_t* tile_smem = smem + STAGES * STAGE_BYTES;  // the bf16 tile, EPI_PITCH-byte rows
   const uint32_t full_bar = sbase + BARRIER_OFFSET;  // STAGES barriers, 8 bytes each
   const uint32_t empty_bar = full_bar + STAGES * 8;
+  const uint32_t gate_bar = empty_bar + STAGES * 8;  // the gate tile's (count build)
 
   const int tiles_n = (N + BN - 1) / BN;
   const int kblocks = (K + BK - 1) / BK;
@@ -280,6 +306,8 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   const int per = (kblocks + splits - 1) / splits;
   const int tiles_mn = tiles_m * tiles_n;
   const int tiles = tiles_mn * splits;  // work units
+  // The count build's gate, unsplit, comes through the bf16 tile (see the header).
+  const bool gate_tile = COUNTED && gate != nullptr && splits == 1;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
   const int lane = tid % 32;
@@ -291,12 +319,14 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       twell_mbar_init(full_bar + 8 * s, 1);
       twell_mbar_init(empty_bar + 8 * s, CONSUMERS);
     }
+    twell_mbar_init(gate_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   if (wg == 0) {
     if (tid == 0) {  // the producer: TMA loads into the ring
+      const TwellTmaDesc* src = COUNTED && direct && m_rows == M ? &map_all : &map_x;
       int it = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
@@ -305,7 +335,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
           if (it >= STAGES) twell_mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
           const uint32_t a = sbase + s * STAGE_BYTES;
           twell_mbar_expect_tx(full_bar + 8 * s, STAGE_BYTES);
-          twell_tma_load_2d(a, &map_x, kb * BK, u.m0, full_bar + 8 * s);
+          twell_tma_load_2d(a, src, kb * BK, u.m0, full_bar + 8 * s);
           twell_tma_load_2d(a + A_BYTES, &map_w, kb * BK, u.n0, full_bar + 8 * s);
         }
       }
@@ -315,7 +345,12 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     // Packer warps: drain each finished bf16 tile while the consumers compute the next.
     const int pw = tid / 32 - 1;
     long long wait_full = 0, busy = 0, last = 0;
-    bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
+    if (!gate_tile) {
+      bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
+    } else if (pw == 0 && (int)blockIdx.x < tiles) {  // the first tile's gate rows
+      load_gate_tile(twell_smem_addr(tile_smem), gate_bar, gate, gate_ids,
+                     unit_of(blockIdx.x, tiles_mn, tiles_n, per, kblocks), m_rows, N, lane);
+    }
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
       const int m0 = u.m0, n0 = u.n0;
@@ -332,6 +367,33 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         pack_rows(twell_smem_addr(tile_smem), pw,
                   final_tile(tile, tiles) ? ALL_WARPS : PACKER_WARPS, m0, n0, cols, M, N, lane,
                   packed, heavy);
+      } else if (gate_tile) {
+        // The tile holds the output (the consumers multiplied by the gate): store it, the
+        // rows' ids loaded before their stores; then, once every packer has read the
+        // tile, the next tile's gate rows into it.
+        for (int r0 = pw; r0 < BM; r0 += PACKER_WARPS * GATE_ROWS) {
+          long long o[GATE_ROWS];
+#pragma unroll
+          for (int i = 0; i < GATE_ROWS; ++i) {
+            const int m = min(m0 + r0 + i * PACKER_WARPS, m_rows - 1);
+            o[i] = out_ids == nullptr ? m : out_ids[m];
+          }
+#pragma unroll
+          for (int i = 0; i < GATE_ROWS; ++i) {
+            const int r = r0 + i * PACKER_WARPS;
+            if (r < BM && m0 + r < m_rows && lane * 8 < cols)
+              *reinterpret_cast<uint4*>(pre + o[i] * N + n0 + lane * 8) =
+                  *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
+          }
+        }
+        if (!final_tile(tile, tiles)) {
+          twell_fence_proxy_async();  // these reads before the copies' writes
+          bar_sync_packers();
+          if (pw == 0)
+            load_gate_tile(twell_smem_addr(tile_smem), gate_bar, gate, gate_ids,
+                           unit_of(tile + gridDim.x, tiles_mn, tiles_n, per, kblocks), m_rows,
+                           N, lane);
+        }
       } else if (TWELL_OUTPUT == 1 || COUNTED) {
         // GATE_ROWS rows per step, their gate rows' loads all in flight before any use
         // (one row at a time, the packers' load latency outlasted the main loop).
@@ -355,7 +417,9 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
             const int r = r0 + i * PACKER_WARPS, m = m0 + r;
             if (r < BM && m < m_rows && lane * 8 < cols) {
               uint4 v = *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
-              if (COUNTED && gate != nullptr) v = relu_mul8(g[i], v);
+              if (COUNTED && gate != nullptr)
+                v = make_uint4(relu_mul2(g[i].x, v.x), relu_mul2(g[i].y, v.y),
+                               relu_mul2(g[i].z, v.z), relu_mul2(g[i].w, v.w));
               const long long o = out_ids == nullptr ? m : out_ids[m];
               *reinterpret_cast<uint4*>(pre + o * N + n0 + lane * 8) = v;
             }
@@ -368,7 +432,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         busy += t2 - t1;
         last = t2 - t1;
       }
-      if (!final_tile(tile, tiles)) bar_arrive(BAR_TILE_FREE);  // the next sync's
+      if (!gate_tile && !final_tile(tile, tiles)) bar_arrive(BAR_TILE_FREE);  // the next sync's
     }
     if (PROFILE && pw == 0 && lane == 0) {
       prof[3] = busy;
@@ -381,9 +445,9 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
 
   const int c = wg - 1;  // consumer: rows [64c, 64c + 64) of the tile
   const int warp = tid / 32;
-  int it = 0;
+  int it = 0, local = 0;  // k steps and tiles so far
   long long wait_free = 0, epilogue = 0, count = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++local) {
     const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
     const int m0 = u.m0, n0 = u.n0;
     float d[128];
@@ -437,15 +501,20 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
     }
     // Round to bf16 into the shared tile, then hand it over.
     const long long t0 = PROFILE ? clock64() : 0;
-    bar_sync(BAR_TILE_FREE);
+    if (gate_tile) twell_mbar_wait(gate_bar, local & 1);  // the tile holds its gate rows
+    else bar_sync(BAR_TILE_FREE);
     const long long t1 = PROFILE ? clock64() : 0;
     const int r = c * 64 + warp * 16 + lane / 4;
     uint8_t* p0 = tile_smem + r * EPI_PITCH + (lane % 4) * 4;
     uint8_t* p1 = p0 + 8 * EPI_PITCH;
 #pragma unroll
     for (int j = 0; j < 32 && TWELL_OUTPUT != 4; ++j) {
-      *reinterpret_cast<uint32_t*>(p0 + j * 16) = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
-      *reinterpret_cast<uint32_t*>(p1 + j * 16) = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+      uint32_t* q0 = reinterpret_cast<uint32_t*>(p0 + j * 16);
+      uint32_t* q1 = reinterpret_cast<uint32_t*>(p1 + j * 16);
+      const uint32_t v0 = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
+      const uint32_t v1 = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
+      *q0 = gate_tile ? relu_mul2(*q0, v0) : v0;
+      *q1 = gate_tile ? relu_mul2(*q1, v1) : v1;
     }
     if (PACKS && final_tile(tile, tiles)) {  // help pack the CTA's last tile
       bar_sync(BAR_TILE_FULL);
@@ -527,11 +596,15 @@ twell_gate_gemm_reduce(const float* __restrict__ part, const uint16_t* __restric
 
 // dst[i] = src[ids[i]] for i < min(*rows, M) (rows `width` bf16 wide, width % 8 == 0);
 // the rows of dst past the count are left as they are (the count build never stores them).
+// With skip_all, a count of all M rows copies nothing (the count build reads src itself).
 extern "C" __global__ void __launch_bounds__(256)
 twell_gather_counted(const uint16_t* __restrict__ src, int width, const int* __restrict__ ids,
-                     const int* __restrict__ rows, int M, uint16_t* __restrict__ dst) {
+                     const int* __restrict__ rows, int M, uint16_t* __restrict__ dst,
+                     int skip_all) {
   const int per_row = width / 8;
-  const long long total = (long long)rows_in(rows, M) * per_row;
+  const int m_rows = rows_in(rows, M);
+  if (skip_all && m_rows == M) return;
+  const long long total = (long long)m_rows * per_row;
   for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
        k += (long long)gridDim.x * blockDim.x) {
     const int i = (int)(k / per_row), c = (int)(k % per_row);

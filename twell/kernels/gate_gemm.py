@@ -46,10 +46,11 @@ GATE_ROWS = 16
 
 def smem_bytes(stages: int = STAGES, output: int = OUTPUT_PACKED) -> int:
     """Dynamic shared memory of the kernel: the TMA ring, the epilogue's bf16 tile (every
-    build but ``OUTPUT_NONE``, the main loop alone), the mbarriers, and slack to align the
-    ring to 1024 bytes (the kernel checks the sum)."""
+    build but ``OUTPUT_NONE``, the main loop alone), the mbarriers (the ring's two per
+    stage, the count build's gate tile's), and slack to align the ring to 1024 bytes (the
+    kernel checks the sum)."""
     tile = 0 if output == OUTPUT_NONE else BLOCK_M * _EPI_PITCH
-    return stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + tile + 2 * stages * 8 + 1024
+    return stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + tile + (2 * stages + 1) * 8 + 1024
 
 
 SMEM_BYTES = smem_bytes()
@@ -187,6 +188,7 @@ def launch(
     gate_ids: Any | None = None,
     max_splits: int = 1,
     grid: int | None = None,
+    x_all: Any | None = None,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
@@ -207,6 +209,9 @@ def launch(
     ``pre``; unsplit, with ``gate`` (bf16 ``[*, N]``) it writes ``bf16(relu(g) * out)``,
     ``g`` row ``gate_ids[m]`` (None: m) of ``gate``.
     ``grid``: CTAs of the persistent grid (default :func:`ctas` of M, N).
+    ``x_all`` (``OUTPUT_COUNTED``): the matrix ``x`` holds rows of, gathered by ascending
+    ids (``[M, K]`` too); where the count covers all M rows, the ids are 0..M-1 and the
+    kernel reads ``x_all`` in place of ``x`` (:func:`gather_counted` then skips the copy).
     """
     m, k = x.shape
     n = w.shape[0]
@@ -223,6 +228,8 @@ def launch(
         pre is None or (part is None and part_rows(m, n, k, max_splits) > 0)
     ):
         raise ValueError("launch: OUTPUT_COUNTED needs pre, and part when it may split")
+    if x_all is not None and (output != OUTPUT_COUNTED or x_all.shape != x.shape):
+        raise ValueError("launch: x_all is for OUTPUT_COUNTED, and has x's shape")
     grid = (grid or ctas(m, n),)
     if output == OUTPUT_PROFILE and pre.nbytes < grid[0] * 64:
         raise ValueError(f"launch: OUTPUT_PROFILE needs {grid[0] * 64} bytes of pre")
@@ -236,12 +243,14 @@ def launch(
         grid, (_THREADS,),
         (
             tensor_map(x, BLOCK_M), tensor_map(w, BLOCK_N),
+            tensor_map(x if x_all is None else x_all, BLOCK_M),
             null if packed is None else packed, null if heavy is None else heavy,
             null if pre is None else pre.view(np.uint16), null if part is None else part,
             null if rows is None else rows, null if out_ids is None else out_ids,
             null if gate is None else gate.view(np.uint16),
             null if gate_ids is None else gate_ids,
             np.int32(m), np.int32(n), np.int32(k), np.int32(max_splits),
+            np.int32(x_all is not None),
         ),
         shared_mem=smem,
     )  # fmt: skip
@@ -270,6 +279,7 @@ def matmul_counted(
     out_ids: Any | None = None,
     gate: Any | None = None,
     gate_ids: Any | None = None,
+    a_all: Any | None = None,
 ) -> Any:
     """``a[i] @ w.T`` for the rows ``i < min(M, rows[0])`` of bf16 ``a [M, K]`` (``w
     [N, K]``; ``rows`` an int32 device count), on tensor cores, the reduction split into
@@ -278,7 +288,11 @@ def matmul_counted(
     several: fp32 parts into the returned buffer (None when no count of at most M rows
     splits), which :func:`reduce_counted`, given the same gate, finishes. Grid and
     buffers are sized on the host for M rows; the kernel reads the count (no
-    synchronisation)."""
+    synchronisation). ``a_all``: the matrix ``a`` was gathered from by ascending ids, read
+    in its place where the count covers all M rows (``launch``'s ``x_all``).
+
+    The gate of an unsplit launch reaches the epilogue through shared memory: each output
+    tile's gate rows are copied in while its main loop runs."""
     m, k = a.shape
     n = w.shape[0]
     rows_part = part_rows(m, n, k, MAX_SPLITS)
@@ -287,7 +301,7 @@ def matmul_counted(
         launch(
             a, w, tile=256, slots=32, output=OUTPUT_COUNTED, pre=out, part=part, rows=rows,
             out_ids=out_ids, gate=gate, gate_ids=gate_ids, max_splits=MAX_SPLITS,
-            grid=device_info().multiprocessors,
+            grid=device_info().multiprocessors, x_all=a_all,
         )  # fmt: skip
     return part
 
@@ -328,12 +342,15 @@ def reduce_counted(
     )  # fmt: skip
 
 
-def gather_counted(src: Any, ids: Any, rows: Any, out: Any) -> None:
+def gather_counted(src: Any, ids: Any, rows: Any, out: Any, *, skip_all: bool = False) -> None:
     """``out[i] = src[ids[i]]`` for ``i < min(M, rows[0])`` (``M`` = rows of ``out``;
-    bf16 rows of the same width); the rest of ``out`` is left as it is."""
+    bf16 rows of the same width); the rest of ``out`` is left as it is. ``skip_all``: a
+    count of all M rows copies nothing, for count builds given ``a_all=src`` (the ids
+    ascending, so then 0..M-1)."""
     m, width = out.shape
     if m:
         _aux("twell_gather_counted")(
             (device_info().multiprocessors * 8,), (_REDUCE_THREADS,),
-            (src.view(np.uint16), np.int32(width), ids, rows, np.int32(m), out.view(np.uint16)),
+            (src.view(np.uint16), np.int32(width), ids, rows, np.int32(m), out.view(np.uint16),
+             np.int32(skip_all)),
         )  # fmt: skip

@@ -596,11 +596,12 @@ def heavy_rows_counted(
     earlier calls. Returns the scratch buffers."""
     m, n, k = x.shape[0], block.n, block.k
     x_c = empty_bf16((m, k))
-    gate_gemm.gather_counted(x, ids, count, x_c)
+    # (ids ascending: a count of all rows reads x itself, with no copy)
+    gate_gemm.gather_counted(x, ids, count, x_c, skip_all=True)
     scratch: list[Any] = [light.heavy, ids, count, x_c]
     if light.pre is None:  # the gate (or the non-gated block's up product) of these rows
         g = empty_bf16((m, n))
-        part = gate_gemm.matmul_counted(x_c, block.w_first, count, g)
+        part = gate_gemm.matmul_counted(x_c, block.w_first, count, g, a_all=x)
         gate_gemm.reduce_counted(part, g, count, m, k, g)
         g_ids = None
         scratch += [g, part]
@@ -608,7 +609,8 @@ def heavy_rows_counted(
         g, g_ids = light.pre, ids
     h = empty_bf16((m, n))
     if block.gated:
-        part = gate_gemm.matmul_counted(x_c, block.w_up, count, h, gate=g, gate_ids=g_ids)
+        part = gate_gemm.matmul_counted(x_c, block.w_up, count, h, gate=g, gate_ids=g_ids,
+                                        a_all=x)
         gate_gemm.reduce_counted(part, h, count, m, k, h, gate=g, gate_ids=g_ids)
         scratch.append(part)
     else:
