@@ -170,6 +170,19 @@ TWELL_DEVICE uint32_t twell_relu_bf16x2(uint32_t w) {
   return out;
 }
 
+// bf16(relu(g) * u) on both halves of bf16x2 words: relu as twell_relu_bf16x2 (on bits,
+// three operations for both halves: NaN kept, negatives to +0), then one product, rounded
+// to nearest even (the exact product of two bf16 rounded once, as fp32 math rounded to
+// bf16 gives, subnormals kept).
+TWELL_DEVICE uint32_t twell_relu_mul_bf16x2(uint32_t g, uint32_t u) {
+  const uint32_t nan = ((g & 0x7fff7fffu) + 0x007f007fu) & 0x80008000u;  // per half
+  const uint32_t kill = g & 0x80008000u & ~nan;  // negative, not NaN: the halves to zero
+  const uint32_t r = g & ~((kill >> 15) * 0xffffu);
+  uint32_t h;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h) : "r"(r), "r"(u));
+  return h;
+}
+
 TWELL_DEVICE uint4 twell_relu_bf16x8(uint4 v) {
   return make_uint4(twell_relu_bf16x2(v.x), twell_relu_bf16x2(v.y), twell_relu_bf16x2(v.z),
                     twell_relu_bf16x2(v.w));

@@ -35,10 +35,11 @@
 // ascending ids, which the count then makes the identity): the gather is skipped
 // (twell_gather_counted with skip_all).
 //
-// Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles, n fastest
-// (the CTAs running at once share x's rows and keep w in L2). Warpgroup 0: one thread
-// issues TMA loads of x [128 x 64] and w [256 x 64] (128-byte swizzle) into a STAGES-deep
-// ring guarded by mbarriers; its other three warps are the packers. Warpgroups 1 and 2 are
+// Structure: a persistent grid (one CTA per SM) walks 128 x 256 output tiles in groups of
+// row tiles, each group column by column (unit_of: the CTAs running at once share a block
+// of x's rows and of w's, which stay in L2). Warpgroup 0: one thread issues TMA loads of
+// x [128 x 64] and w [256 x 64] (128-byte swizzle) into a STAGES-deep ring guarded by
+// mbarriers; its other three warps are the packers. Warpgroups 1 and 2 are
 // the consumers: each owns 64 rows of the tile and runs wgmma.m64n256k16 over the ring
 // (fp32 accumulators in registers, 128 per thread), releasing a stage once the wgmma
 // reading it has retired.
@@ -78,7 +79,7 @@ static_assert(BN == 256 && BK == 64 && BM == 64 * CONSUMERS,
 #define PACKS (TWELL_OUTPUT == 0 || TWELL_OUTPUT == 5)
 #define PROFILE (TWELL_OUTPUT == 5)
 #define COUNTED (TWELL_OUTPUT == 6)
-#define GATE_ROWS (COUNTED ? TWELL_GATE_ROWS : 1)  // rows a packer warp stores per step
+#define STORE_ROWS (COUNTED ? TWELL_STORE_ROWS : 1)  // rows a packer warp stores per step
 #define BARRIER_OFFSET (STAGES * STAGE_BYTES + EPI_BYTES)
 // Dynamic shared memory the launcher asks for: the ring's full and empty mbarriers, the
 // gate tile's, and 1024 bytes of slack for alignment.
@@ -238,26 +239,27 @@ __device__ __forceinline__ int twell_count_splits(int m_rows, int tiles_n, int k
 }
 
 // Work unit `t` of a launch: its output tile (m0, n0), its part of the reduction and the
-// k blocks [kb0, kb1) that part sums; units run part-major, then row tiles, n fastest.
+// k blocks [kb0, kb1) that part sums. Units run part-major; within a part, in groups of
+// `group` row tiles (the last group may be smaller), each group column by column, rows
+// fastest: the tiles in flight at once cover a block of rows and columns, so fewer of
+// x's and w's tiles compete for L2 with the streamed output (group 1: row by row).
 struct Unit {
   int m0, n0, part, kb0, kb1;
 };
-__device__ __forceinline__ Unit unit_of(int t, int tiles_mn, int tiles_n, int per, int kblocks) {
+__device__ __forceinline__ Unit unit_of(int t, int tiles_mn, int tiles_n, int per, int kblocks,
+                                        int group) {
   Unit u;
   u.part = t / tiles_mn;
   const int r = t - u.part * tiles_mn;
-  u.m0 = (r / tiles_n) * BM;
-  u.n0 = (r % tiles_n) * BN;
+  const int tiles_m = tiles_mn / tiles_n;
+  const int g = r / (group * tiles_n), first = g * group;
+  const int rows = min(group, tiles_m - first);
+  const int q = r - first * tiles_n;
+  u.m0 = (first + q % rows) * BM;
+  u.n0 = (q / rows) * BN;
   u.kb0 = u.part * per;
   u.kb1 = min(kblocks, u.kb0 + per);
   return u;
-}
-
-// bf16(relu(g) * u) for a bf16 pair (relu keeps NaN, as twell_relu_mul); the product
-// of two bf16 is exact in fp32, so only the last rounding counts.
-__device__ __forceinline__ uint32_t relu_mul2(uint32_t g, uint32_t u) {
-  return twell_pack_bf16x2(twell_relu_value(g & 0xffffu) * __uint_as_float(u << 16),
-                           twell_relu_value(g >> 16) * __uint_as_float(u & 0xffff0000u));
 }
 
 // The gate rows of unit `u` (row gate_ids[m], or m, of `gate`, its columns of the tile)
@@ -288,7 +290,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
                 const int* __restrict__ out_ids,        // bf16 row m -> out_ids[m] (1, 6), or null
                 const uint16_t* __restrict__ gate,      // [*, N] bf16 (6, one part), or null
                 const int* __restrict__ gate_ids,       // row m's gate: gate_ids[m], or null: m
-                int M, int N, int K, int max_splits, int direct) {
+                int M, int N, int K, int max_splits, int direct, int group) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = twell_smem_addr(smem_raw);
   uint8_t* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);  // 1024-aligned (swizzle)
@@ -329,7 +331,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       const TwellTmaDesc* src = COUNTED && direct && m_rows == M ? &map_all : &map_x;
       int it = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
+        const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks, group);
         for (int kb = u.kb0; kb < u.kb1; ++kb, ++it) {
           const int s = it % STAGES;
           if (it >= STAGES) twell_mbar_wait(empty_bar + 8 * s, ((it / STAGES) - 1) & 1);
@@ -349,10 +351,10 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       bar_arrive(BAR_TILE_FREE);  // the tile buffer starts free
     } else if (pw == 0 && (int)blockIdx.x < tiles) {  // the first tile's gate rows
       load_gate_tile(twell_smem_addr(tile_smem), gate_bar, gate, gate_ids,
-                     unit_of(blockIdx.x, tiles_mn, tiles_n, per, kblocks), m_rows, N, lane);
+                     unit_of(blockIdx.x, tiles_mn, tiles_n, per, kblocks, group), m_rows, N, lane);
     }
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
+      const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks, group);
       const int m0 = u.m0, n0 = u.n0;
       const int cols = min(BN, N - n0);
       const long long t0 = PROFILE ? clock64() : 0;
@@ -367,63 +369,31 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
         pack_rows(twell_smem_addr(tile_smem), pw,
                   final_tile(tile, tiles) ? ALL_WARPS : PACKER_WARPS, m0, n0, cols, M, N, lane,
                   packed, heavy);
-      } else if (gate_tile) {
-        // The tile holds the output (the consumers multiplied by the gate): store it, the
-        // rows' ids loaded before their stores; then, once every packer has read the
-        // tile, the next tile's gate rows into it.
-        for (int r0 = pw; r0 < BM; r0 += PACKER_WARPS * GATE_ROWS) {
-          long long o[GATE_ROWS];
+      } else if (TWELL_OUTPUT == 1 || COUNTED) {
+        // The bf16 tile (with a gate, the consumers multiplied it in) to its rows of `pre`,
+        // STORE_ROWS rows per step, their ids loaded before the stores.
+        for (int r0 = pw; r0 < BM; r0 += PACKER_WARPS * STORE_ROWS) {
+          long long o[STORE_ROWS];
 #pragma unroll
-          for (int i = 0; i < GATE_ROWS; ++i) {
+          for (int i = 0; i < STORE_ROWS; ++i) {
             const int m = min(m0 + r0 + i * PACKER_WARPS, m_rows - 1);
             o[i] = out_ids == nullptr ? m : out_ids[m];
           }
 #pragma unroll
-          for (int i = 0; i < GATE_ROWS; ++i) {
+          for (int i = 0; i < STORE_ROWS; ++i) {
             const int r = r0 + i * PACKER_WARPS;
             if (r < BM && m0 + r < m_rows && lane * 8 < cols)
               *reinterpret_cast<uint4*>(pre + o[i] * N + n0 + lane * 8) =
                   *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
           }
         }
-        if (!final_tile(tile, tiles)) {
-          twell_fence_proxy_async();  // these reads before the copies' writes
+        if (gate_tile && !final_tile(tile, tiles)) {  // the next tile's gate rows, once
+          twell_fence_proxy_async();                 // every packer has read this one
           bar_sync_packers();
           if (pw == 0)
             load_gate_tile(twell_smem_addr(tile_smem), gate_bar, gate, gate_ids,
-                           unit_of(tile + gridDim.x, tiles_mn, tiles_n, per, kblocks), m_rows,
-                           N, lane);
-        }
-      } else if (TWELL_OUTPUT == 1 || COUNTED) {
-        // GATE_ROWS rows per step, their gate rows' loads all in flight before any use
-        // (one row at a time, the packers' load latency outlasted the main loop).
-        for (int r0 = pw; r0 < BM; r0 += PACKER_WARPS * GATE_ROWS) {
-          uint4 g[GATE_ROWS];
-          if (COUNTED && gate != nullptr) {
-            long long g_row[GATE_ROWS];
-#pragma unroll
-            for (int i = 0; i < GATE_ROWS; ++i) {
-              const int m = min(m0 + r0 + i * PACKER_WARPS, m_rows - 1);
-              g_row[i] = gate_ids == nullptr ? m : gate_ids[m];
-            }
-#pragma unroll
-            for (int i = 0; i < GATE_ROWS; ++i)
-              g[i] = lane * 8 < cols
-                         ? *reinterpret_cast<const uint4*>(gate + g_row[i] * N + n0 + lane * 8)
-                         : make_uint4(0, 0, 0, 0);
-          }
-#pragma unroll
-          for (int i = 0; i < GATE_ROWS; ++i) {
-            const int r = r0 + i * PACKER_WARPS, m = m0 + r;
-            if (r < BM && m < m_rows && lane * 8 < cols) {
-              uint4 v = *reinterpret_cast<const uint4*>(tile_smem + r * EPI_PITCH + lane * 16);
-              if (COUNTED && gate != nullptr)
-                v = make_uint4(relu_mul2(g[i].x, v.x), relu_mul2(g[i].y, v.y),
-                               relu_mul2(g[i].z, v.z), relu_mul2(g[i].w, v.w));
-              const long long o = out_ids == nullptr ? m : out_ids[m];
-              *reinterpret_cast<uint4*>(pre + o * N + n0 + lane * 8) = v;
-            }
-          }
+                           unit_of(tile + gridDim.x, tiles_mn, tiles_n, per, kblocks, group),
+                           m_rows, N, lane);
         }
       }
       if (PROFILE) {
@@ -448,7 +418,7 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
   int it = 0, local = 0;  // k steps and tiles so far
   long long wait_free = 0, epilogue = 0, count = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++local) {
-    const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks);
+    const Unit u = unit_of(tile, tiles_mn, tiles_n, per, kblocks, group);
     const int m0 = u.m0, n0 = u.n0;
     float d[128];
 #pragma unroll
@@ -513,8 +483,8 @@ twell_gate_gemm(const __grid_constant__ TwellTmaDesc map_x,  // x [M, K], box 64
       uint32_t* q1 = reinterpret_cast<uint32_t*>(p1 + j * 16);
       const uint32_t v0 = twell_pack_bf16x2(d[4 * j], d[4 * j + 1]);
       const uint32_t v1 = twell_pack_bf16x2(d[4 * j + 2], d[4 * j + 3]);
-      *q0 = gate_tile ? relu_mul2(*q0, v0) : v0;
-      *q1 = gate_tile ? relu_mul2(*q1, v1) : v1;
+      *q0 = gate_tile ? twell_relu_mul_bf16x2(*q0, v0) : v0;
+      *q1 = gate_tile ? twell_relu_mul_bf16x2(*q1, v1) : v1;
     }
     if (PACKS && final_tile(tile, tiles)) {  // help pack the CTA's last tile
       bar_sync(BAR_TILE_FULL);
