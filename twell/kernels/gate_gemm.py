@@ -213,9 +213,11 @@ def launch(
     ``g`` row ``gate_ids[m]`` (None: m) of ``gate``.
     ``grid``: CTAs of the persistent grid (default :func:`ctas` of M, N).
     ``group``: row tiles per group of the tile order (default :data:`GROUP_M`; the bits
-    do not depend on it). ``x_all`` (``OUTPUT_COUNTED``): the matrix ``x`` holds rows of, gathered by ascending
-    ids (``[M, K]`` too); where the count covers all M rows, the ids are 0..M-1 and the
-    kernel reads ``x_all`` in place of ``x`` (:func:`gather_counted` then skips the copy).
+    do not depend on it).
+    ``x_all`` (``OUTPUT_COUNTED``): the matrix whose rows ``x`` holds, gathered by
+    ascending ids (``[M, K]`` too); where the count covers all M rows, the ids are
+    0..M-1 and the kernel reads ``x_all`` in place of ``x`` (:func:`gather_counted` then
+    skips the copy).
     """
     m, k = x.shape
     n = w.shape[0]
