@@ -609,8 +609,7 @@ def heavy_rows_counted(
         g, g_ids = light.pre, ids
     h = empty_bf16((m, n))
     if block.gated:
-        part = gate_gemm.matmul_counted(x_c, block.w_up, count, h, gate=g, gate_ids=g_ids,
-                                        a_all=x)
+        part = gate_gemm.matmul_counted(x_c, block.w_up, count, h, gate=g, gate_ids=g_ids, a_all=x)
         gate_gemm.reduce_counted(part, h, count, m, k, h, gate=g, gate_ids=g_ids)
         scratch.append(part)
     else:
