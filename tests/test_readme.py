@@ -166,6 +166,37 @@ def test_serving_rows_show_the_other_workloads_back_to_back(tmp_path: Path) -> N
     assert rows[2].endswith("| 1.50× | per call 1.60×; dense math decided |")
 
 
+def test_density_records_at_other_batch_sizes_get_rows_of_their_own(tmp_path: Path) -> None:
+    """The density sweep is one row at its batch size (per call in the notes, in order
+    of p); a density at another M is a row of its own (per call and graph in the notes)."""
+    import json
+
+    t = tables()
+    folder = tmp_path / "h999"
+    folder.mkdir()
+
+    def record(p: str, m: int, timing: str, speedup: float, **extra: object) -> dict:
+        return {"gpu": "GPU X", "api": "SparseFFN", "workload": f"density={p}", "M": m,
+                "K": 2048, "N": 5632, "timing": timing, "t_ms": 1.0, "t_dense_ms": speedup,
+                "speedup": speedup, **extra}  # fmt: skip
+
+    records = [record("0.1", 16384, "back_to_back", 1.01, dense_path=True),
+               record("0.001", 16384, "back_to_back", 2.4),
+               record("0.1", 16384, "per_call", 1.09), record("0.001", 16384, "per_call", 2.3),
+               record("0.1", 2048, "back_to_back", 0.94), record("0.1", 2048, "graph", 0.89),
+               record("0.1", 2048, "per_call", 0.93)]  # fmt: skip
+    (folder / "serving.json").write_text(json.dumps(records))
+    rows = [line for line in t.gpu_table(folder).splitlines() if "SparseFFN" in line]
+    assert [r.split(" | ")[1] for r in rows] == [
+        "density p = 0.1, M=2048, back to back",
+        "density p = 0.001 / 0.1, M=16384, back to back",
+    ]  # fmt: skip
+    assert rows[0].endswith("| 0.94× | per call 0.93×; CUDA graph 0.89× |")
+    assert rows[1].endswith(
+        "| 2.40 / 1.01× | per call 2.30 / 1.09×; dense math decided at p ≥ 0.1 |"
+    )
+
+
 def test_decode_rows_go_by_batch_then_mode_and_name_the_step_loop(tmp_path: Path) -> None:
     import json
 

@@ -323,37 +323,59 @@ def serving_rows(folder: Path) -> Iterator[Row]:
             )
         how = "CUDA graph" if main["timing"] == "graph" else main["timing"].replace("_", " ")
         yield _serving_row(f"uniform, M={m}{_shape(main)}, {how}", main, others)
-    others = sorted(
-        (r for r in records if _SERVING_WORKLOADS.get(r.get("workload", "")) is not None),
-        key=lambda r: (list(_SERVING_WORKLOADS).index(r["workload"]), r["M"]),
-    )
+    density = [r for r in records if r.get("workload", "").startswith("density=")]
+    # the density sweep's batch size (the M with most density records); other M singly
+    sweep_m = max((r["M"] for r in density), key=[r["M"] for r in density].count, default=None)
+
+    def label(r: dict[str, Any]) -> str | None:
+        if r.get("workload", "").startswith("density=") and r["M"] != sweep_m:
+            return f"density p = {r['workload'].split('=')[1]}"
+        return _SERVING_WORKLOADS.get(r.get("workload", ""))
+
+    def order(r: dict[str, Any]) -> tuple:
+        known = list(_SERVING_WORKLOADS)
+        w = r["workload"]
+        return (known.index(w) if w in known else len(known), w, r["M"])
+
+    others = sorted((r for r in records if label(r) is not None), key=order)
     for r in others:
         if r["timing"] != "back_to_back":
             continue
         per_call = next((o for o in others if o["timing"] == "per_call" and _same_case(o, r)), None)
         notes = [] if per_call is None else [f"per call {_x(per_call['speedup'])}"]
+        graph = next((o for o in others if o["timing"] == "graph" and _same_case(o, r)), None)
+        if graph is not None:
+            notes.append(f"CUDA graph {_x(graph['speedup'])}")
         if r.get("dense_path"):
             notes.append("dense math decided")
-        case = f"{_SERVING_WORKLOADS[r['workload']]}, M={r['M']}{_shape(r)}, back to back"
+        case = f"{label(r)}, M={r['M']}{_shape(r)}, back to back"
         yield _serving_row(case, r, notes)
     sweep = sorted(
-        (float(r["workload"].split("=")[1]), r)
-        for r in records
-        if r.get("workload", "").startswith("density=") and r.get("timing") == "back_to_back"
-    )
+        ((float(r["workload"].split("=")[1]), r) for r in density
+         if r["M"] == sweep_m and r.get("timing") == "back_to_back"),
+        key=lambda pr: pr[0],
+    )  # fmt: skip
     if sweep:
         ps = " / ".join(f"{p:g}" for p, _ in sweep)
         speedups = " / ".join(f"{r['speedup']:.2f}" for _, r in sweep) + "×"
+        per_call = {
+            float(r["workload"].split("=")[1]): r["speedup"]
+            for r in density
+            if r["M"] == sweep_m and r.get("timing") == "per_call"
+        }
+        notes = []
+        if all(p in per_call for p, _ in sweep):
+            notes.append("per call " + " / ".join(f"{per_call[p]:.2f}" for p, _ in sweep) + "×")
         dense = [f"{p:g}" for p, r in sweep if r.get("dense_path")]
-        note = f"dense math chosen by the density switch at p ≥ {dense[0]}" if dense else ""
-        m = sweep[0][1]["M"]
+        if dense:
+            notes.append(f"dense math decided at p ≥ {dense[0]}")
         yield (
             "SparseFFN forward",
-            f"density p = {ps}, M={m}, back to back",
+            f"density p = {ps}, M={sweep_m}, back to back",
             "—",
             "—",
             speedups,
-            note,
+            "; ".join(notes),
         )
 
 
