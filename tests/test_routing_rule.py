@@ -28,6 +28,10 @@ int main() {
     std::printf("%d%d%d%d", (int)twell_relu_keeps(b), (int)twell_relu_keeps_top(b << 16),
                 (int)twell_non_finite(b), (int)twell_non_finite_top(b << 16));
   std::printf("\n");
+  for (unsigned b = 0; b < 65536; ++b)  // b in each half, the other half its negation
+    std::printf("%08x%08x", twell_relu_bf16x2(b | ((b ^ 0x8000u) << 16)),
+                twell_relu_bf16x2((b << 16) | (b ^ 0x8000u)));
+  std::printf("\n");
   for (int slots = 2; slots <= 256; slots *= 2)
     for (int count = 0; count <= 257; ++count)
       std::printf("%d", (int)twell_tile_overflows(count, slots));
@@ -65,16 +69,33 @@ def test_bit_tests_agree_with_the_values(cxx_rule: list[np.ndarray]) -> None:
     np.testing.assert_array_equal(table[:, 3], ~np.isfinite(values))
 
 
+def test_relu_on_bit_pairs_keeps_what_relu_keeps(cxx_rule: list[np.ndarray]) -> None:
+    """``twell_relu_bf16x2``: each half is its pattern where relu keeps it (+0 passes
+    too), else +0, whatever the other half holds."""
+    text = (cxx_rule[1] + ord("0")).astype(np.uint8).tobytes().decode()  # (hex digits)
+    words = np.frombuffer(bytes.fromhex(text), dtype=">u4")
+    words = words.astype(np.uint32).reshape(65536, 2)
+    bits = np.arange(65536, dtype=np.uint32)
+    values = bf16_values(bits)
+    want = np.where(np.isnan(values) | (values > 0), bits, 0).astype(np.uint32)
+    neg = bits ^ 0x8000
+    want_neg = np.where(np.isnan(values) | (values < 0), neg, 0).astype(np.uint32)  # relu(-b)
+    np.testing.assert_array_equal(words[:, 0] & 0xFFFF, want)
+    np.testing.assert_array_equal(words[:, 0] >> 16, want_neg)
+    np.testing.assert_array_equal(words[:, 1] >> 16, want)
+    np.testing.assert_array_equal(words[:, 1] & 0xFFFF, want_neg)
+
+
 def test_tile_overflow_agrees_with_dense_row_mask(cxx_rule: list[np.ndarray]) -> None:
     counts = np.arange(258)
-    table = cxx_rule[1].reshape(-1, 258).astype(bool)
+    table = cxx_rule[2].reshape(-1, 258).astype(bool)
     for row, slots in zip(table, [2, 4, 8, 16, 32, 64, 128, 256], strict=True):
         python = dense_row_mask(counts[:, None], np.zeros(258, bool), slots)
         np.testing.assert_array_equal(row, python)
 
 
 def test_row_limit_agrees_with_dense_row_mask(cxx_rule: list[np.ndarray]) -> None:
-    table = cxx_rule[2].reshape(41, 41).astype(bool)
+    table = cxx_rule[3].reshape(41, 41).astype(bool)
     nnz = np.arange(41)
     for limit in range(41):
         # one entry per tile (never an overflow at 256 slots), nnz tiles

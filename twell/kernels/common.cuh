@@ -65,6 +65,15 @@ TWELL_HOST_DEVICE bool twell_row_over_limit(int nnz, int max_row_nnz) {
   return nnz > max_row_nnz;
 }
 
+// relu on the two bf16 of a word, on bits: negative values (but NaN) become +0, the rest
+// (+0 too) pass unchanged; both halves at once (a half is NaN when its magnitude plus
+// 0x7f carries into its sign bit).
+TWELL_HOST_DEVICE uint32_t twell_relu_bf16x2(uint32_t w) {
+  const uint32_t nan = ((w & 0x7fff7fffu) + 0x007f007fu) & 0x80008000u;
+  const uint32_t kill = w & 0x80008000u & ~nan;  // negative, not NaN: the halves to zero
+  return w & ~((kill >> 15) * 0xffffu);
+}
+
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #include <cuda_bf16.h>
 
@@ -158,28 +167,12 @@ TWELL_DEVICE void twell_store_bf16x8(uint16_t* dst, const float* acc) {
   __stcs(reinterpret_cast<uint4*>(dst), v);
 }
 
-// relu on the two bf16 of a word, on bits: negative values (but NaN) become +0. (It lets
-// +0 through unchanged, which twell_relu_keeps would zero: the same bits, one test less.)
-TWELL_DEVICE uint32_t twell_relu_bf16x2(uint32_t w) {
-  uint32_t out = 0;
-#pragma unroll
-  for (int s = 0; s < 32; s += 16) {
-    const uint32_t h = (w >> s) & 0xffffu;
-    out |= (((h & 0x7fffu) > 0x7f80u || !(h & 0x8000u)) ? h : 0u) << s;
-  }
-  return out;
-}
-
-// bf16(relu(g) * u) on both halves of bf16x2 words: relu as twell_relu_bf16x2 (on bits,
-// three operations for both halves: NaN kept, negatives to +0), then one product, rounded
-// to nearest even (the exact product of two bf16 rounded once, as fp32 math rounded to
-// bf16 gives, subnormals kept).
+// bf16(relu(g) * u) on both halves of bf16x2 words: twell_relu_bf16x2, then one
+// product rounded to nearest even (the exact product of two bf16 rounded once, as fp32
+// math rounded to bf16 gives, subnormals kept).
 TWELL_DEVICE uint32_t twell_relu_mul_bf16x2(uint32_t g, uint32_t u) {
-  const uint32_t nan = ((g & 0x7fff7fffu) + 0x007f007fu) & 0x80008000u;  // per half
-  const uint32_t kill = g & 0x80008000u & ~nan;  // negative, not NaN: the halves to zero
-  const uint32_t r = g & ~((kill >> 15) * 0xffffu);
   uint32_t h;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h) : "r"(r), "r"(u));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h) : "r"(twell_relu_bf16x2(g)), "r"(u));
   return h;
 }
 

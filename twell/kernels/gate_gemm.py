@@ -40,7 +40,8 @@ OUTPUT_COUNTED = 6
 #: device's SM count, so that the parts (and the bits) do not depend on the GPU model.
 SPLIT_UNITS = 132
 #: Row tiles per group of the kernel's tile order (``unit_of`` in the source): the tiles
-#: in flight at once cover a block of rows and columns of the output.
+#: in flight at once cover a block of rows and columns of the output. The bits do not
+#: depend on it.
 GROUP_M = 16
 #: Rows a packer warp of the count build stores per step (their ids loaded together).
 STORE_ROWS = 16
@@ -191,7 +192,6 @@ def launch(
     max_splits: int = 1,
     grid: int | None = None,
     x_all: Any | None = None,
-    group: int | None = None,
 ) -> None:
     """Run the kernel on bf16 ``x [M, K]`` and ``w [N, K]`` (CuPy, C-contiguous).
 
@@ -212,8 +212,6 @@ def launch(
     ``pre``; unsplit, with ``gate`` (bf16 ``[*, N]``) it writes ``bf16(relu(g) * out)``,
     ``g`` row ``gate_ids[m]`` (None: m) of ``gate``.
     ``grid``: CTAs of the persistent grid (default :func:`ctas` of M, N).
-    ``group``: row tiles per group of the tile order (default :data:`GROUP_M`; the bits
-    do not depend on it).
     ``x_all`` (``OUTPUT_COUNTED``): the matrix whose rows ``x`` holds, gathered by
     ascending ids (``[M, K]`` too); where the count covers all M rows, the ids are
     0..M-1 and the kernel reads ``x_all`` in place of ``x`` (:func:`gather_counted` then
@@ -256,7 +254,7 @@ def launch(
             null if gate is None else gate.view(np.uint16),
             null if gate_ids is None else gate_ids,
             np.int32(m), np.int32(n), np.int32(k), np.int32(max_splits),
-            np.int32(x_all is not None), np.int32(group or GROUP_M),
+            np.int32(x_all is not None), np.int32(GROUP_M),
         ),
         shared_mem=smem,
     )  # fmt: skip
