@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch_helpers import Decoder, LlamaMLP, grads, mlp_from_problem  # noqa: E402
 
+import twell.torch as twell_torch  # noqa: E402
 from twell import reference, workloads  # noqa: E402
 from twell.testing.asserts import relative_error  # noqa: E402
 from twell.torch import SparseMLP, l0_per_layer, l1_penalty, sparsify  # noqa: E402
@@ -214,16 +216,42 @@ def test_state_dict_round_trip_keeps_names_and_layouts() -> None:
         torch.testing.assert_close(a, b)
 
 
-def test_l1_penalty_and_l0_per_layer() -> None:
+def test_l1_penalty_and_l0_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(twell_torch, "_warned_no_l1", [False])
     torch.manual_seed(1)
     model = Decoder(32, 256, layers=3)
     sparsify(model)
-    assert l1_penalty(model) == 0.0 and l0_per_layer(model) == []
+    with pytest.warns(UserWarning, match="no L1 term"):  # before the training forward
+        assert l1_penalty(model) == 0.0
+    assert l0_per_layer(model) == []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # an evaluation: 0.0 without a word
+        assert l1_penalty(model) == 0.0
     x = torch.randn(2, 5, 32)
     model(x).sum().backward()
     terms = [mlp.l1 for mlp in model.mlps]
     torch.testing.assert_close(l1_penalty(model), terms[0] + terms[1] + terms[2])
     assert len(l0_per_layer(model)) == 3 and all(0 < v <= 256 for v in l0_per_layer(model))
+
+
+def test_l1_penalty_and_l0_per_layer_refuse_a_model_with_no_sparse_mlp() -> None:
+    model = Decoder(32, 256, layers=2)  # never sparsified: a penalty of 0.0 would drop L1
+    for fn in (l1_penalty, l0_per_layer):
+        with pytest.raises(ValueError, match="holds no SparseMLP"):
+            fn(model)
+        with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+            fn([model])
+
+
+def test_sparse_mlp_refuses_a_non_tensor_input_and_names_a_tile_that_fits() -> None:
+    model = Decoder(32, 256, layers=1)
+    sparsify(model)
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor, got list"):
+        model.mlps[0]([[1.0] * 32])
+    with pytest.raises(ValueError, match=r"N=200 is not a multiple of tile=256; no tile fits"):
+        sparsify(Decoder(32, 200, layers=1))
+    with pytest.raises(ValueError, match=r"N=320 is not a multiple of tile=256; tile=64 fits"):
+        sparsify(Decoder(32, 320, layers=1))
 
 
 def test_torch_compile_fullgraph_matches_eager_on_cpu() -> None:

@@ -448,16 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="sparsity report and sparse-vs-dense check")
     p.add_argument("--tokens", type=_positive, default=4096, help="M (default 4096)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0)")
     p.add_argument("--cpu", action="store_true", help="use the NumPy reference even on a GPU")
     p.set_defaults(run=demo)
     p = commands.add_parser(
         "check", help="the block against float64 math on every workload, verdict table"
     )
-    p.add_argument("--tokens", type=_positive, nargs="+", default=[1, 257])
+    p.add_argument("--tokens", type=_positive, nargs="+", default=[1, 257],
+                   help="M of each check (default 1 257)")  # fmt: skip
     p.add_argument("--width", type=_positive, default=512, help="K (default 512)")
     p.add_argument("--ffn", type=_ffn_width, default=1536, help="N (default 1536)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the workloads' seed (default 0)")
     p.add_argument("--cpu", action="store_true", help="check the NumPy reference only")
     p.set_defaults(run=check)
     p = commands.add_parser(
@@ -496,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn", type=_ffn_width, default=None, help="N (default 5632)")
     p.add_argument("--model", metavar="NAME", help="K and N from a transformers config instead")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the weights' dtype")
-    p.add_argument("--slots", type=_positive, default=DEFAULT_SLOTS)
+    p.add_argument("--slots", type=_positive, default=DEFAULT_SLOTS,
+                   help="TwELL words per tile (default: SparseMLP's)")  # fmt: skip
     p.add_argument("--tokens", type=_positive, nargs="+", default=None,
                    help="inference batch sizes (default: one per route)")  # fmt: skip
     p.add_argument("--training", action="store_true", help="the training kernels too")

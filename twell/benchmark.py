@@ -333,11 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         epilog="python -m twell bench --sweep: batch-size and density sweeps of the public "
         "torch API (twell.sweeps; --sweep --help)",
     )
-    parser.add_argument("--workloads", nargs="+", default=["uniform"])
-    parser.add_argument("--M", nargs="+", type=int, default=[16384])
-    parser.add_argument("--K", type=int, default=2048)
-    parser.add_argument("--N", type=int, default=5632)
-    parser.add_argument("--slots", nargs="+", type=int, default=[32])
+    parser.add_argument(
+        "--workloads", nargs="+", default=["uniform"],
+        help="twell.workloads names, or heavy=<share>x<scale>, density=<p>",
+    )  # fmt: skip
+    parser.add_argument("--M", nargs="+", type=int, default=[16384], help="tokens per call")
+    parser.add_argument("--K", type=int, default=2048, help="model width")
+    parser.add_argument("--N", type=int, default=5632, help="FFN width (units)")
+    parser.add_argument("--slots", nargs="+", type=int, default=[32],
+                        help="TwELL words per 256-column tile (docs/format.md)")  # fmt: skip
     parser.add_argument("--nongated", action="store_true", help="also the non-gated block")
     parser.add_argument("--stages", action="store_true", help="time pack and sparse alone")
     parser.add_argument(
@@ -345,14 +349,18 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON record file (default: bench/results/<gpu>/ffn.json; a rerun replaces the "
         "records of the configurations it measures)",
     )  # fmt: skip
-    parser.add_argument("--max-row-nnz", type=int, default=None)
+    parser.add_argument(
+        "--max-row-nnz", type=int, default=None,
+        help="active units over which a row is heavy (default: the GPU's)",
+    )  # fmt: skip
     parser.add_argument(
         "--dense-capacity", type=_capacity, default="auto",
         help="auto (SparseFFN's default: sized per call) or a fraction of M of heavy rows "
         "via cuBLAS (0: none)",
     )  # fmt: skip
     parser.add_argument("--graph-below", type=int, default=512, help="also time CUDA graphs")
-    parser.add_argument("--paths", nargs="+", default=["fused"], choices=list(PATHS))
+    parser.add_argument("--paths", nargs="+", default=["fused"], choices=list(PATHS),
+                        help="light-row routes to time (docs/ops.md)")  # fmt: skip
     args = parser.parse_args(argv)
     records = []
     for workload in args.workloads:

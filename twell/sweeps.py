@@ -155,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plot", default=None, help="PNG of the sweeps (needs matplotlib)")
     parser.add_argument("--M", nargs="+", type=int,
-                        default=[1, 8, 64, 512, 2048, 4096, 16384, 65536])  # fmt: skip
+                        default=[1, 8, 64, 512, 2048, 4096, 16384, 65536],
+                        help="tokens per call of the batch-size sweep")  # fmt: skip
     parser.add_argument("--workloads", nargs="+", default=["uniform"],
                         help="workloads of the batch-size sweep")  # fmt: skip
     parser.add_argument(
         "--densities", nargs="*",
+        help="workloads of the density sweep at 16384 tokens (none given: no density sweep)",
         default=["density=0.001", "density=0.005", "density=0.02", "density=0.05", "density=0.1"],
     )  # fmt: skip
     args = parser.parse_args(argv)

@@ -203,7 +203,12 @@ class SparseMLP(nn.Module):
         self._switch = TrainSwitch() if density_switch else None
         self._auto_options: dict[tuple[Options, float], Options] = {}
         if n % self.options.tile:
-            raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}")
+            fits = [t for t in (256, 128, 64, 32) if n % t == 0]
+            hint = (
+                f"tile={fits[0]} fits (SparseMLP(..., tile=...) or sparsify(model, tile=...))"
+                if fits else "no tile fits: the kernels need N to be a multiple of 32"
+            )  # fmt: skip
+            raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}; {hint}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if op_graphs is not None and not isinstance(op_graphs, bool):
@@ -272,6 +277,8 @@ class SparseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for ``x [..., K]``; sets :attr:`l1` and :attr:`l0`."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         weights = self._weights()
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or any(w.requires_grad for w in weights)
@@ -371,11 +378,45 @@ def _detach_l1_hook(mlp: SparseMLP, l1: torch.Tensor) -> Any:
     return hook
 
 
+def _sparse_mlps(model: nn.Module, caller: str) -> list[SparseMLP]:
+    """The :class:`SparseMLP` layers of ``model``; ``ValueError`` when it holds none (a
+    penalty of 0.0 would quietly drop the regulariser from a training loss)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}: expected a torch.nn.Module, got {type(model).__name__}")
+    mlps = [m for m in model.modules() if isinstance(m, SparseMLP)]
+    if not mlps:
+        raise ValueError(
+            f"{caller}: the model holds no SparseMLP (twell.torch.sparsify(model) replaced "
+            "none: a transformers model needs hidden_act='relu' in its config)"
+        )
+    return mlps
+
+
+#: ``l1_penalty`` warned about a missing L1 term (once per process).
+_warned_no_l1 = [False]
+
+
 def l1_penalty(model: nn.Module) -> torch.Tensor | float:
     """The sum of the L1 terms (:attr:`SparseMLP.l1`) that the last forward of ``model``
-    left in its :class:`SparseMLP` layers (0.0 when none did)."""
-    terms = [m.l1 for m in model.modules() if isinstance(m, SparseMLP) and m.l1 is not None]
+    left in its :class:`SparseMLP` layers.
+
+    0.0 when none did: under ``torch.no_grad()`` (an evaluation, whose forward clears
+    them) silently; with gradients on (a training step that asks before its forward,
+    or after an inference forward) with a ``UserWarning``, once per process.
+
+    Raises:
+        ValueError: ``model`` holds no :class:`SparseMLP`.
+    """
+    terms = [m.l1 for m in _sparse_mlps(model, "l1_penalty") if m.l1 is not None]
     if not terms:
+        if torch.is_grad_enabled() and not _warned_no_l1[0]:
+            _warned_no_l1[0] = True
+            warnings.warn(
+                "twell: l1_penalty found no L1 term in the model's SparseMLPs: they are set "
+                "by a forward with gradients and cleared by an inference forward; take the "
+                "penalty after the training forward (shown once per process)",
+                stacklevel=2,
+            )
         return 0.0
     total = terms[0]
     for term in terms[1:]:
@@ -385,8 +426,13 @@ def l1_penalty(model: nn.Module) -> torch.Tensor | float:
 
 def l0_per_layer(model: nn.Module) -> list[float]:
     """The L0 (mean active units per token) of each :class:`SparseMLP` of ``model`` at
-    its last forward with gradients, in module order (reads them on the host)."""
-    return [float(m.l0) for m in model.modules() if isinstance(m, SparseMLP) and m.l0 is not None]
+    its last forward with gradients, in module order (reads them on the host); layers
+    with no such forward since their last inference one are left out.
+
+    Raises:
+        ValueError: ``model`` holds no :class:`SparseMLP`.
+    """
+    return [float(m.l0) for m in _sparse_mlps(model, "l0_per_layer") if m.l0 is not None]
 
 
 #: The keyword arguments of :class:`SparseMLP` (what :func:`sparsify` passes on).
