@@ -224,6 +224,7 @@ def test_l1_penalty_and_l0_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.warns(UserWarning, match="no L1 term"):  # before the training forward
         assert l1_penalty(model) == 0.0
     assert l0_per_layer(model) == []
+    twell_torch._warned_no_l1[0] = False  # (so that a warning here would show)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # an evaluation: 0.0 without a word
         assert l1_penalty(model) == 0.0
@@ -248,10 +249,27 @@ def test_sparse_mlp_refuses_a_non_tensor_input_and_names_a_tile_that_fits() -> N
     sparsify(model)
     with pytest.raises(TypeError, match="x: expected a torch.Tensor, got list"):
         model.mlps[0]([[1.0] * 32])
-    with pytest.raises(ValueError, match=r"N=200 is not a multiple of tile=256; no tile fits"):
+    with pytest.raises(ValueError, match=r"N=200 .*; no tile of at least slots=32"):
         sparsify(Decoder(32, 200, layers=1))
     with pytest.raises(ValueError, match=r"N=320 is not a multiple of tile=256; tile=64 fits"):
         sparsify(Decoder(32, 320, layers=1))
+    with pytest.raises(ValueError, match=r"N=320 .*; no tile of at least slots=128 divides"):
+        sparsify(Decoder(32, 320, layers=1), slots=128)
+
+
+def test_l1_penalty_with_no_term_compiles_fullgraph(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(twell_torch, "_warned_no_l1", [False])
+    model = Decoder(32, 256, layers=1)
+    sparsify(model)
+    for p in model.parameters():
+        p.requires_grad_(False)  # frozen layers: their forward leaves no L1 term
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return model(x).sum() + l1_penalty(model)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    x = torch.randn(2, 3, 32)
+    torch.testing.assert_close(compiled(x), model(x).sum())
 
 
 def test_torch_compile_fullgraph_matches_eager_on_cpu() -> None:

@@ -203,10 +203,12 @@ class SparseMLP(nn.Module):
         self._switch = TrainSwitch() if density_switch else None
         self._auto_options: dict[tuple[Options, float], Options] = {}
         if n % self.options.tile:
-            fits = [t for t in (256, 128, 64, 32) if n % t == 0]
+            fits = [t for t in (256, 128, 64, 32) if n % t == 0 and t >= self.options.slots]
             hint = (
                 f"tile={fits[0]} fits (SparseMLP(..., tile=...) or sparsify(model, tile=...))"
-                if fits else "no tile fits: the kernels need N to be a multiple of 32"
+                if fits
+                else f"no tile of at least slots={self.options.slots} divides it (tiles are "
+                "32-256; the kernels need N to be a multiple of 32)"
             )  # fmt: skip
             raise ValueError(f"gate_proj: N={n} is not a multiple of tile={tile}; {hint}")
         if reduction not in REDUCTIONS:
@@ -386,8 +388,9 @@ def _sparse_mlps(model: nn.Module, caller: str) -> list[SparseMLP]:
     mlps = [m for m in model.modules() if isinstance(m, SparseMLP)]
     if not mlps:
         raise ValueError(
-            f"{caller}: the model holds no SparseMLP (twell.torch.sparsify(model) replaced "
-            "none: a transformers model needs hidden_act='relu' in its config)"
+            f"{caller}: the model holds no SparseMLP (not sparsified, or "
+            "twell.torch.sparsify(model) replaced none: a transformers model needs "
+            "hidden_act='relu' in its config)"
         )
     return mlps
 
@@ -409,12 +412,18 @@ def l1_penalty(model: nn.Module) -> torch.Tensor | float:
     """
     terms = [m.l1 for m in _sparse_mlps(model, "l1_penalty") if m.l1 is not None]
     if not terms:
-        if torch.is_grad_enabled() and not _warned_no_l1[0]:
+        if (
+            torch.is_grad_enabled()
+            and not _warned_no_l1[0]
+            and not torch.compiler.is_compiling()  # (dynamo cannot trace a warning)
+        ):
             _warned_no_l1[0] = True
             warnings.warn(
-                "twell: l1_penalty found no L1 term in the model's SparseMLPs: they are set "
-                "by a forward with gradients and cleared by an inference forward; take the "
-                "penalty after the training forward (shown once per process)",
+                "twell: l1_penalty found no L1 term in the model's SparseMLPs: a forward "
+                "sets them when it needs gradients (an input or a weight that requires "
+                "them, outside torch.no_grad(), which reentrant activation checkpointing "
+                "uses) and an inference forward clears them; take the penalty after the "
+                "training forward (shown once per process)",
                 stacklevel=2,
             )
         return 0.0
