@@ -123,7 +123,50 @@ def test_non_float_dtypes_are_rejected(op, name, dtype):
         call(op, **{name: value})
 
 
+@pytest.mark.parametrize(("op", "name"), op_argument_pairs())
+def test_floats_of_the_other_byte_order_are_rejected_with_the_conversion(op, name):
+    value = arrays()[name].astype(">f4")
+    with pytest.raises(TypeError, match=rf"^{name}: expected native byte order, got >f4 .*float32"):
+        call(op, **{name: value})
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix)
+@pytest.mark.parametrize(("op", "name"), op_argument_pairs())
+@pytest.mark.parametrize("kind", ["masked", "matrix"])
+def test_numpy_subclasses_whose_meaning_the_ops_would_drop_are_rejected(op, name, kind):
+    plain = arrays()[name]
+    value = np.ma.masked_array(plain, mask=plain > 0) if kind == "masked" else np.asmatrix(plain)
+    with pytest.raises(TypeError, match=rf"^{name}: expected a plain numpy.ndarray"):
+        call(op, **{name: value})
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # (np.matrix)
+def test_formats_refuse_masked_and_matrix_input():
+    h = np.maximum(arrays()["w_gate"], 0)
+    for value in (np.ma.masked_array(h, mask=h > 1), np.asmatrix(h)):
+        with pytest.raises(TypeError, match=r"^h: expected a plain numpy.ndarray"):
+            Hybrid.from_dense(value, tile=TILE, slots=SLOTS)
+
+
 # ------------------------------------------------------------------ shapes
+@pytest.mark.parametrize(
+    ("op", "name", "expected"),
+    [("down", "w_down", r"\(K, 64\)"), ("gate", "w_gate", r"\(N, 8\)"),
+     ("ffn", "w_down", r"\(8, 64\)"), ("ffn", "w_gate", r"\(64, 8\)")],
+)  # fmt: skip
+def test_a_transposed_weight_is_named_as_one(op, name, expected):
+    value = np.ascontiguousarray(arrays()[name].T)
+    with pytest.raises(
+        ValueError, match=rf"^{name}: expected shape {expected} .*; transposed\? {name} is \["
+    ):
+        call(op, **{name: value})
+
+
+def test_a_wrong_size_that_no_transpose_fixes_gets_no_hint():
+    with pytest.raises(ValueError, match=r"got \(8, 96\)$"):
+        call("ffn", w_down=np.ones((K, 96), np.float32))
+
+
 @pytest.mark.parametrize("op", ["gate", "gated_down", "ffn", "ffn_nongated"])
 @pytest.mark.parametrize("x", [np.float32(1.0), np.zeros((4, 0)), np.zeros((0, 0))])
 def test_x_without_features_is_rejected(op, x):

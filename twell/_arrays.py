@@ -15,8 +15,33 @@ import numpy as np
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 
-#: Floating dtypes the public ops accept (by ``np.dtype``).
+#: Floating dtypes the public ops accept (by ``np.dtype``), and their names.
 FLOAT_DTYPES = (bfloat16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_NAMES = "bfloat16, float16, float32, float64"
+
+
+def dtype_message(name: str, dtype: Any) -> str:
+    """The ``TypeError`` message for argument ``name`` of a dtype not in
+    :data:`FLOAT_DTYPES` (a float of the other byte order says how to convert it)."""
+    found = np.dtype(dtype)
+    if found.kind == "f" and not found.isnative:
+        native = found.newbyteorder("=")
+        return (
+            f"{name}: expected native byte order, got {found.str} "
+            f"(convert with .astype(np.{native.name}))"
+        )
+    return f"{name}: expected a floating dtype ({FLOAT_NAMES}), got {dtype}"
+
+
+def _plain(array: np.ndarray) -> None:
+    """``TypeError`` for the NumPy subclasses whose meaning the ops would drop."""
+    if isinstance(array, np.ma.MaskedArray):
+        raise TypeError(
+            "expected a plain numpy.ndarray, got a masked array (the ops would ignore its "
+            "mask: pass array.filled(value))"
+        )
+    if isinstance(array, np.matrix):
+        raise TypeError("expected a plain numpy.ndarray, got numpy.matrix (pass np.asarray)")
 
 
 def library_of(array: Any) -> str:
@@ -26,6 +51,7 @@ def library_of(array: Any) -> str:
         TypeError: ``array`` is none of the three.
     """
     if isinstance(array, np.ndarray):
+        _plain(array)
         return "numpy"
     module = type(array).__module__.split(".")[0]
     if module in ("cupy", "torch"):
@@ -38,6 +64,7 @@ def library_of(array: Any) -> str:
 def xp_of(array: Any) -> ModuleType:
     """The NumPy-like module (``numpy`` or ``cupy``) that operates on ``array``."""
     if isinstance(array, np.ndarray):
+        _plain(array)
         return np
     if type(array).__module__.split(".")[0] == "cupy":
         import cupy

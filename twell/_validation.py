@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from twell._arrays import FLOAT_DTYPES, library_of, non_finite
+from twell._arrays import FLOAT_DTYPES, dtype_message, library_of, non_finite
 from twell.formats import Hybrid, TwELL, check_layout, ensure_valid
 from twell.options import check_width
 
@@ -51,7 +51,6 @@ __all__ = [
 
 #: The torch dtypes the ops take (by name).
 TORCH_FLOATS = ("bfloat16", "float16", "float32", "float64")
-_FLOAT_NAMES = "bfloat16, float16, float32, float64"
 
 #: Default of an argument an op does not take (``None`` is a value a user can pass).
 ABSENT: Any = object()
@@ -78,6 +77,35 @@ class Inputs:
 
 
 # ---------------------------------------------------------------------- single arrays
+def _pinned(name: str, claims: list[tuple[str, int]]) -> int | None:
+    """The size of a dimension as the arguments other than ``name`` give it (None: only
+    ``name`` does)."""
+    others = [value for who, value in claims if who != name]
+    return others[0] if others else None
+
+
+def _shown(shape: tuple, layout: str, name: str, k_claims: list, n_claims: list) -> str:
+    """``shape`` as text, with a letter where only ``name`` itself gives the size."""
+    k = shape[1] if layout == "NK" else shape[0]
+    n = shape[0] if layout == "NK" else shape[1]
+    k = k if _pinned(name, k_claims) is not None else "K"
+    n = n if _pinned(name, n_claims) is not None else "N"
+    return f"({n}, {k})" if layout == "NK" else f"({k}, {n})"
+
+
+def _transposed(name: str, array: Any, layout: str, k_claims: list, n_claims: list) -> str:
+    """A hint when ``array`` transposed would fit the sizes the other arguments give."""
+    k, n = _pinned(name, k_claims), _pinned(name, n_claims)
+    rows, columns = int(array.shape[1]), int(array.shape[0])  # the transpose's
+    want_rows, want_columns = (n, k) if layout == "NK" else (k, n)
+    if (want_rows is None or rows == want_rows) and (
+        want_columns is None or columns == want_columns
+    ):
+        order = "[N, K]" if layout == "NK" else "[K, N]"
+        return f"; transposed? {name} is {order}, the layout of torch.nn.Linear's weight"
+    return ""
+
+
 def array_library(named: dict[str, Any]) -> str:
     """The one array library of all non-None arguments (TypeError if mixed)."""
     libraries = {}
@@ -116,7 +144,7 @@ def check_dtype(name: str, array: Any, library: str) -> None:
             )
         return
     if np.dtype(array.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a floating dtype ({_FLOAT_NAMES}), got {array.dtype}")
+        raise TypeError(dtype_message(name, array.dtype))
 
 
 def _numpy_only(named: dict[str, Any], library: str, reference: str) -> None:
@@ -240,8 +268,9 @@ def check_inputs(
                 is_n = (axis == 0) == (layout == "NK")
                 dim, claims = ("N", n_claims) if is_n else ("K", k_claims)
                 raise ValueError(
-                    f"{name}: expected shape {shape} (axis {axis} = {dim} = {want}, as in "
-                    f"{_sources(claims, want)}), got {tuple(array.shape)}"
+                    f"{name}: expected shape {_shown(shape, layout, name, k_claims, n_claims)} "
+                    f"(axis {axis} = {dim} = {want}, as in {_sources(claims, want)}), got "
+                    f"{tuple(array.shape)}{_transposed(name, array, layout, k_claims, n_claims)}"
                 )
     rows = math.prod(batch_shape)
     if k is not None and k < 1:

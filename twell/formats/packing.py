@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from twell._arrays import FLOAT_DTYPES, as_float32, bf16_bits, bfloat16, xp_of
-from twell.formats.checks import FLOAT_NAMES, check_layout
+from twell._arrays import FLOAT_DTYPES, as_float32, bf16_bits, bfloat16, dtype_message, xp_of
+from twell.formats.checks import check_layout
 
 
 def pack_dense(h: Any, tile: int, slots: int) -> tuple[Any, Any, Any]:
@@ -22,7 +22,7 @@ def pack_dense(h: Any, tile: int, slots: int) -> tuple[Any, Any, Any]:
     except TypeError as error:
         raise TypeError(f"h: {error}") from None
     if np.dtype(h.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"h: expected a floating dtype ({FLOAT_NAMES}), got {h.dtype}")
+        raise TypeError(dtype_message("h", h.dtype))
     if h.ndim != 2:
         raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
     rows, columns = check_layout(tuple(h.shape), tile, slots)
