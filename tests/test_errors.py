@@ -346,7 +346,7 @@ def test_from_dense_errors(make):
         make(h.astype(np.int32), 32, 4)
     with pytest.raises(ValueError, match=r"^h: expected a 2-D matrix"):
         make(h.reshape(2, 8, 8), 32, 4)
-    with pytest.raises(ValueError, match=r"^shape: N=64 is not a multiple of tile=128"):
+    with pytest.raises(ValueError, match=r"^h: N=64 is not a multiple of tile=128"):
         make(h, 128, 4)
     with pytest.raises(ValueError, match=r"^slots: "):
         make(h, 32, 3)

@@ -251,3 +251,10 @@ def test_reference_float32_accumulation_is_close(problem):
     bound = rounding_bound(*problem)
     magnitude = bound / 2.0**-8
     assert np.all(np.abs(y32 - y64) <= 2 * bound + 1e-5 * (1 + magnitude.max()))
+
+
+@pytest.mark.filterwarnings("error")
+def test_l1_loss_past_float64s_range_is_inf_without_a_warning():
+    h = np.full((2, 32), 1e308)
+    assert reference.l1_loss(h) == np.inf
+    assert reference.l1_loss(Hybrid.from_dense(h, tile=32, slots=4)) == np.inf  # dense rows

@@ -574,6 +574,8 @@ def test_from_dense_checks_its_options():
     h = np.eye(2, 32, dtype=np.float32)
     with pytest.raises(TypeError, match=r"^also_dense: expected a numpy boolean mask"):
         Hybrid.from_dense(h, 32, 4, also_dense=[True, False])
+    with pytest.raises(TypeError, match=r"^also_dense: expected a boolean mask, got float64"):
+        Hybrid.from_dense(h, 32, 4, also_dense=np.array([0.5, 0.0]))
     with pytest.raises(TypeError, match=r"^max_row_nnz: expected an int"):
         Hybrid.from_dense(h, 32, 4, max_row_nnz=1.5)
     with pytest.raises(ValueError, match=r"^max_row_nnz: expected an int >= 0"):

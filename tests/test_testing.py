@@ -198,3 +198,26 @@ def test_malformed_says_what_it_did(case):
         assert value.shape == (4, 3)
     if kind in ("shorter", "longer"):
         assert sum(value.shape) == 7 + (1 if kind == "longer" else -1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"k": 1}, "k: expected at least 2"), ({"tile": 48}, "tile: expected one of"),
+     ({"rows": -1}, "rows: expected at least 0"), ({"tiles": 0}, "tiles: expected at least 1")],
+)  # fmt: skip
+def test_ffn_problems_refuse_fixed_arguments_out_of_range(kwargs, message):
+    from hypothesis.errors import InvalidArgument
+
+    @settings(max_examples=1, database=None)
+    @given(tst.ffn_problems(**kwargs))
+    def draw_one(problem):
+        pass
+
+    with pytest.raises(InvalidArgument, match=message):
+        draw_one()
+
+
+@settings(max_examples=10, database=None)
+@given(tst.nonfinite_ffn_problems(places=("x",), rows=0))
+def test_nonfinite_problems_without_rows_plant_their_values_in_a_weight(problem):
+    assert problem.x.shape[0] == 0 and not np.isfinite(problem.w_up).all()

@@ -288,12 +288,8 @@ def check_inputs(
             f"{hidden_name}: expected {rows} rows (one per token of x), got {hidden.shape[0]}"
         )
     if tile is not None:
-        try:
-            check_layout((1, n), tile, slots)
-        except ValueError as error:
-            # check_layout names its own ``shape``; here N comes from a weight.
-            n_name = n_claims[0][0] if n_claims else "h"
-            raise ValueError(str(error).replace("shape: ", f"{n_name}: ", 1)) from None
+        # (N comes from a weight, or from h: its errors name that argument)
+        check_layout((1, n), tile, slots, name=n_claims[0][0] if n_claims else "h")
 
     flat = {name: array for name, (array, _) in present.items()}
     if x is not ABSENT:

@@ -28,8 +28,11 @@ def register_device_check(check: Callable[..., tuple[str, int, int, int] | None]
     _device_check = check
 
 
-def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, int]:
-    """Validate a TwELL geometry and return ``(M, N)`` as Python ints.
+def check_layout(
+    shape: tuple[int, int], tile: int, slots: int, *, name: str = "shape"
+) -> tuple[int, int]:
+    """Validate a TwELL geometry and return ``(M, N)`` as Python ints (``name``: the
+    argument the shape's errors name, e.g. the matrix it was read from).
 
     Raises:
         ValueError: ``tile``/``slots`` out of range or not powers of two, ``N % tile``,
@@ -38,17 +41,17 @@ def check_layout(shape: tuple[int, int], tile: int, slots: int) -> tuple[int, in
     """
     tile, slots = check_geometry(tile, slots)
     if len(shape) != 2:
-        raise ValueError(f"shape: expected (M, N), got {shape!r}")
+        raise ValueError(f"{name}: expected (M, N), got {shape!r}")
     for d in shape:
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
-            raise TypeError(f"shape: expected integer dimensions (M, N), got {shape!r}")
+            raise TypeError(f"{name}: expected integer dimensions (M, N), got {shape!r}")
     rows, columns = (int(d) for d in shape)
     if rows < 0 or columns < 0:
-        raise ValueError(f"shape: dimensions must be >= 0, got {shape!r}")
+        raise ValueError(f"{name}: dimensions must be >= 0, got {shape!r}")
     if columns % tile:
-        raise ValueError(f"shape: N={columns} is not a multiple of tile={tile}")
+        raise ValueError(f"{name}: N={columns} is not a multiple of tile={tile}")
     if columns > MAX_COLUMNS:
-        raise ValueError(f"shape: N={columns} exceeds {MAX_COLUMNS} (16-bit column indices)")
+        raise ValueError(f"{name}: N={columns} exceeds {MAX_COLUMNS} (16-bit column indices)")
     return rows, columns
 
 

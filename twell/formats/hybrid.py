@@ -114,6 +114,8 @@ class Hybrid:
                     f"also_dense: expected a {xp.__name__} boolean mask like h, "
                     f"got {type(also_dense).__name__}"
                 )
+            if also_dense.dtype != bool:  # a float or int array is not read as truthiness
+                raise TypeError(f"also_dense: expected a boolean mask, got {also_dense.dtype}")
             if tuple(also_dense.shape) != (h.shape[0],):
                 raise ValueError(
                     f"also_dense: expected a boolean mask of shape ({h.shape[0]},), "

@@ -25,7 +25,7 @@ def pack_dense(h: Any, tile: int, slots: int) -> tuple[Any, Any, Any]:
         raise TypeError(dtype_message("h", h.dtype))
     if h.ndim != 2:
         raise ValueError(f"h: expected a 2-D matrix, got shape {tuple(h.shape)}")
-    rows, columns = check_layout(tuple(h.shape), tile, slots)
+    rows, columns = check_layout(tuple(h.shape), tile, slots, name="h")
     tiles = columns // tile
     nonzero = h != 0  # NaN counts as a nonzero
     m, n = xp.nonzero(nonzero)

@@ -6,8 +6,19 @@ from twell._optional import optional_dependency
 
 with optional_dependency("hypothesis", "twell.testing.strategies"):
     from hypothesis import strategies as st
+    from hypothesis.errors import InvalidArgument
 
 IntArg = int | st.SearchStrategy[int] | None
+
+__all__ = [
+    "IntArg",
+    "InvalidArgument",
+    "draw_value",
+    "int_strategy",
+    "powers_of_two",
+    "seeds",
+    "st",
+]
 
 
 def int_strategy(value: IntArg, low: int, high: int) -> st.SearchStrategy[int]:

@@ -10,7 +10,14 @@ from scipy.special import ndtri
 
 from twell._arrays import round_bf16
 from twell.options import DEFAULT_TILE
-from twell.testing.strategies._draw import IntArg, draw_value, int_strategy, seeds, st
+from twell.testing.strategies._draw import (
+    IntArg,
+    InvalidArgument,
+    draw_value,
+    int_strategy,
+    seeds,
+    st,
+)
 from twell.testing.strategies.matrices import TILES
 
 
@@ -38,6 +45,16 @@ class FFNProblem(NamedTuple):
         if not fits:
             raise ValueError(f"N={n} is not a multiple of any tile of docs/format.md {TILES}")
         return max(fits)
+
+
+def _check_fixed(name: str, value: Any, choices: tuple = (), *, low: int | None = None) -> None:
+    """``InvalidArgument`` for a fixed (not drawn) argument out of its range, raised at
+    the first draw, before anything is built."""
+    if value is None or isinstance(value, st.SearchStrategy):
+        return
+    if (choices and value not in choices) or (low is not None and int(value) < low):
+        want = f"one of {choices}" if choices else f"at least {low}"
+        raise InvalidArgument(f"{name}: expected {want}, got {value!r}")
 
 
 #: Firing probabilities of the gate units (docs/benchmark.md's ``uniform`` at small N).
@@ -70,7 +87,15 @@ def ffn_problems(
             ``twell.ffn(*problem)`` runs as it is. A smaller tile gives smaller N (pass
             it to the ops too: ``tile=problem.tile``).
         allow_heavy: allow heavy tokens.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: a ``tile`` not of docs/format.md, a fixed
+            ``k`` below 2 (column 0 is the gate's bias) or ``rows``/``tiles`` below 0/1.
     """
+    _check_fixed("tile", tile, TILES)
+    _check_fixed("k", k, low=2)
+    _check_fixed("rows", rows, low=0)
+    _check_fixed("tiles", tiles, low=1)
     if gated is None:
         gated = draw(st.booleans())
     elif isinstance(gated, st.SearchStrategy):
@@ -119,7 +144,7 @@ def nonfinite_ffn_problems(
     Args:
         gated: as :func:`ffn_problems`. ``**kwargs``: passed on to it.
         places: where values may go: any of ``"x"``, ``"w_gate"``, ``"w_up"``,
-            ``"w_down"``.
+            ``"w_down"`` (an ``x`` of no rows passes its values to ``w_up``).
         max_values: most values planted.
     """
     problem = draw(ffn_problems(gated, **kwargs))
@@ -134,6 +159,8 @@ def nonfinite_ffn_problems(
         if place == "w_gate" and arrays["w_gate"] is None:
             place = "w_up"
         value = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+        if place == "x" and not problem.x.shape[0]:
+            place = "w_up"  # (an x without rows holds no value: a weight takes it)
         if place == "x":
             row = draw(st.integers(0, problem.x.shape[0] - 1))
             arrays["x"][row, draw(st.integers(0, k - 1))] = value
