@@ -84,26 +84,26 @@ def _pinned(name: str, claims: list[tuple[str, int]]) -> int | None:
     return others[0] if others else None
 
 
-def _shown(shape: tuple, layout: str, name: str, k_claims: list, n_claims: list) -> str:
-    """``shape`` as text, with a letter where only ``name`` itself gives the size."""
-    k = shape[1] if layout == "NK" else shape[0]
-    n = shape[0] if layout == "NK" else shape[1]
-    k = k if _pinned(name, k_claims) is not None else "K"
-    n = n if _pinned(name, n_claims) is not None else "N"
-    return f"({n}, {k})" if layout == "NK" else f"({k}, {n})"
-
-
-def _transposed(name: str, array: Any, layout: str, k_claims: list, n_claims: list) -> str:
-    """A hint when ``array`` transposed would fit the sizes the other arguments give."""
-    k, n = _pinned(name, k_claims), _pinned(name, n_claims)
-    rows, columns = int(array.shape[1]), int(array.shape[0])  # the transpose's
-    want_rows, want_columns = (n, k) if layout == "NK" else (k, n)
-    if (want_rows is None or rows == want_rows) and (
-        want_columns is None or columns == want_columns
-    ):
-        order = "[N, K]" if layout == "NK" else "[K, N]"
-        return f"; transposed? {name} is {order}, the layout of torch.nn.Linear's weight"
-    return ""
+def _wrong_shape(name: str, array: Any, layout: str, shape: tuple, k_claims: list,
+                 n_claims: list) -> tuple[str, str]:  # fmt: skip
+    """What a weight's shape error shows: the expected ``shape`` as text, with a letter
+    where only ``name`` itself gives the size, and a hint when ``array`` transposed would
+    fit the sizes the other arguments give (else "")."""
+    k_free, n_free = _pinned(name, k_claims) is None, _pinned(name, n_claims) is None
+    free = (n_free, k_free) if layout == "NK" else (k_free, n_free)
+    ordered = tuple(None if f else d for d, f in zip(shape, free, strict=True))
+    letters = ("N", "K") if layout == "NK" else ("K", "N")
+    shown = (
+        "("
+        + ", ".join(str(d) if d is not None else c for d, c in zip(ordered, letters, strict=True))
+        + ")"
+    )
+    fits = all(
+        d is None or d == int(got) for d, got in zip(ordered, array.shape[::-1], strict=True)
+    )
+    order = "[N, K]" if layout == "NK" else "[K, N]"
+    hint = f"; transposed? {name} is {order}, the layout of torch.nn.Linear's weight"
+    return shown, hint if fits else ""
 
 
 def array_library(named: dict[str, Any]) -> str:
@@ -267,10 +267,10 @@ def check_inputs(
             if want != got:
                 is_n = (axis == 0) == (layout == "NK")
                 dim, claims = ("N", n_claims) if is_n else ("K", k_claims)
+                shown, hint = _wrong_shape(name, array, layout, shape, k_claims, n_claims)
                 raise ValueError(
-                    f"{name}: expected shape {_shown(shape, layout, name, k_claims, n_claims)} "
-                    f"(axis {axis} = {dim} = {want}, as in {_sources(claims, want)}), got "
-                    f"{tuple(array.shape)}{_transposed(name, array, layout, k_claims, n_claims)}"
+                    f"{name}: expected shape {shown} (axis {axis} = {dim} = {want}, as in "
+                    f"{_sources(claims, want)}), got {tuple(array.shape)}{hint}"
                 )
     rows = math.prod(batch_shape)
     if k is not None and k < 1:

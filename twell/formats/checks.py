@@ -8,11 +8,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from twell._arrays import FLOAT_DTYPES, xp_of
+from twell._arrays import FLOAT_DTYPES, FLOAT_NAMES, xp_of
 from twell.options import MAX_COLUMNS, check_geometry
 
-#: The floating dtypes a format decodes to and a dense part may hold, for messages.
-FLOAT_NAMES = "bfloat16, float16, float32, float64"
 #: The GPU's one-pass check of a buffer held by CuPy (see :func:`register_device_check`);
 #: None: CuPy data goes through the array code NumPy data takes.
 _device_check: Callable[..., tuple[str, int, int, int] | None] | None = None
