@@ -39,7 +39,9 @@ Benchmarks (``--benchmarks``), each twell against dense:
   ``mode="reduce-overhead"``), and whether the compiled twell model's tokens equal the
   eager twell model's; ``eager``, ``generate`` with the dynamic cache. ``generate`` adds
   1–2 ms of Python per token on either side, so its calls are timed interleaved, twell's
-  and dense's in turn (``twell.timing.wall_ms_interleaved``).
+  and dense's in turn (``twell.timing.wall_ms_interleaved``), as are the prefill's calls
+  and the training steps (rounds of a few back to back), so that a clock or host drift
+  over the run weighs on both models alike.
 - ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
@@ -70,6 +72,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import os
 import statistics
 import sys
@@ -111,17 +114,29 @@ class Energy:
         except Exception:  # noqa: BLE001 - no NVML, or no energy counter
             self.handle = None
 
-    def joules(self, fn: Callable[[int], Any], calls: int) -> float | None:
-        """Energy of ``calls`` calls in J (None without a counter)."""
+    def joules_per_call(
+        self, fns: dict[str, Callable[[int], Any]], calls: int, rounds: int = 3
+    ) -> dict[str, float] | None:
+        """Energy of one call of each of ``fns`` in J (None without a counter): rounds of
+        ``calls`` back-to-back calls, the functions' rounds interleaved in an order that
+        turns each round, so that a drift in clocks or heat over the run weighs on each
+        alike; ``calls`` long enough (a second or more) that the counter's update
+        interval does not show."""
         if self.handle is None:
             return None
-        fn(0)
-        _sync()
-        before = self._read(self.handle)
-        for i in range(calls):
-            fn(i)
-        _sync()
-        return (self._read(self.handle) - before) / 1e3
+        names = list(fns)
+        total = dict.fromkeys(names, 0.0)
+        for name in names:
+            fns[name](0)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                _sync()
+                before = self._read(self.handle)
+                for i in range(calls):
+                    fns[name](i)
+                _sync()
+                total[name] += (self._read(self.handle) - before) / 1e3
+        return {name: joules / (rounds * calls) for name, joules in total.items()}
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
@@ -246,19 +261,23 @@ def prefill_mode(args: argparse.Namespace, model: Any, dense: Any, runners: dict
                 with torch.no_grad():
                     return m(input_ids=ids[i % 2], use_cache=False, logits_to_keep=1).logits
 
-            # (the layers compiled after the calibration, whose passes they would trace)
-            with compiled_layers([m], mode == "compiled_layers"):
-                outs[name] = fn(0).float()
-                fns[name] = fn
-                calls = max(1, min(10, 65536 // t))
-                rec[f"t_{name}_ms"] = wall_ms(fn, calls)
+            fns[name] = fn
+        # (the layers compiled after the calibration, whose passes they would trace)
+        with compiled_layers(list(runners.values()), mode == "compiled_layers"):
+            outs = {name: fn(0).float() for name, fn in fns.items()}
+            # twell's and dense's rounds interleaved: a clock or host drift weighs on both
+            calls = max(1, min(10, 65536 // t))
+            times = wall_ms_interleaved(fns, warmup=2, rounds=5, calls=calls)
+        for name, ms in times.items():
+            rec[f"t_{name}_ms"] = ms
         rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
         rec["logits_rel_err"] = float((outs["twell"] - outs["dense"]).norm() / outs["dense"].norm())
         if mode == "eager" and t == args.energy_tokens:
-            e = {name: energy.joules(fn, 10) for name, fn in fns.items()}
-            if e["twell"] is not None and e["dense"]:
-                rec["energy_mj_per_token_twell"] = e["twell"] * 1e3 / (10 * t)
-                rec["energy_mj_per_token_dense"] = e["dense"] * 1e3 / (10 * t)
+            # rounds of about two seconds each
+            e = energy.joules_per_call(fns, calls=max(10, math.ceil(2000 / rec["t_twell_ms"])))
+            if e is not None and e["dense"]:
+                rec["energy_mj_per_token_twell"] = e["twell"] * 1e3 / t
+                rec["energy_mj_per_token_dense"] = e["dense"] * 1e3 / t
                 rec["energy_ratio"] = e["twell"] / e["dense"]
             rec.update(mlp_share(dense, model, ids[0], rec["t_dense_ms"]))
         emit(rec)
@@ -481,7 +500,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
                                "batch": batch, "lr": args.lr}  # fmt: skip
         calibrated(args, model, dense, None, seq)
         rec.update(run_sparsity(dense, tokens(dense, batch, seq, sets=1)[0]))
-        losses = {}
+        losses, steps, models = {}, {}, {}
         for name, base in (("twell", model), ("dense", dense)):
             m = copy.deepcopy(base).train()
             run_model = torch.compile(m) if mode == "compiled" else m
@@ -502,35 +521,43 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             losses[name] = float(step(0).detach())
             for i in range(args.train_warmup):  # op graphs captured, capacities settled
                 step(i + 1)
+            steps[name], models[name] = step, m
+        torch.cuda.synchronize()
+        # the forward's graphs of eager calls and of compiled ones, the backward's
+        graphs = (autograd._FORWARD_GRAPHS, autograd._OP_FORWARD_GRAPHS,
+                  autograd._BACKWARD_GRAPHS)  # fmt: skip
+        before = [(g.captures, g.replays) for g in graphs]
+        # twell's and dense's rounds of 5 steps interleaved: a clock or host drift over
+        # the run weighs on both alike
+        for name, ms in wall_ms_interleaved(steps, warmup=0, rounds=5, calls=5).items():
+            rec[f"t_{name}_ms"] = ms
+        # op graphs captured / replayed over the timed steps (dense's steps take none)
+        rec["op_graphs"] = [(g.captures - c, g.replays - r)
+                            for g, (c, r) in zip(graphs, before, strict=True)]  # fmt: skip
+        mlps = [x for x in models["twell"].modules() if isinstance(x, SparseMLP)]
+        # the sparsity the last timed step ran at (a nonzero lr on random tokens makes
+        # the calibrated units dense within a few steps)
+        l0 = [float(x.l0) for x in mlps if x.l0 is not None]
+        rec["l0_timed"] = statistics.fmean(l0) if l0 else None
+        rec["capacity_per_layer"] = [layer_capacity(x, mode == "compiled") for x in mlps]
+        for name, step in steps.items():  # peak memory of a step beyond what is held
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_memory = torch.cuda.memory_allocated()
-            # the forward's graphs of eager calls and of compiled ones, the backward's
-            graphs = (autograd._FORWARD_GRAPHS, autograd._OP_FORWARD_GRAPHS,
-                      autograd._BACKWARD_GRAPHS)  # fmt: skip
-            before = [(g.captures, g.replays) for g in graphs]
-            rec[f"t_{name}_ms"] = wall_ms(step, 5, warmup=0, rounds=3)
-            if name == "twell":  # op graphs captured / replayed over the timed steps
-                rec["op_graphs"] = [(g.captures - c, g.replays - r)
-                                    for g, (c, r) in zip(graphs, before, strict=True)]  # fmt: skip
-                mlps = [x for x in m.modules() if isinstance(x, SparseMLP)]
-                # the sparsity the last timed step ran at (a nonzero lr on random tokens
-                # makes the calibrated units dense within a few steps)
-                l0 = [float(x.l0) for x in mlps if x.l0 is not None]
-                rec["l0_timed"] = statistics.fmean(l0) if l0 else None
-                rec["capacity_per_layer"] = [layer_capacity(x, mode == "compiled")
-                                             for x in mlps]  # fmt: skip
+            for i in range(2):
+                step(i)
+            torch.cuda.synchronize()
             rec[f"peak_extra_gb_{name}"] = (torch.cuda.max_memory_allocated() - base_memory) / 2**30
-            if name == "twell":  # what the op graphs keep between steps counts too
-                rec["graph_gb_twell"] = autograd.op_graph_memory() / 2**30
-                # graphs kept and their GB in each set (a key keeps a second graph while
-                # the outputs it handed over are still held at its next call)
-                rec["op_graphs_kept"] = [(len(g), g.memory() / 2**30) for g in graphs]
-                rec["peak_extra_gb_twell"] += rec["graph_gb_twell"]
-            if mode == "eager" and name == "dense":
-                rec.update(train_mlp_share(m, step, rec["t_dense_ms"]))
-            del m, run_model, optimizer
-            autograd.release_op_graphs()  # keyed on the copy's weights: gone with them
+        # what the op graphs keep between steps counts too
+        rec["graph_gb_twell"] = autograd.op_graph_memory() / 2**30
+        # graphs kept and their GB in each set (a key keeps a second graph while the
+        # outputs it handed over are still held at its next call)
+        rec["op_graphs_kept"] = [(len(g), g.memory() / 2**30) for g in graphs]
+        rec["peak_extra_gb_twell"] += rec["graph_gb_twell"]
+        if mode == "eager":
+            rec.update(train_mlp_share(models["dense"], steps["dense"], rec["t_dense_ms"]))
+        del models, steps, step, mlps, m, run_model, optimizer
+        autograd.release_op_graphs()  # keyed on the copies' weights: gone with them
         rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
         rec["loss_rel_diff"] = abs(losses["twell"] - losses["dense"]) / abs(losses["dense"])
         rec["peak_mem_ratio"] = rec["peak_extra_gb_twell"] / max(rec["peak_extra_gb_dense"], 1e-9)

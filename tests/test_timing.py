@@ -93,3 +93,22 @@ def test_wall_ms_interleaved_turns_the_order_each_round() -> None:
     assert seen == [("a", 0), ("b", 0), ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2),
                     ("b", 2)]  # fmt: skip
     assert set(ms) == {"a", "b"} and ms["b"] >= 20 > ms["a"] >= 0
+
+
+def test_wall_ms_interleaved_times_rounds_of_calls_per_call() -> None:
+    pytest.importorskip("torch")
+    seen: list[tuple[str, int]] = []
+
+    def runner(name: str, cost_s: float):
+        def call(i: int) -> None:
+            seen.append((name, i))
+            time.sleep(cost_s)
+
+        return call
+
+    ms = timing.wall_ms_interleaved(
+        {"a": runner("a", 0.0), "b": runner("b", 0.01)}, warmup=0, rounds=2, calls=3
+    )
+    assert seen == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2),
+                    ("b", 3), ("b", 4), ("b", 5), ("a", 3), ("a", 4), ("a", 5)]  # fmt: skip
+    assert 10 <= ms["b"] < 25 and 0 <= ms["a"] < 10  # per call, not per round

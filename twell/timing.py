@@ -116,13 +116,14 @@ def wall_ms(
 
 
 def wall_ms_interleaved(
-    fns: dict[str, Callable[[int], Any]], warmup: int = 1, rounds: int = 7
+    fns: dict[str, Callable[[int], Any]], warmup: int = 1, rounds: int = 7, calls: int = 1
 ) -> dict[str, float]:
-    """Median wall time of one call ``fn(i)`` of each of ``fns`` (ms, by name), their
-    rounds interleaved: round ``r`` times each once, in an order that turns with ``r``, so
-    that a host whose speed drifts over the run (other processes, clocks) weighs on every
-    one alike. For host-bound loops (``generate``), where timing one after the other
-    measured a 1.5x spread from run to run in the ratio."""
+    """Median wall time of a call ``fn(i)`` of each of ``fns`` (ms, by name), their
+    rounds interleaved: round ``r`` times ``calls`` back-to-back calls of each (per call),
+    in an order that turns with ``r``, so that a host or GPU whose speed drifts over the
+    run (other processes, clocks, heat) weighs on every one alike. Timing one after the
+    other measured a 1.5x spread from run to run in the ratio of host-bound loops
+    (``generate``)."""
     import torch
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -135,9 +136,10 @@ def wall_ms_interleaved(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             sync()
             start = time.perf_counter()
-            fns[name](r)
+            for c in range(calls):
+                fns[name](r * calls + c)
             sync()
-            times[name].append((time.perf_counter() - start) * 1e3)
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
