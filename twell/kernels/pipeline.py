@@ -465,14 +465,15 @@ ROUTES: dict[str, Route] = {
 BESIDE = True
 #: CTAs per SM of :func:`fused_beside`'s heavy-row kernels (``heavy_rows.matmul``'s
 #: ``per_sm``; their grid-stride loops take the rest). They usually find no heavy row,
-#: and their CTAs wait for SMs that the light-row kernel holds, so they end after it: the
-#: smaller their grid, the sooner. H200, K=2048, N=5632, the user's CUDA graph, uniform
-#: 128 / 256 / 512 / 1024 tokens (µs, means of two runs): per SM 4 against 1 25.7 / 34.4
-#: / 48.8 / 81.7 against 24.4 / 33.4 / 46.4 / 79.2; 1 against a quarter 26.8 / 33.1 /
-#: 46.8 / 79.3 against 26.5 / 32.7 / 46.4 / 78.5, and a quarter level or faster with one
-#: token ×4 and with 1–5% of tokens ×3–4 at 512 and 1024 (up to 51 heavy rows; an
-#: eighth no faster). The same bits (a grid-stride loop computes each tile alike).
-BESIDE_PER_SM = 0.25
+#: and their CTAs wait for SMs that the light-row kernel holds, so they end after it: a
+#: quarter of the default grid ends sooner. H200, K=2048, N=5632, the user's CUDA graph,
+#: 4 against 1 (µs): uniform 128 / 256 / 512 / 1024 tokens 25.7 / 34.4 / 48.8 / 81.7
+#: against 24.4 / 33.4 / 46.4 / 79.2; with heavy rows or a NaN row level or better;
+#: the same bits (a grid-stride loop computes each tile alike). Not fewer: where heavy
+#: rows come (a call the statistics expected none of, or ``density_switch=False``) the
+#: kernels stream the weights, and a quarter per SM took 2.5-3x as long as one (one heavy
+#: row at 256 tokens: 225 against 90 us), for 0.1-0.8 us less where none comes.
+BESIDE_PER_SM = 1.0
 #: (device, stream) -> the second stream of :func:`fused_beside` for captures on that
 #: stream (a stream belongs to one capture at a time: two threads capturing on two
 #: streams get two).
