@@ -218,3 +218,30 @@ def test_bench_models_runs_train_ddp_only_under_torchrun(monkeypatch, capsys) ->
     with pytest.raises(SystemExit) as refused:
         models.main()
     assert refused.value.code == 2
+
+
+def test_bench_models_energy_alternates_rounds_and_gives_joules_per_call(monkeypatch) -> None:  # noqa: ANN001
+    """bench/models.py's Energy.joules_per_call: every function warmed once, then rounds
+    of ``calls`` calls whose order turns each round; each round's counter difference (mJ)
+    goes to the function it timed, and the sum over rounds is divided by the calls."""
+    models = _bench_models()
+    monkeypatch.setattr(models, "_sync", lambda: None)
+    counter = [0]
+    seen = []
+
+    def runner(name: str, mj: int):  # noqa: ANN202
+        def call(i: int) -> None:
+            seen.append((name, i))
+            counter[0] += mj
+
+        return call
+
+    energy = models.Energy.__new__(models.Energy)
+    energy.handle, energy._read = object(), lambda handle: counter[0]
+    joules = energy.joules_per_call({"a": runner("a", 1000), "b": runner("b", 3000)},
+                                    calls=2, rounds=2)  # fmt: skip
+    assert seen == [("a", 0), ("b", 0), ("a", 0), ("a", 1), ("b", 0), ("b", 1),
+                    ("b", 0), ("b", 1), ("a", 0), ("a", 1)]  # fmt: skip
+    assert joules == {"a": 1.0, "b": 3.0}
+    energy.handle = None
+    assert energy.joules_per_call({"a": runner("a", 1)}, calls=1) is None
