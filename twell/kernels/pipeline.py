@@ -471,8 +471,8 @@ BESIDE = True
 #: against 24.4 / 33.4 / 46.4 / 79.2; with heavy rows or a NaN row level or better;
 #: the same bits (a grid-stride loop computes each tile alike). Not fewer: where heavy
 #: rows come (a call the statistics expected none of, or ``density_switch=False``) the
-#: kernels stream the weights, and a quarter per SM took 2.5-3x as long as one (one heavy
-#: row at 256 tokens: 225 against 90 us), for 0.1-0.8 us less where none comes.
+#: kernels stream the weights, and ``per_sm=0.25`` took 1.8-3x as long as 1 (one heavy
+#: row at 256 tokens: 225 against 90 us), for 0.2-0.8 us less where none comes.
 BESIDE_PER_SM = 1.0
 #: (device, stream) -> the second stream of :func:`fused_beside` for captures on that
 #: stream (a stream belongs to one capture at a time: two threads capturing on two
