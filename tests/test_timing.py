@@ -76,19 +76,21 @@ def test_wall_ms_times_rounds_of_calls_after_their_untimed_setup() -> None:
                     ("call", 2), ("call", 3), ("before", 2), ("call", 4), ("call", 5)]  # fmt: skip
 
 
+def _recording(seen: list[tuple[str, int]], name: str, cost_s: float):  # noqa: ANN202
+    """A call ``fn(i)`` that records ``(name, i)`` in ``seen`` and takes ``cost_s``."""
+
+    def call(i: int) -> None:
+        seen.append((name, i))
+        time.sleep(cost_s)
+
+    return call
+
+
 def test_wall_ms_interleaved_turns_the_order_each_round() -> None:
     pytest.importorskip("torch")
     seen: list[tuple[str, int]] = []
-
-    def runner(name: str, cost_s: float):
-        def call(i: int) -> None:
-            seen.append((name, i))
-            time.sleep(cost_s)
-
-        return call
-
     ms = timing.wall_ms_interleaved(
-        {"a": runner("a", 0.0), "b": runner("b", 0.02)}, warmup=1, rounds=3
+        {"a": _recording(seen, "a", 0.0), "b": _recording(seen, "b", 0.02)}, warmup=1, rounds=3
     )
     assert seen == [("a", 0), ("b", 0), ("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2),
                     ("b", 2)]  # fmt: skip
@@ -98,17 +100,10 @@ def test_wall_ms_interleaved_turns_the_order_each_round() -> None:
 def test_wall_ms_interleaved_times_rounds_of_calls_per_call() -> None:
     pytest.importorskip("torch")
     seen: list[tuple[str, int]] = []
-
-    def runner(name: str, cost_s: float):
-        def call(i: int) -> None:
-            seen.append((name, i))
-            time.sleep(cost_s)
-
-        return call
-
     ms = timing.wall_ms_interleaved(
-        {"a": runner("a", 0.0), "b": runner("b", 0.01)}, warmup=0, rounds=2, calls=3
-    )
+        {"a": _recording(seen, "a", 0.0), "b": _recording(seen, "b", 0.01)},
+        warmup=0, rounds=2, calls=3,
+    )  # fmt: skip
     assert seen == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2),
                     ("b", 3), ("b", 4), ("b", 5), ("a", 3), ("a", 4), ("a", 5)]  # fmt: skip
     assert 10 <= ms["b"] < 25 and 0 <= ms["a"] < 10  # per call, not per round
