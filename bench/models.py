@@ -86,6 +86,7 @@ from typing import Any
 from twell.timing import (
     gpu_name,
     record_path,
+    round_order,
     versions,
     wall_ms,
     wall_ms_interleaved,
@@ -131,7 +132,7 @@ class Energy:
         for name in names:
             fns[name](0)
         for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+            for name in round_order(names, r):
                 _sync()
                 before = self._read(self.handle)
                 for i in range(calls):

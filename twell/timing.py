@@ -115,6 +115,13 @@ def wall_ms(
     return statistics.median(times)
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """``names`` turned by ``r`` places: the order of round ``r`` of interleaved timing,
+    so that each name goes first in turn."""
+    turn = r % len(names)
+    return names[turn:] + names[:turn]
+
+
 def wall_ms_interleaved(
     fns: dict[str, Callable[[int], Any]], warmup: int = 1, rounds: int = 7, calls: int = 1
 ) -> dict[str, float]:
@@ -133,7 +140,7 @@ def wall_ms_interleaved(
             fns[name](i)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in round_order(names, r):
             sync()
             start = time.perf_counter()
             for c in range(calls):
