@@ -18,7 +18,8 @@ Workloads (docs/benchmark.md): ``uniform`` (p=0.005), ``heavy`` (1% of tokens ×
 
 Each record: back-to-back and per-call time of a step (``y = mlp(x); y.backward(dy)``,
 gradients set to None between steps), the host's cost of a step with the GPU held busy
-(``host_us`` / ``host_us_dense``; twell's must not synchronise), the gradients' relative
+(``host_us`` / ``host_us_dense``; twell's must not synchronise), each figure the median of
+four rounds that alternate twell and dense (``twell.timing.alternating``), the gradients' relative
 error against the dense module's (float64 reference of the same bf16 inputs would differ
 only by rounding), and the L0. Writes ``bench/results/<gpu>/mlp.json`` (``--out``).
 """
@@ -26,6 +27,7 @@ only by rounding), and the L0. Writes ``bench/results/<gpu>/mlp.json`` (``--out`
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 from typing import Any
@@ -34,6 +36,7 @@ import numpy as np
 
 from twell import workloads
 from twell.timing import (
+    alternating,
     back_to_back_ms,
     gpu_name,
     host_us_queued,
@@ -171,15 +174,26 @@ def measure(workload: str, m: int, k: int, n: int, mode: str, reps: int) -> dict
         "op": "ffn_train", "workload": workload, "M": m, "K": k, "N": n, "tile": 256,
         "slots": 32, "mode": mode, "default": mode == "eager", "rel_err": error,
     }  # fmt: skip
-    for name, fn in (("twell", twell_step), ("dense", dense_step)):
-        rec[f"back_to_back_ms_{name}"] = back_to_back_ms(fn, sets, calls=10, reps=reps)
-        rec[f"per_call_ms_{name}"] = per_call_ms(fn, sets, reps=2 * reps)
-    for name, fn in (("", twell_step), ("_dense", dense_step)):
+    # twell's and dense's figures each the median of rounds that alternate between them
+    steps = {"twell": twell_step, "dense": dense_step}
+    for name, t in alternating(back_to_back_ms, steps, sets=sets, calls=10, reps=reps).items():
+        rec[f"back_to_back_ms_{name}"] = t
+    for name, t in alternating(per_call_ms, steps, sets=sets, reps=reps).items():
+        rec[f"per_call_ms_{name}"] = t
+    errors: dict[Any, str] = {}
+
+    def host(fn: Any) -> float:
         try:
-            rec[f"host_us{name}"] = host_us_queued(lambda f=fn: f(0), calls=4)
+            return host_us_queued(lambda: fn(0), calls=4)
         except RuntimeError as error:  # a synchronising step: recorded, not hidden
-            rec[f"host_us{name}"] = None
-            rec[f"host_error{name}"] = str(error)
+            errors[fn] = str(error)
+            return math.inf
+
+    for name, t in alternating(host, steps).items():
+        suffix = "" if name == "twell" else "_dense"
+        rec[f"host_us{suffix}"] = None if steps[name] in errors else t
+        if steps[name] in errors:
+            rec[f"host_error{suffix}"] = errors[steps[name]]
     rec["speedup"] = rec["back_to_back_ms_dense"] / rec["back_to_back_ms_twell"]
     rec["speedup_per_call"] = rec["per_call_ms_dense"] / rec["per_call_ms_twell"]
     torch.cuda.synchronize()

@@ -118,7 +118,7 @@ class Energy:
             self.handle = None
 
     def joules_per_call(
-        self, fns: dict[str, Callable[[int], Any]], calls: int, rounds: int = 3
+        self, fns: dict[str, Callable[[int], Any]], calls: int, rounds: int = 4
     ) -> dict[str, float] | None:
         """Energy of one call of each of ``fns`` in J (None without a counter): rounds of
         ``calls`` back-to-back calls, the functions' rounds interleaved in an order that
@@ -282,7 +282,7 @@ def prefill_mode(args: argparse.Namespace, model: Any, dense: Any, runners: dict
                 rec["energy_mj_per_token_twell"] = e["twell"] * 1e3 / t
                 rec["energy_mj_per_token_dense"] = e["dense"] * 1e3 / t
                 rec["energy_ratio"] = e["twell"] / e["dense"]
-            rec.update(mlp_share(dense, model, ids[0], rec["t_dense_ms"]))
+            rec.update(mlp_share(dense, model, ids[0]))
         emit(rec)
 
 
@@ -321,9 +321,11 @@ def without_mlps(dense: Any) -> Iterator[None]:
             layer.mlp.forward = forward
 
 
-def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, Any]:
-    """The MLPs' share of the dense model's prefill (their forward replaced by zeros),
-    the MLP speedup of layer 0 on its real input, and the whole-model cap they set."""
+def mlp_share(dense: Any, model: Any, ids: Any) -> dict[str, Any]:
+    """The MLPs' share of the dense model's prefill (the model timed with its MLPs'
+    forward replaced by zeros, in rounds alternating with the whole model), the MLP
+    speedup of layer 0 on its real input (twell's and dense's layer alternating), and the
+    whole-model cap they set."""
     import torch
 
     from twell.testing.llama import mlp_share_cap
@@ -334,18 +336,22 @@ def mlp_share(dense: Any, model: Any, ids: Any, t_dense_ms: float) -> dict[str, 
         with torch.no_grad():
             return dense(input_ids=ids, use_cache=False, logits_to_keep=1).logits
 
-    with without_mlps(dense):
-        t_without = wall_ms(fn, 3)
+    def rest(i: int) -> Any:
+        with without_mlps(dense):
+            return fn(i)
+
+    parts = wall_ms_interleaved({"dense": fn, "rest": rest}, warmup=1, rounds=4, calls=3)
     x = mlp_inputs(dense, ids, count=1)[0]
-    times = {}
+    runs = {}
     for name, mlp in (("dense", layers[0].mlp), ("twell", model.model.layers[0].mlp)):
 
         def run(i: int, mlp: Any = mlp) -> Any:
             with torch.no_grad():
                 return mlp(x)
 
-        times[name] = wall_ms(run, 10)
-    share = max(0.0, 1.0 - t_without / t_dense_ms)
+        runs[name] = run
+    times = wall_ms_interleaved(runs, warmup=2, rounds=4, calls=10)
+    share = max(0.0, 1.0 - parts["rest"] / parts["dense"])
     speedup = times["dense"] / times["twell"]
     return {"mlp_share": share, "mlp_speedup": speedup, "cap": mlp_share_cap(share, speedup)}
 
@@ -377,11 +383,6 @@ class StepDecoder:
         self.positions = torch.arange(prompt + new_tokens, device=ids.device)
         self.out = torch.empty(batch, new_tokens, dtype=ids.dtype, device=ids.device)
         options = {"mode": mode} if mode else {}
-        # A fresh cache of compiled steps per model and batch (one code object serves
-        # them all; the recompile limit would otherwise be reached). It also resets
-        # torch's graph trees, which frees their cuBLAS workspaces: twell then captures
-        # its own graphs anew (twell._graphs._cublas_epoch).
-        torch._dynamo.reset()
         self.step = torch.compile(_decode_step, backend=backend, fullgraph=True, **options)
 
     def prefill(self) -> Any:
@@ -415,16 +416,21 @@ class StepDecoder:
 
         return torch.cat([self.ids, self.steps(self.prefill())], dim=1)
 
-    def time_steps(self, warmup: int = 2, rounds: int = 3) -> float:
-        """Median over ``rounds`` of the decode steps' wall time (prefill excluded), ms."""
+
+def time_decoders(decoders: dict[str, StepDecoder], warmup: int = 2,
+                  rounds: int = 6) -> dict[str, float]:  # fmt: skip
+    """Median over ``rounds`` of each decoder's steps' wall time (prefill excluded, ms),
+    the decoders' rounds alternating (``wall_ms_interleaved``)."""
+    for decoder in decoders.values():
         for _ in range(warmup):  # compiles, then records the CUDA graph
-            self.generate()
-        first: list[Any] = []
+            decoder.generate()
+    first: dict[str, Any] = {}
 
-        def prefill(r: int) -> None:
-            first[:] = [self.prefill()]
+    def prefill(name: str, r: int) -> None:
+        first[name] = decoders[name].prefill()
 
-        return wall_ms(lambda i: self.steps(first[0]), warmup=0, rounds=rounds, before=prefill)
+    runs = {name: (lambda i, name=name: decoders[name].steps(first[name])) for name in decoders}
+    return wall_ms_interleaved(runs, warmup=0, rounds=rounds, before=prefill)
 
 
 def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> None:
@@ -439,25 +445,13 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
         for mode in args.decode_modes:
             rec: dict[str, Any] = {"benchmark": "decode", "mode": mode, "tokens": args.new_tokens,
                                    "batch": batch, "prompt": args.prompt, **sparsity}  # fmt: skip
+            if mode == "compiled_steps":
+                rec.update(decode_steps(args, model, dense, ids))
+                emit(rec)
+                continue
             runs: dict[str, Callable[[int], Any]] = {}
             for name, m in (("twell", model), ("dense", dense)):
                 suffix = "" if name == "twell" else "_dense"
-                if mode == "compiled_steps":
-                    decoder = StepDecoder(m, ids, args.new_tokens)
-                    out = decoder.generate()
-                    steps = rec["steps"] = args.new_tokens - 1
-                    ms = decoder.time_steps()
-                    rec[f"t_{name}_ms"] = ms
-                    rec[f"ms_per_step_{name}"] = ms / steps
-                    rec[f"tokens_per_s_{name}"] = batch * steps / (ms / 1e3)
-                    rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
-                    del decoder
-                    if name == "dense":  # the step with every MLP's work taken out
-                        with without_mlps(m):
-                            rest = StepDecoder(m, ids, args.new_tokens).time_steps()
-                        rec["mlp_share"] = 1.0 - rest / ms
-                        rec["cap_free_mlps"] = ms / rest
-                    continue
                 kwargs: dict[str, Any] = {"max_new_tokens": args.new_tokens, "do_sample": False,
                                           "min_new_tokens": args.new_tokens}  # fmt: skip
                 if mode == "static_cache":
@@ -477,12 +471,51 @@ def decode(args: argparse.Namespace, model: Any, dense: Any, emit: Callable) -> 
                     rec["tokens_match" + suffix] = bool(torch.equal(out, reference))
                     rec["greedy_gap" + suffix] = greedy_gap(m, out, args.prompt)
                 runs[name] = run
-            if runs:  # host-bound: the two models' calls interleaved (wall_ms_interleaved)
-                for name, ms in wall_ms_interleaved(runs, warmup=1, rounds=7).items():
-                    rec[f"t_{name}_ms"] = ms
-                    rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
+            # host-bound: the two models' calls interleaved (wall_ms_interleaved)
+            for name, ms in wall_ms_interleaved(runs, warmup=1, rounds=7).items():
+                rec[f"t_{name}_ms"] = ms
+                rec[f"tokens_per_s_{name}"] = batch * args.new_tokens / (ms / 1e3)
             rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
             emit(rec)
+
+
+def decode_steps(args: argparse.Namespace, model: Any, dense: Any, ids: Any) -> dict[str, Any]:
+    """The ``compiled_steps`` figures of one batch: twell's, dense's and dense's with
+    every MLP's work taken out (a copy whose MLPs return zeros: ``mlp_share`` and the
+    speedup the model would have if they cost nothing, ``cap_free_mlps``), their decode
+    loops timed in alternating rounds, and how far each model's greedy choices are from
+    eager greedy decoding."""
+    import torch
+
+    from twell.testing.llama import greedy_gap
+
+    rest = copy.deepcopy(dense)
+    for layer in rest.model.layers:
+        layer.mlp.forward = torch.zeros_like
+    models = {"twell": model, "dense": dense, "rest": rest}
+    # A fresh cache of compiled steps per batch (one code object serves every model and
+    # batch; the recompile limit would otherwise be reached). It also resets torch's
+    # graph trees, which frees their cuBLAS workspaces: twell then captures its own
+    # graphs anew (twell._graphs._cublas_epoch).
+    torch._dynamo.reset()
+    decoders = {name: StepDecoder(m, ids, args.new_tokens) for name, m in models.items()}
+    times = time_decoders(decoders)
+    steps = args.new_tokens - 1
+    batch = ids.shape[0]
+    rec: dict[str, Any] = {"steps": steps}
+    for name in ("twell", "dense"):
+        ms = rec[f"t_{name}_ms"] = times[name]
+        rec[f"ms_per_step_{name}"] = ms / steps
+        rec[f"tokens_per_s_{name}"] = batch * steps / (ms / 1e3)
+        suffix = "" if name == "twell" else "_dense"
+        rec["greedy_gap" + suffix] = greedy_gap(models[name], decoders[name].generate(),
+                                                args.prompt)  # fmt: skip
+    rec["speedup"] = times["dense"] / times["twell"]
+    rec["mlp_share"] = 1.0 - times["rest"] / times["dense"]
+    rec["cap_free_mlps"] = times["dense"] / times["rest"]
+    del decoders, rest
+    torch._dynamo.reset()
+    return rec
 
 
 # ---------------------------------------------------------------------- training
@@ -503,7 +536,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
                                "batch": batch, "lr": args.lr}  # fmt: skip
         calibrated(args, model, dense, None, seq)
         rec.update(run_sparsity(dense, tokens(dense, batch, seq, sets=1)[0]))
-        losses, steps, models = {}, {}, {}
+        losses, steps, models, optimizers = {}, {}, {}, {}
         for name, base in (("twell", model), ("dense", dense)):
             m = copy.deepcopy(base).train()
             run_model = torch.compile(m) if mode == "compiled" else m
@@ -524,7 +557,7 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
             losses[name] = float(step(0).detach())
             for i in range(args.train_warmup):  # op graphs captured, capacities settled
                 step(i + 1)
-            steps[name], models[name] = step, m
+            steps[name], models[name], optimizers[name] = step, m, optimizer
         torch.cuda.synchronize()
         # the forward's graphs of eager calls and of compiled ones, the backward's
         graphs = (autograd._FORWARD_GRAPHS, autograd._OP_FORWARD_GRAPHS,
@@ -558,8 +591,8 @@ def train_step(args: argparse.Namespace, model: Any, dense: Any, emit: Callable)
         rec["op_graphs_kept"] = [(len(g), g.memory() / 2**30) for g in graphs]
         rec["peak_extra_gb_twell"] += rec["graph_gb_twell"]
         if mode == "eager":
-            rec.update(train_mlp_share(models["dense"], steps["dense"], rec["t_dense_ms"]))
-        del models, steps, step, mlps, m, run_model, optimizer
+            rec.update(train_mlp_share(models["dense"], steps["dense"], optimizers["dense"]))
+        del models, steps, step, mlps, m, run_model, optimizer, optimizers
         autograd.release_op_graphs()  # keyed on the copies' weights: gone with them
         rec["speedup"] = rec["t_dense_ms"] / rec["t_twell_ms"]
         rec["loss_rel_diff"] = abs(losses["twell"] - losses["dense"]) / abs(losses["dense"])
@@ -582,13 +615,32 @@ def layer_capacity(mlp: Any, compiled: bool) -> float | None:
     return capacity.for_weights(mlp.up_proj.weight).fraction if compiled else mlp._auto.fraction
 
 
-def train_mlp_share(dense: Any, step: Callable[[int], Any], t_dense_ms: float) -> dict[str, Any]:
+def train_mlp_share(dense: Any, step: Callable[[int], Any], optimizer: Any) -> dict[str, Any]:
     """The MLPs' share of the dense model's training step: the step timed with every MLP
-    replaced by zeros (no MLP forward, backward or weight update)."""
-    with without_mlps(dense):
-        step(0)
-        t_without = wall_ms(step, 5, warmup=1, rounds=3)
-    return {"mlp_share": max(0.0, 1.0 - t_without / t_dense_ms)}
+    replaced by zeros (no MLP forward or backward), in rounds alternating with the whole
+    step. AdamW still updates the MLP weights there (from zero gradients held aside, so
+    no kernel fills them): the update costs twell's step as much as dense's, so the share
+    is what the MLP kernels could shrink."""
+    import torch
+
+    params = [p for layer in dense.model.layers for p in layer.mlp.parameters()]
+    zeros = [torch.zeros_like(p) for p in params]
+
+    def fill(opt: Any, args: Any, kwargs: Any) -> None:
+        for p, z in zip(params, zeros, strict=True):
+            if p.grad is None:
+                p.grad = z
+
+    def rest(i: int) -> Any:
+        handle = optimizer.register_step_pre_hook(fill)
+        try:
+            with without_mlps(dense):
+                return step(i)
+        finally:
+            handle.remove()
+
+    parts = wall_ms_interleaved({"dense": step, "rest": rest}, warmup=1, rounds=4, calls=5)
+    return {"mlp_share": max(0.0, 1.0 - parts["rest"] / parts["dense"])}
 
 
 def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
@@ -598,7 +650,7 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
     import torch
 
     inputs = mlp_inputs(dense, tokens(dense, t // seq, seq, sets=1)[0])
-    total = {}
+    runs = {}
     for name, net in (("dense", dense), ("twell", model)):
         mlps = [copy.deepcopy(layer.mlp).train() for layer in net.model.layers]
         xs = [x.clone().requires_grad_() for x in inputs]
@@ -611,7 +663,8 @@ def mlp_speedup(model: Any, dense: Any, t: int, seq: int) -> float:
                 for p in mlp.parameters():
                     p.grad = None
 
-        total[name] = wall_ms(run, 5, warmup=5)
+        runs[name] = run
+    total = wall_ms_interleaved(runs, warmup=5, rounds=4, calls=5)
     return total["dense"] / total["twell"]
 
 

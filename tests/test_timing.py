@@ -107,3 +107,35 @@ def test_wall_ms_interleaved_times_rounds_of_calls_per_call() -> None:
     assert seen == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2),
                     ("b", 3), ("b", 4), ("b", 5), ("a", 3), ("a", 4), ("a", 5)]  # fmt: skip
     assert 10 <= ms["b"] < 25 and 0 <= ms["a"] < 10  # per call, not per round
+
+
+def test_wall_ms_interleaved_runs_before_untimed_ahead_of_each_round() -> None:
+    pytest.importorskip("torch")
+    seen: list[tuple[str, int]] = []
+
+    def before(name: str, r: int) -> None:
+        seen.append((f"before {name}", r))
+        time.sleep(0.02)  # not in the figure
+
+    ms = timing.wall_ms_interleaved({"a": _recording(seen, "a", 0.0)}, warmup=0, rounds=2,
+                                    before=before)  # fmt: skip
+    assert seen == [("before a", 0), ("a", 0), ("before a", 1), ("a", 1)]
+    assert ms["a"] < 10
+
+
+def test_alternating_turns_the_order_and_takes_the_median_of_rounds() -> None:
+    calls: list[tuple[str, int]] = []
+    figures = {"a": iter([5.0, 1.0, 3.0, 100.0]), "b": iter([2.0, 2.0, 7.0, 2.0])}
+
+    def timer(fn, sets: int) -> float:
+        calls.append((fn.__name__, sets))
+        return next(figures[fn.__name__])
+
+    def a(i: int) -> None: ...
+
+    def b(i: int) -> None: ...
+
+    out = timing.alternating(timer, {"a": a, "b": b}, rounds=4, sets=3)
+    assert [name for name, _ in calls] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert all(sets == 3 for _, sets in calls)  # the timer's arguments passed on
+    assert out == {"a": 4.0, "b": 2.0}  # medians: an outlier round does not move them

@@ -181,8 +181,43 @@ def test_bench_models_step_decoder_gives_the_greedy_tokens() -> None:
     decoder = models.StepDecoder(model, ids, 5, backend="aot_eager", mode=None)
     assert torch.equal(decoder.generate(), expected)
     assert torch.equal(decoder.generate(), expected)
-    assert decoder.time_steps(warmup=1, rounds=2) > 0  # a prefill before each timed round
+    dense = tiny_llama(seed=1)
+    other = models.StepDecoder(dense, ids, 5, backend="aot_eager", mode=None)
+    times = models.time_decoders({"twell": decoder, "dense": other}, warmup=1, rounds=2)
+    assert set(times) == {"twell", "dense"} and min(times.values()) > 0
+    # each timed round ran after its own decoder's prefill: both loops end on their tokens
     assert torch.equal(torch.cat([ids, decoder.out], dim=1), expected)
+    assert torch.equal(torch.cat([ids, other.out], dim=1),
+                       _generate(dense, ids, cache_implementation="static"))  # fmt: skip
+
+
+def test_bench_models_train_mlp_share_keeps_the_mlp_weights_in_adamw() -> None:
+    """bench/models.py's train_mlp_share: the step without MLP work still updates the MLP
+    weights (zero gradients: weight decay moves them), alternates with the whole step,
+    and leaves the model and the optimizer as they were."""
+    models = _bench_models()
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5)
+    ids = _prompt()
+    ran = []
+
+    def step(i: int) -> None:
+        ran.append(model.model.layers[0].mlp.forward is torch.zeros_like)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    up = model.model.layers[0].mlp.up_proj.weight
+    before = up.detach().clone()
+    share = models.train_mlp_share(model, step, optimizer)["mlp_share"]
+    assert 0.0 <= share < 1.0
+    assert True in ran and False in ran  # both steps ran, in alternating rounds
+    # a warm-up step of each, then rounds of five steps: dense first, then the other first
+    assert ran[:17] == [False, True] + [False] * 5 + [True] * 10
+    assert not torch.equal(up, before)  # AdamW moved the MLP weights
+    assert not optimizer._optimizer_step_pre_hooks
+    assert all(layer.mlp.forward is not torch.zeros_like for layer in model.model.layers)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_bench_models_mlp_inputs_in_one_pass() -> None:

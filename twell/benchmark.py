@@ -1,7 +1,8 @@
 """Benchmark of the gated/non-gated FFN forward: twell GPU kernels against dense cuBLAS.
 
 Protocol (docs/benchmark.md): CUDA events around each call on one stream, >= 5 warm-ups (JIT
-excluded), median of >= 20 timed calls, inputs rotated so the working set exceeds L2,
+excluded), median of >= 20 timed calls, twell's and dense's timed in rounds that alternate
+(``twell.timing.alternating``), inputs rotated so the working set exceeds L2,
 torch dense baseline (``F.linear`` + ``relu`` + ``*`` + ``F.linear``) on the same inputs
 in the same process, rel. error of every timed configuration against float64 dense math
 (rows subsampled), JSON records in ``bench/results/<gpu>/ffn.json`` (the latest record of
@@ -24,6 +25,7 @@ import numpy as np
 
 from twell.testing.asserts import relative_error
 from twell.timing import (
+    alternating,
     gpu_name,
     graph_ms,
     graph_ms_cupy,
@@ -159,15 +161,20 @@ def bench_config(
             for p in paths:
                 ours(i, p)
         torch.cuda.synchronize()
-    t_paths = {p: time_ms(lambda i, p=p: ours(i, p), sets) for p in paths}
-    t_dense = time_ms(dense, sets)
-    t_gemm = time_ms(gate_gemm, sets)
+    # each path, dense and the gate GEMM timed in rounds that alternate between them
+    fns = {p: lambda i, p=p: ours(i, p) for p in paths} | {"dense!": dense, "gemm!": gate_gemm}
+    times = alternating(time_ms, fns, sets=sets)
+    t_paths = {p: times[p] for p in paths}
+    t_dense, t_gemm = times["dense!"], times["gemm!"]
 
     record: dict[str, Any] = {}
     if graphs:  # CUDA-graph replay of all weight sets: launch overhead out of the figure
         try:
-            record["t_graph_ms"] = graph_ms_cupy(lambda: [ours(i) for i in range(sets)]) / sets
-            record["t_dense_graph_ms"] = graph_ms(dense, sets)
+            replays = alternating(lambda timer: timer(), {
+                "twell": lambda: graph_ms_cupy(lambda: [ours(i) for i in range(sets)]) / sets,
+                "dense": lambda: graph_ms(dense, sets),
+            })  # fmt: skip
+            record["t_graph_ms"], record["t_dense_graph_ms"] = replays["twell"], replays["dense"]
             record["speedup_graph"] = record["t_dense_graph_ms"] / record["t_graph_ms"]
         except Exception as error:  # report, do not hide
             record["graph_error"] = f"{type(error).__name__}: {error}"[:300]

@@ -5,9 +5,10 @@ For each configuration, in one process, on the same torch bf16 tensors:
 ``per_call`` (events around one call, synchronised), ``back_to_back`` (20 calls, one
 pair of events), ``graph`` (a ``torch.cuda.graph`` capture replayed; M <= 4096), and at
 M=64 ``host_us`` (CPU time per call in a loop that does not wait); the timers are
-:mod:`twell.timing`'s. Weight sets rotate so the working set exceeds L2. Records go to
-``bench/results/<gpu>/serving.json`` (``--out``; a rerun replaces the records of the
-configurations it measures) and a table is printed.
+:mod:`twell.timing`'s, twell's and dense's figures each the median of four rounds that
+alternate between them (:func:`twell.timing.alternating`). Weight sets rotate so the
+working set exceeds L2. Records go to ``bench/results/<gpu>/serving.json`` (``--out``;
+a rerun replaces the records of the configurations it measures) and a table is printed.
 
     python -m twell bench --sweep --plot bench/results/h200/serving.png
 """
@@ -33,6 +34,7 @@ from twell.benchmark import make_problem
 from twell.reference.forward import ffn_dense
 from twell.testing.asserts import relative_error
 from twell.timing import (
+    alternating,
     back_to_back_ms,
     gpu_name,
     graph_ms,
@@ -86,8 +88,10 @@ def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> lis
     if m <= 4096:
         modes["graph"] = graph_ms
     records = []
+    fns = {"twell": ours, "dense": dense}
     for timing, fn in modes.items():
-        t, td = fn(ours, sets), fn(dense, sets)
+        times = alternating(fn, fns, sets=sets)
+        t, td = times["twell"], times["dense"]
         r = dict(gpu=gpu_name(), op="ffn_forward", api=api, workload=workload, M=m, K=k, N=n,
                  tile=256, slots=32, path="fused", default=True, timing=timing, t_ms=t,
                  t_dense_ms=td, speedup=td / t, rel_err=rel,
@@ -99,7 +103,8 @@ def config(workload: str, m: int, k: int, n: int, api: str = "SparseFFN") -> lis
         if workload.startswith("density="):
             r["p"] = float(workload.split("=")[1])
         if m == 64 and timing != "graph":
-            r["host_us"], r["host_us_dense"] = host_us(ours, sets), host_us(dense, sets)
+            host = alternating(host_us, fns, sets=sets)
+            r["host_us"], r["host_us_dense"] = host["twell"], host["dense"]
         records.append(r)
         print(json.dumps(r), flush=True)
     return records

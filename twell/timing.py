@@ -122,15 +122,35 @@ def round_order(names: list[str], r: int) -> list[str]:
     return names[turn:] + names[:turn]
 
 
+def alternating(
+    timer: Callable[..., float], fns: dict[str, Callable[[int], Any]], rounds: int = 4,
+    **kwargs: Any,
+) -> dict[str, float]:  # fmt: skip
+    """``timer(fn, **kwargs)`` of each of ``fns`` (by name) in ``rounds`` rounds whose
+    order turns (:func:`round_order`), the median over the rounds: the block benchmarks'
+    twell and dense figures taken side by side, so that a drift of clocks, heat or host
+    over the run weighs on both alike (one after the other, the dense twin of a
+    whole-model prefill read 4-8% slower timed second). Any timer above serves
+    (``per_call_ms``, ``back_to_back_ms``, ``graph_ms``, ``host_us``, ``time_ms``)."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in round_order(names, r):
+            times[name].append(timer(fns[name], **kwargs))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def wall_ms_interleaved(
-    fns: dict[str, Callable[[int], Any]], warmup: int = 1, rounds: int = 7, calls: int = 1
-) -> dict[str, float]:
+    fns: dict[str, Callable[[int], Any]], warmup: int = 1, rounds: int = 7, calls: int = 1,
+    before: Callable[[str, int], Any] | None = None,
+) -> dict[str, float]:  # fmt: skip
     """Median wall time of a call ``fn(i)`` of each of ``fns`` (ms, by name), their
     rounds interleaved: round ``r`` times ``calls`` back-to-back calls of each (per call),
     in an order that turns with ``r``, so that a host or GPU whose speed drifts over the
     run (other processes, clocks, heat) weighs on every one alike. Timing one after the
     other measured a 1.5x spread from run to run in the ratio of host-bound loops
-    (``generate``)."""
+    (``generate``). ``before(name, r)``: untimed work ahead of that name's round ``r``
+    (a decode loop's prefill)."""
     import torch
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -141,6 +161,8 @@ def wall_ms_interleaved(
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in round_order(names, r):
+            if before is not None:
+                before(name, r)
             sync()
             start = time.perf_counter()
             for c in range(calls):
