@@ -184,7 +184,7 @@ def measure(workload: str, m: int, k: int, n: int, mode: str, reps: int) -> dict
 
     def host(fn: Any) -> float:
         try:
-            return host_us_queued(lambda: fn(0), calls=4)
+            return host_us_queued(lambda: fn(0), calls=4, repeats=2)
         except RuntimeError as error:  # a synchronising step: recorded, not hidden
             errors[fn] = str(error)
             return math.inf
