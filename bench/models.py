@@ -39,18 +39,20 @@ Benchmarks (``--benchmarks``), each twell against dense:
   ``mode="reduce-overhead"``), and whether the compiled twell model's tokens equal the
   eager twell model's; ``eager``, ``generate`` with the dynamic cache. ``generate`` adds
   1–2 ms of Python per token on either side, so its calls are timed interleaved, twell's
-  and dense's in turn (``twell.timing.wall_ms_interleaved``), as are the prefill's calls
-  and the training steps (rounds of a few back to back), so that a clock or host drift
-  over the run weighs on both models alike; both models, their AdamW states and twell's
-  op graphs are then resident at once (the MLP shares and speedups behind ``cap`` are
-  still timed one after the other).
+  and dense's in turn (``twell.timing.wall_ms_interleaved``), as are the decode loops,
+  the prefill's calls, the training steps (rounds of a few back to back) and the MLP
+  shares and speedups behind ``cap`` (each against its own dense rounds), so that a
+  clock, power or host drift over the run weighs on both models alike; both models,
+  their AdamW states and twell's op graphs are then resident at once (``train_ddp``
+  still times one after the other).
 - ``train_step``: ``model(ids, labels=ids)``, twell's L1 term added, backward, AdamW,
   ``zero_grad``: eager at ``--train-tokens`` tokens per step (sequences of 1024), and
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
   graphs captured, capacities settled); the first step's loss against dense's
   (``loss_rel_diff``), the peak memory ratio, the mean L0 of the layers in the last
   timed step (``l0_timed``), and for eager steps the MLPs' share of the dense step (its MLPs
-  replaced by zeros), the MLPs' own forward + backward speedup on the model's
+  replaced by zeros, AdamW still updating their weights), the MLPs' own forward + backward
+  speedup on the model's
   activations and the cap they set. AdamW runs at ``--lr`` (default 0: every step
   does all of its work, and the weights, hence the calibrated sparsity, stay put; on
   random tokens a nonzero rate makes the units dense within a few steps, and twell then
