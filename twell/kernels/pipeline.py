@@ -506,8 +506,8 @@ def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[
     key = (x.device.id, main.ptr, BESIDE_PRIORITY)
     side = _beside_streams.get(key)
     if side is None:
-        # the numerically least priority is the greatest
-        priority = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1] if BESIDE_PRIORITY else 0
+        # lower numbers are greater priorities; CUDA clamps one past the greatest to it
+        priority = -(2**16) if BESIDE_PRIORITY else 0
         side = _beside_streams[key] = cupy.cuda.Stream(non_blocking=True, priority=priority)
     fork = cupy.cuda.Event(disable_timing=True)
     fork.record(main)
