@@ -474,15 +474,10 @@ BESIDE = True
 #: kernels stream the weights, and ``per_sm=0.25`` took 1.8-3x as long as 1 (one heavy
 #: row at 256 tokens: 225 against 90 us), for 0.2-0.8 us less where none comes.
 BESIDE_PER_SM = 1.0
-#: Whether :func:`fused_beside`'s second stream has the device's greatest priority. A
-#: kernel node captured from it keeps that priority, which torch's graphs honour (they are
-#: instantiated to use node priorities), so the heavy-row kernels' CTAs take the next SMs
-#: that free up instead of waiting behind the light-row kernel's later CTAs.
-BESIDE_PRIORITY = False
-#: (device, stream, priority) -> the second stream of :func:`fused_beside` for captures
-#: on that stream (a stream belongs to one capture at a time: two threads capturing on
-#: two streams get two).
-_beside_streams: dict[tuple[int, int, bool], Any] = {}
+#: (device, stream) -> the second stream of :func:`fused_beside` for captures on that
+#: stream (a stream belongs to one capture at a time: two threads capturing on two
+#: streams get two).
+_beside_streams: dict[tuple[int, int], Any] = {}
 
 
 def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[Any]]:
@@ -503,12 +498,10 @@ def fused_beside(block: PreparedBlock, x: Any, y: Any) -> tuple[LightRows, list[
     pre = gemm_nt(x, block.w_first)
     flags = alloc((x.shape[0],), np.uint8)
     main = cupy.cuda.get_current_stream()
-    key = (x.device.id, main.ptr, BESIDE_PRIORITY)
+    key = (x.device.id, main.ptr)
     side = _beside_streams.get(key)
     if side is None:
-        # lower numbers are greater priorities; CUDA clamps one past the greatest to it
-        priority = -(2**16) if BESIDE_PRIORITY else 0
-        side = _beside_streams[key] = cupy.cuda.Stream(non_blocking=True, priority=priority)
+        side = _beside_streams[key] = cupy.cuda.Stream(non_blocking=True)
     fork = cupy.cuda.Event(disable_timing=True)
     fork.record(main)
     heavy = _light_from_pre(block, x, pre, y)
