@@ -208,16 +208,42 @@ def test_bench_models_train_mlp_share_keeps_the_mlp_weights_in_adamw() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     up = model.model.layers[0].mlp.up_proj.weight
-    before = up.detach().clone()
+    q = model.model.layers[0].self_attn.q_proj.weight
     share = models.train_mlp_share(model, step, optimizer)["mlp_share"]
     assert 0.0 <= share < 1.0
     assert True in ran and False in ran  # both steps ran, in alternating rounds
     # a warm-up step of each, then rounds of five steps: dense first, then the other first
     assert ran[:17] == [False, True] + [False] * 5 + [True] * 10
-    assert not torch.equal(up, before)  # AdamW moved the MLP weights
+    # AdamW updated the MLP weights in every step, the steps without MLP work included
+    assert int(optimizer.state[up]["step"]) == int(optimizer.state[q]["step"]) == len(ran)
     assert not optimizer._optimizer_step_pre_hooks
     assert all(layer.mlp.forward is not torch.zeros_like for layer in model.model.layers)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_bench_models_decode_steps_alternates_three_decode_loops(monkeypatch) -> None:  # noqa: ANN001
+    """bench/models.py's decode_steps: twell's, dense's and a copy of dense without MLP
+    work decode in alternating rounds; the record has both models' times, the speedup,
+    the MLPs' share of the dense step and the cap it sets; the models are left as they
+    were."""
+    import argparse
+
+    models = _bench_models()
+
+    class Eager(models.StepDecoder):  # no inductor on the CPU runners
+        def __init__(self, model, ids, new_tokens) -> None:  # noqa: ANN001
+            super().__init__(model, ids, new_tokens, backend="aot_eager", mode=None)
+
+    monkeypatch.setattr(models, "StepDecoder", Eager)
+    model, dense = tiny_llama(), tiny_llama()
+    sparsify(model)
+    ids = _prompt()
+    rec = models.decode_steps(argparse.Namespace(new_tokens=4, prompt=6), model, dense, ids)
+    assert rec["steps"] == 3
+    assert rec["speedup"] == pytest.approx(rec["t_dense_ms"] / rec["t_twell_ms"])
+    assert rec["cap_free_mlps"] == pytest.approx(1.0 / (1.0 - rec["mlp_share"]))
+    assert rec["tokens_per_s_twell"] > 0 and rec["greedy_gap"] >= 0
+    assert all(layer.mlp.forward is not torch.zeros_like for layer in dense.model.layers)
 
 
 def test_bench_models_mlp_inputs_in_one_pass() -> None:

@@ -131,7 +131,9 @@ def alternating(
     twell and dense figures taken side by side, so that a drift of clocks, heat or host
     over the run weighs on both alike (one after the other, the dense twin of a
     whole-model prefill read 4-8% slower timed second). Any timer above serves
-    (``per_call_ms``, ``back_to_back_ms``, ``graph_ms``, ``host_us``, ``time_ms``)."""
+    (``per_call_ms``, ``back_to_back_ms``, ``graph_ms``, ``host_us``, ``time_ms``); one
+    that takes a ``rounds`` argument of its own (``wall_ms``) gets its default, as
+    ``rounds`` here is this function's."""
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
@@ -150,7 +152,7 @@ def wall_ms_interleaved(
     run (other processes, clocks, heat) weighs on every one alike. Timing one after the
     other measured a 1.5x spread from run to run in the ratio of host-bound loops
     (``generate``). ``before(name, r)``: untimed work ahead of that name's round ``r``
-    (a decode loop's prefill)."""
+    (a decode loop's prefill); the warm-up calls run without it."""
     import torch
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
