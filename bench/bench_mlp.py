@@ -18,10 +18,11 @@ Workloads (docs/benchmark.md): ``uniform`` (p=0.005), ``heavy`` (1% of tokens ×
 
 Each record: back-to-back and per-call time of a step (``y = mlp(x); y.backward(dy)``,
 gradients set to None between steps), the host's cost of a step with the GPU held busy
-(``host_us`` / ``host_us_dense``; twell's must not synchronise), each figure the median of
-four rounds that alternate twell and dense (``twell.timing.alternating``), the gradients' relative
-error against the dense module's (float64 reference of the same bf16 inputs would differ
-only by rounding), and the L0. Writes ``bench/results/<gpu>/mlp.json`` (``--out``).
+(``host_us`` / ``host_us_dense``; twell's must not synchronise), each figure the median
+of four rounds that alternate twell and dense (``twell.timing.alternating``), the
+gradients' relative error against the dense module's (float64 reference of the same bf16
+inputs would differ only by rounding), and the L0. Writes
+``bench/results/<gpu>/mlp.json`` (``--out``).
 """
 
 from __future__ import annotations

@@ -50,10 +50,10 @@ Benchmarks (``--benchmarks``), each twell against dense:
   compiled at ``--compiled-train-tokens``, timed after ``--train-warmup`` steps (op
   graphs captured, capacities settled); the first step's loss against dense's
   (``loss_rel_diff``), the peak memory ratio, the mean L0 of the layers in the last
-  timed step (``l0_timed``), and for eager steps the MLPs' share of the dense step (its MLPs
-  replaced by zeros, AdamW still updating their weights), the MLPs' own forward + backward
-  speedup on the model's
-  activations and the cap they set. AdamW runs at ``--lr`` (default 0: every step
+  timed step (``l0_timed``), and for eager steps the MLPs' share of the dense step (its
+  MLPs replaced by zeros, AdamW still updating their weights), the MLPs' own forward +
+  backward speedup on the model's activations and the cap they set. AdamW runs at
+  ``--lr`` (default 0: every step
   does all of its work, and the weights, hence the calibrated sparsity, stay put; on
   random tokens a nonzero rate makes the units dense within a few steps, and twell then
   runs every row through its dense path).
