@@ -53,10 +53,9 @@ Benchmarks (``--benchmarks``), each twell against dense:
   timed step (``l0_timed``), and for eager steps the MLPs' share of the dense step (its
   MLPs replaced by zeros, AdamW still updating their weights), the MLPs' own forward +
   backward speedup on the model's activations and the cap they set. AdamW runs at
-  ``--lr`` (default 0: every step
-  does all of its work, and the weights, hence the calibrated sparsity, stay put; on
-  random tokens a nonzero rate makes the units dense within a few steps, and twell then
-  runs every row through its dense path).
+  ``--lr`` (default 0: every step does all of its work, and the weights, hence the
+  calibrated sparsity, stay put; on random tokens a nonzero rate makes the units dense
+  within a few steps, and twell then runs every row through its dense path).
 - ``train_ddp`` (run by ``torchrun``, one process a GPU, and alone: ``torchrun
   --standalone --nproc_per_node 2 bench/models.py``): the eager training step under
   ``DistributedDataParallel`` at ``--ddp-tokens`` tokens a GPU, twell's against dense's,
